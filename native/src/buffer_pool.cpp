@@ -1,0 +1,151 @@
+#include "buffer_pool.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+
+#include "common.hpp"
+#include "cuda_host.hpp"
+
+namespace sfstore {
+
+namespace {
+constexpr size_t kHuge = size_t(2) << 20;
+size_t page_size() {
+    static const size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    return p;
+}
+}  // namespace
+
+BufferPool::BufferPool(size_t buffer_size, size_t max_buffers, Mode huge, Mode lock, Mode cuda)
+    : buffer_size_(buffer_size), max_buffers_(max_buffers), huge_(huge), lock_(lock), cuda_(cuda) {
+    if (buffer_size == 0) throw SfError("invalid", EINVAL, "buffer_size must be positive");
+}
+
+BufferPool::~BufferPool() {
+    for (auto& r : free_) free_region(r);
+}
+
+Region BufferPool::allocate() {
+    Region r;
+    r.size = buffer_size_;
+    // Huge pages only for whole multiples of 2 MiB: a smaller buffer would waste the rest of the page.
+    bool want_huge = huge_ != Mode::Off && buffer_size_ % kHuge == 0;
+    if (want_huge) {
+        void* p = mmap(nullptr, buffer_size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
+        if (p != MAP_FAILED) {
+            r.ptr = static_cast<char*>(p);
+            r.mapped = buffer_size_;
+            r.hugetlb = true;
+        } else {
+            int e = errno;
+            hugetlb_error_ = "mmap(MAP_HUGETLB): " + errno_text(e) + " (no hugetlbfs pages reserved: vm.nr_hugepages)";
+            if (huge_ == Mode::On) throw SfError("os", e, "huge pages required (huge_pages=on) but " + hugetlb_error_);
+        }
+    }
+    if (!r.ptr) {
+        r.mapped = round_up(buffer_size_, page_size());
+        void* p = mmap(nullptr, r.mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) {
+            int e = errno;
+            throw SfError("os", e, "mmap of a " + std::to_string(r.mapped) + "-byte buffer failed");
+        }
+        r.ptr = static_cast<char*>(p);
+        if (want_huge && madvise(p, r.mapped, MADV_HUGEPAGE) == 0) r.thp = true;
+    }
+    if (lock_ != Mode::Off) {
+        if (mlock(r.ptr, r.mapped) == 0) {
+            r.locked = true;
+            locked_bytes_ += r.mapped;
+        } else {
+            int e = errno;
+            ++mlock_failures_;
+            mlock_error_ = "mlock: " + errno_text(e) + " (RLIMIT_MEMLOCK too small? see `ulimit -l`)";
+            if (lock_ == Mode::On) {
+                munmap(r.ptr, r.mapped);
+                throw SfError("os", e, "mlock required (mlock=on) but refused: " + mlock_error_);
+            }
+        }
+    }
+    if (cuda_ != Mode::Off) {
+        std::string why;
+        if (cuda::host_register(r.ptr, r.mapped, &why)) {
+            r.cuda = true;
+            ++cuda_n_;
+        } else {
+            cuda_error_ = why;
+            if (cuda_ == Mode::On) {
+                free_region(r);
+                throw SfError("registration", EIO, "CUDA registration required (cuda_register=on) but " + why);
+            }
+        }
+    }
+    if (r.hugetlb) ++hugetlb_;
+    if (r.thp) ++thp_;
+    ++allocated_;
+    return r;
+}
+
+void BufferPool::free_region(const Region& r) {
+    if (r.cuda) cuda::host_unregister(r.ptr);
+    munmap(r.ptr, r.mapped);  // also drops the mlock
+}
+
+Region BufferPool::acquire(double timeout_s) {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (closed_) throw SfError("invalid", EINVAL, "the buffer pool is closed");
+    auto ready = [&] { return !free_.empty() || max_buffers_ == 0 || allocated_ < max_buffers_ || closed_; };
+    if (!ready()) {
+        if (timeout_s < 0) {
+            cv_.wait(lk, ready);
+        } else if (!cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), ready)) {
+            throw SfError("exhausted", 0,
+                          "all " + std::to_string(max_buffers_) + " buffers of the pool are in use (waited " +
+                              std::to_string(timeout_s) + " s)");
+        }
+        if (closed_) throw SfError("invalid", EINVAL, "the buffer pool was closed while waiting");
+    }
+    Region r;
+    if (!free_.empty()) {
+        r = free_.back();
+        free_.pop_back();
+    } else {
+        r = allocate();
+    }
+    ++in_use_;
+    return r;
+}
+
+void BufferPool::release(const Region& r) {
+    std::lock_guard<std::mutex> lk(mu_);
+    --in_use_;
+    if (closed_) {
+        if (r.locked) locked_bytes_ -= r.mapped;
+        --allocated_;
+        free_region(r);
+    } else {
+        free_.push_back(r);
+    }
+    cv_.notify_one();
+}
+
+void BufferPool::close() {
+    std::lock_guard<std::mutex> lk(mu_);
+    closed_ = true;
+    for (auto& r : free_) {
+        if (r.locked) locked_bytes_ -= r.mapped;
+        --allocated_;
+        free_region(r);
+    }
+    free_.clear();
+    cv_.notify_all();
+}
+
+PoolStats BufferPool::stats() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return PoolStats{buffer_size_, allocated_, in_use_, free_.size(), max_buffers_, locked_bytes_, mlock_failures_,
+                     hugetlb_, thp_, cuda_n_, mlock_error_, hugetlb_error_, cuda_error_};
+}
+
+}  // namespace sfstore

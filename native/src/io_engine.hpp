@@ -1,0 +1,140 @@
+// The batched I/O engine: plans each request into operations (direct, or through bounce buffers where an
+// O_DIRECT request is misaligned), hands them to a backend (io_uring or a thread pool), and collects
+// per-request results. Nothing here holds or needs the GIL.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "buffer_pool.hpp"
+
+namespace sfstore {
+
+class Engine;
+
+// One request as the caller gave it, already validated.
+struct RequestSpec {
+    bool write;
+    int fd;
+    uint64_t offset;
+    uint64_t length;
+    char* mem;  // caller memory for byte 0 of the request
+};
+
+enum class OpMode : uint8_t {
+    Plain,        // I/O on caller memory through a buffered descriptor (no alignment rules)
+    Direct,       // O_DIRECT I/O on caller memory
+    BounceRead,   // O_DIRECT read of an aligned cover into a bounce buffer, then copy the wanted part out
+    BounceWrite,  // copy caller bytes into a bounce buffer, then O_DIRECT write
+    Reopened,     // misaligned write head/tail through a buffered descriptor of the same file
+};
+
+struct Batch;
+
+struct Op {
+    Batch* batch;
+    uint32_t req;
+    OpMode mode;
+    bool write;
+    int fd;
+    uint64_t off;   // file offset of the I/O
+    uint64_t len;   // bytes of the I/O
+    char* mem;      // caller memory for file offset `uoff`
+    uint64_t uoff;  // file range the caller wants from this op: [uoff, uoff + ulen)
+    uint64_t ulen;
+    uint64_t done = 0;        // bytes already moved (short buffered I/O is resubmitted)
+    Region bounce{};          // bounce buffer while the op is in flight
+    bool prepared = false;
+
+    char* io_ptr() const { return (bounce.ptr ? bounce.ptr : mem + (off - uoff)) + done; }
+    uint64_t io_off() const { return off + done; }
+    uint64_t io_len() const { return len - done; }
+};
+
+struct Batch {
+    std::shared_ptr<Engine> engine;  // keeps the backend alive until every op finished
+    std::vector<RequestSpec> reqs;
+    std::vector<Op> ops;
+    std::unique_ptr<std::atomic<int64_t>[]> bytes;
+    std::unique_ptr<std::atomic<int>[]> errs;
+    std::atomic<size_t> remaining{0};
+    std::vector<int> reopened_fds;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+
+    std::vector<int64_t> results() const;  // bytes (>= 0) or -errno per request
+    bool wait(double timeout_s);           // < 0: forever
+};
+
+struct EngineStats {
+    std::atomic<uint64_t> batches{0}, requests{0}, bytes_read{0}, bytes_written{0}, bytes_direct{0},
+        bytes_bounced{0}, errors{0};
+};
+
+// The backend runs ops; it calls Engine::complete for each result.
+class Backend {
+public:
+    virtual ~Backend() = default;
+    virtual void submit(const std::vector<Op*>& ops) = 0;
+    virtual void shutdown() = 0;
+    virtual const char* name() const = 0;
+    virtual unsigned depth() const = 0;
+};
+
+struct FdInfo {
+    int flags;
+    bool direct;
+    uint32_t mem_align;
+    uint32_t off_align;
+};
+
+class Engine : public std::enable_shared_from_this<Engine> {
+public:
+    // backend: "uring" or "threads". queue_depth: ops in flight (uring) or worker threads (threads).
+    static std::shared_ptr<Engine> create(const std::string& backend, unsigned queue_depth, unsigned threads,
+                                          size_t bounce_size);
+    ~Engine();
+
+    // Plans and starts a validated batch. `infos` holds the descriptor facts gathered at validation.
+    std::shared_ptr<Batch> start(std::vector<RequestSpec> reqs, const std::unordered_map<int, FdInfo>& infos);
+    // Called by backends: returns true when the op must be issued again for its remaining bytes.
+    bool complete(Op* op, int64_t res);
+    // Called by backends before issuing an op: takes its bounce buffer and copies write data in.
+    void prepare(Op* op);
+
+    void close();
+    const char* backend_name() const { return backend_->name(); }
+    unsigned depth() const { return backend_->depth(); }
+    EngineStats& stats() { return stats_; }
+    size_t bounce_size() const { return bounce_size_; }
+
+private:
+    Engine(size_t bounce_size) : bounce_size_(bounce_size), bounce_pool_(bounce_size, 0, Mode::Off, Mode::Auto, Mode::Off) {}
+    void finish_op(Op* op);
+
+    size_t bounce_size_;
+    BufferPool bounce_pool_;
+    std::unique_ptr<Backend> backend_;
+    EngineStats stats_;
+    pid_t owner_pid_ = 0;
+    std::atomic<bool> closed_{false};
+};
+
+// O_DIRECT alignment (memory, file offset/length) of an open descriptor: statx STATX_DIOALIGN where the
+// kernel reports it, else the block device's logical block size, else 4096.
+FdInfo describe_fd(int fd);  // throws SfError("os", EBADF) for a closed descriptor
+
+// Whether io_uring can run here; `reason` says why or why not.
+bool uring_available(std::string* reason);
+
+std::unique_ptr<Backend> make_thread_backend(Engine* engine, unsigned threads);
+std::unique_ptr<Backend> make_uring_backend(Engine* engine, unsigned depth);  // throws SfError when unavailable
+
+}  // namespace sfstore

@@ -1,0 +1,541 @@
+// sfstore._native: the Python boundary. Thin by design: parse and validate arguments, hold Python
+// buffers alive while the engine uses them, release the GIL around waiting, and raise typed errors.
+#include <fcntl.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/vector.h>
+#include <unistd.h>
+
+#include <unordered_map>
+
+#include "buffer_pool.hpp"
+#include "common.hpp"
+#include "cuda_host.hpp"
+#include "dlpack.hpp"
+#include "io_engine.hpp"
+#include "pyerrors.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace sfstore;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// Registered buffers
+
+struct PyPool {
+    std::shared_ptr<BufferPool> pool;
+};
+
+// A buffer handed out by a pool (root) or a slice of one (view). `exports` counts live buffer-protocol
+// views, DLPack capsules and slices; a root goes back to its pool only when there are none.
+struct PyBuffer {
+    std::shared_ptr<BufferPool> pool;  // roots only
+    Region region{};                   // roots only
+    char* ptr = nullptr;
+    size_t size = 0;
+    PyObject* parent = nullptr;  // views: strong reference to the parent Buffer object
+    PyBuffer* parent_c = nullptr;
+    long exports = 0;  // guarded by the GIL
+    bool released = true;
+    bool locked = false, huge = false, cuda = false;
+
+    PyBuffer() = default;
+    PyBuffer(const PyBuffer&) = delete;
+    PyBuffer(PyBuffer&& o) noexcept { *this = std::move(o); }
+    PyBuffer& operator=(PyBuffer&& o) noexcept {
+        pool = std::move(o.pool);
+        region = o.region;
+        ptr = o.ptr;
+        size = o.size;
+        parent = o.parent;
+        parent_c = o.parent_c;
+        exports = o.exports;
+        released = o.released;
+        locked = o.locked;
+        huge = o.huge;
+        cuda = o.cuda;
+        o.parent = nullptr;
+        o.parent_c = nullptr;
+        o.released = true;
+        o.ptr = nullptr;
+        return *this;
+    }
+    ~PyBuffer() { detach(); }
+
+    void check_live() const {
+        if (released) throw nb::value_error("operation on a released buffer");
+    }
+    // Gives the memory back (root) or lets go of the parent (view). The caller checked `exports`.
+    void detach() {
+        if (released) return;
+        released = true;
+        if (parent) {
+            parent_c->exports--;
+            PyObject* p = parent;
+            parent = nullptr;
+            Py_DECREF(p);
+        } else if (pool) {
+            pool->release(region);
+        }
+    }
+};
+
+int buffer_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+    PyBuffer* b = nb::inst_ptr<PyBuffer>(self);
+    if (b->released) {
+        PyErr_SetString(PyExc_ValueError, "operation on a released buffer");
+        view->obj = nullptr;
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, self, b->ptr, static_cast<Py_ssize_t>(b->size), 0, flags) < 0) return -1;
+    b->exports++;
+    return 0;
+}
+
+void buffer_releasebuffer(PyObject* self, Py_buffer*) { nb::inst_ptr<PyBuffer>(self)->exports--; }
+
+PyType_Slot buffer_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(buffer_getbuffer)},
+                              {Py_bf_releasebuffer, reinterpret_cast<void*>(buffer_releasebuffer)},
+                              {0, nullptr}};
+
+struct DlContext {
+    PyObject* owner;
+    PyBuffer* buf;
+    int64_t shape[1];
+    int64_t strides[1];
+};
+
+void dl_release(DlContext* ctx) {
+    // Consumers may free the tensor on any thread.
+    PyGILState_STATE st = PyGILState_Ensure();
+    ctx->buf->exports--;
+    Py_DECREF(ctx->owner);
+    PyGILState_Release(st);
+    delete ctx;
+}
+
+void dl_delete_legacy(DLManagedTensor* t) {
+    dl_release(static_cast<DlContext*>(t->manager_ctx));
+    delete t;
+}
+
+void dl_delete_versioned(DLManagedTensorVersioned* t) {
+    dl_release(static_cast<DlContext*>(t->manager_ctx));
+    delete t;
+}
+
+void capsule_legacy(PyObject* cap) {
+    if (!PyCapsule_IsValid(cap, "dltensor")) return;  // consumed ("used_dltensor"): the consumer owns it
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+    if (m && m->deleter) m->deleter(m);
+    PyErr_Restore(t, v, tb);
+}
+
+void capsule_versioned(PyObject* cap) {
+    if (!PyCapsule_IsValid(cap, "dltensor_versioned")) return;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    auto* m = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(cap, "dltensor_versioned"));
+    if (m && m->deleter) m->deleter(m);
+    PyErr_Restore(t, v, tb);
+}
+
+DLTensor make_dltensor(PyBuffer* b, DlContext* ctx) {
+    ctx->shape[0] = static_cast<int64_t>(b->size);
+    ctx->strides[0] = 1;
+    DLTensor t{};
+    t.data = b->ptr;
+    t.device = DLDevice{kDLCPU, 0};
+    t.ndim = 1;
+    t.dtype = DLDataType{kDLUInt, 8, 1};
+    t.shape = ctx->shape;
+    t.strides = ctx->strides;
+    t.byte_offset = 0;
+    return t;
+}
+
+nb::object buffer_dlpack(nb::handle self, nb::object stream, nb::object max_version, nb::object dl_device,
+                         nb::object copy) {
+    PyBuffer* b = nb::inst_ptr<PyBuffer>(self);
+    b->check_live();
+    if (!copy.is_none() && nb::cast<bool>(copy))
+        throw nb::buffer_error("sfstore buffers export their memory, never a copy (copy=True refused)");
+    if (!dl_device.is_none()) {
+        auto dev = nb::cast<std::pair<int, int>>(dl_device);
+        if (dev.first != kDLCPU) throw nb::buffer_error("sfstore buffers live in host memory (device kDLCPU)");
+    }
+    bool versioned = false;
+    if (!max_version.is_none()) versioned = nb::cast<std::pair<int, int>>(max_version).first >= 1;
+    auto* ctx = new DlContext{self.ptr(), b, {0}, {1}};
+    Py_INCREF(self.ptr());
+    b->exports++;
+    PyObject* cap;
+    if (versioned) {
+        auto* m = new DLManagedTensorVersioned{};
+        m->version = DLPackVersion{1, 0};
+        m->manager_ctx = ctx;
+        m->deleter = dl_delete_versioned;
+        m->flags = 0;
+        m->dl_tensor = make_dltensor(b, ctx);
+        cap = PyCapsule_New(m, "dltensor_versioned", capsule_versioned);
+        if (!cap) dl_delete_versioned(m);
+    } else {
+        auto* m = new DLManagedTensor{};
+        m->manager_ctx = ctx;
+        m->deleter = dl_delete_legacy;
+        m->dl_tensor = make_dltensor(b, ctx);
+        cap = PyCapsule_New(m, "dltensor", capsule_legacy);
+        if (!cap) dl_delete_legacy(m);
+    }
+    if (!cap) throw nb::python_error();
+    return nb::steal(cap);
+}
+
+nb::object buffer_getitem(nb::handle self, nb::handle key) {
+    PyBuffer* b = nb::inst_ptr<PyBuffer>(self);
+    b->check_live();
+    if (!PySlice_Check(key.ptr())) throw nb::type_error("buffers are sliced with buf[start:stop] (step 1)");
+    Py_ssize_t start, stop, step, len;
+    if (PySlice_GetIndicesEx(key.ptr(), static_cast<Py_ssize_t>(b->size), &start, &stop, &step, &len) < 0)
+        throw nb::python_error();
+    if (step != 1) throw nb::value_error("buffer slices must be contiguous (step 1)");
+    PyBuffer v;
+    v.ptr = b->ptr + start;
+    v.size = static_cast<size_t>(len);
+    v.parent = self.ptr();
+    v.parent_c = b;
+    v.released = false;
+    v.locked = b->locked;
+    v.huge = b->huge;
+    v.cuda = b->cuda;
+    Py_INCREF(self.ptr());
+    b->exports++;
+    return nb::cast(std::move(v), nb::rv_policy::move);
+}
+
+void buffer_release(PyBuffer& b) {
+    if (b.released) return;
+    if (b.exports > 0)
+        raise_sf("in_use", EBUSY,
+                 "buffer still has " + std::to_string(b.exports) +
+                     " live view(s) (numpy/torch arrays, memoryviews or slices); drop them before release()");
+    b.detach();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// I/O engine
+
+struct PyEngine {
+    std::shared_ptr<Engine> engine;
+};
+
+struct PyFuture {
+    std::shared_ptr<Batch> batch;
+    std::vector<Py_buffer> views;
+
+    PyFuture() = default;
+    PyFuture(const PyFuture&) = delete;
+    PyFuture(PyFuture&& o) noexcept : batch(std::move(o.batch)), views(std::move(o.views)) { o.views.clear(); }
+    ~PyFuture() {
+        // The kernel may still be writing into these buffers: never let them go before the batch ends.
+        if (batch && !views.empty()) {
+            nb::gil_scoped_release nogil;
+            batch->wait(-1);
+        }
+        release_views();
+    }
+    void release_views() {
+        for (auto& v : views) PyBuffer_Release(&v);
+        views.clear();
+    }
+    bool is_done() {
+        std::lock_guard<std::mutex> lk(batch->mu);
+        return batch->done;
+    }
+};
+
+// Views acquired while parsing a batch; released unless handed to a future.
+struct ViewSet {
+    std::vector<Py_buffer> views;
+    ~ViewSet() {
+        for (auto& v : views) PyBuffer_Release(&v);
+    }
+};
+
+int64_t as_int(PyObject* o, size_t i, const char* field) {
+    long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        raise_sf("invalid", EINVAL, "request " + std::to_string(i) + ": " + field + " must be an integer");
+    }
+    return v;
+}
+
+std::string req_name(size_t i, bool write, int fd) {
+    return "request " + std::to_string(i) + " (" + (write ? "write" : "read") + ", fd " + std::to_string(fd) + ")";
+}
+
+PyFuture engine_submit(PyEngine& self, nb::handle requests, bool bounce) {
+    nb::object seq = nb::steal(PySequence_Fast(requests.ptr(), "requests must be a sequence of Request tuples"));
+    if (!seq.is_valid()) {
+        PyErr_Clear();
+        raise_sf("invalid", EINVAL, "requests must be a sequence of Request tuples");
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+    PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+    std::vector<RequestSpec> specs;
+    specs.reserve(static_cast<size_t>(n));
+    ViewSet vs;
+    std::unordered_map<PyObject*, size_t> view_of;
+    std::unordered_map<int, FdInfo> infos;
+    std::vector<nb::object> converted;  // as_buffer() results, alive until their views are taken
+    for (Py_ssize_t k = 0; k < n; ++k) {
+        size_t i = static_cast<size_t>(k);
+        PyObject* item = items[k];
+        if (!PyTuple_Check(item) || (PyTuple_GET_SIZE(item) != 5 && PyTuple_GET_SIZE(item) != 6))
+            raise_sf("invalid", EINVAL,
+                     "request " + std::to_string(i) + ": expected Request(op, fd, offset, length, buffer, buffer_offset)");
+        PyObject* opo = PyTuple_GET_ITEM(item, 0);
+        const char* op = PyUnicode_Check(opo) ? PyUnicode_AsUTF8(opo) : nullptr;
+        bool write;
+        if (op && std::strcmp(op, "read") == 0) write = false;
+        else if (op && std::strcmp(op, "write") == 0) write = true;
+        else raise_sf("invalid", EINVAL, "request " + std::to_string(i) + ": op must be 'read' or 'write'");
+        int64_t fd = as_int(PyTuple_GET_ITEM(item, 1), i, "fd");
+        int64_t offset = as_int(PyTuple_GET_ITEM(item, 2), i, "offset");
+        int64_t length = as_int(PyTuple_GET_ITEM(item, 3), i, "length");
+        PyObject* bufobj = PyTuple_GET_ITEM(item, 4);
+        int64_t boff = PyTuple_GET_SIZE(item) == 6 ? as_int(PyTuple_GET_ITEM(item, 5), i, "buffer_offset") : 0;
+        std::string who = req_name(i, write, static_cast<int>(fd));
+        if (fd < 0 || fd > INT32_MAX) raise_sf("os", EBADF, who + ": bad file descriptor");
+        if (offset < 0) raise_sf("invalid", EINVAL, who + ": negative file offset " + std::to_string(offset));
+        if (length < 0) raise_sf("invalid", EINVAL, who + ": negative length " + std::to_string(length));
+        if (boff < 0) raise_sf("invalid", EINVAL, who + ": negative buffer_offset " + std::to_string(boff));
+        auto fit = infos.find(static_cast<int>(fd));
+        if (fit == infos.end()) {
+            try {
+                fit = infos.emplace(static_cast<int>(fd), describe_fd(static_cast<int>(fd))).first;
+            } catch (const SfError& e) {
+                raise_sf("os", e.err, who + ": " + e.what());
+            }
+        }
+        const FdInfo& fi = fit->second;
+        int acc = fi.flags & O_ACCMODE;
+        if (write ? acc == O_RDONLY : acc == O_WRONLY)
+            raise_sf("os", EBADF, who + ": descriptor is not open for " + (write ? "writing" : "reading"));
+        size_t vi;
+        if (auto it = view_of.find(bufobj); it != view_of.end()) {
+            vi = it->second;
+        } else {
+            Py_buffer v;
+            if (PyObject_GetBuffer(bufobj, &v, PyBUF_SIMPLE) < 0) {
+                PyErr_Clear();
+                nb::object conv;
+                try {
+                    conv = nb::module_::import_("sfstore.buffers").attr("as_buffer")(nb::handle(bufobj));
+                } catch (nb::python_error& e) {
+                    raise_sf("invalid", EINVAL, who + ": unusable buffer: " + std::string(nb::str(e.value()).c_str()));
+                }
+                if (PyObject_GetBuffer(conv.ptr(), &v, PyBUF_SIMPLE) < 0) {
+                    PyErr_Clear();
+                    raise_sf("invalid", EINVAL, who + ": the buffer is not contiguous");
+                }
+                converted.push_back(conv);
+            }
+            vs.views.push_back(v);
+            vi = vs.views.size() - 1;
+            view_of.emplace(bufobj, vi);
+        }
+        const Py_buffer& v = vs.views[vi];
+        if (!write && v.readonly) raise_sf("read_only", 0, who + ": cannot read into a read-only buffer");
+        if (static_cast<uint64_t>(boff) + static_cast<uint64_t>(length) > static_cast<uint64_t>(v.len))
+            raise_sf("too_small", 0,
+                     who + ": buffer of " + std::to_string(v.len) + " bytes cannot hold " + std::to_string(length) +
+                         " bytes at buffer_offset " + std::to_string(boff));
+        char* mem = static_cast<char*>(v.buf) + boff;
+        if (fi.direct && !bounce && length > 0 &&
+            !(is_aligned(static_cast<uint64_t>(offset), fi.off_align) &&
+              is_aligned(static_cast<uint64_t>(length), fi.off_align) &&
+              is_aligned(reinterpret_cast<uintptr_t>(mem), fi.mem_align)))
+            raise_sf("alignment", EINVAL,
+                     who + ": O_DIRECT needs file offset and length in multiples of " + std::to_string(fi.off_align) +
+                         " and memory aligned to " + std::to_string(fi.mem_align) + " (offset " +
+                         std::to_string(offset) + ", length " + std::to_string(length) +
+                         "); bounce buffers are off (SFSTORE_BOUNCE)");
+        specs.push_back(RequestSpec{write, static_cast<int>(fd), static_cast<uint64_t>(offset),
+                                    static_cast<uint64_t>(length), mem});
+    }
+    PyFuture fut;
+    {
+        nb::gil_scoped_release nogil;
+        try {
+            fut.batch = self.engine->start(std::move(specs), infos);
+        } catch (const SfError& e) {
+            nb::gil_scoped_acquire gil;
+            throw to_python(e);
+        }
+    }
+    fut.views = std::move(vs.views);
+    vs.views.clear();
+    if (fut.is_done()) fut.release_views();
+    return fut;
+}
+
+nb::dict engine_stats(PyEngine& self) {
+    EngineStats& s = self.engine->stats();
+    nb::dict d;
+    d["batches"] = s.batches.load();
+    d["requests"] = s.requests.load();
+    d["bytes_read"] = s.bytes_read.load();
+    d["bytes_written"] = s.bytes_written.load();
+    d["bytes_direct"] = s.bytes_direct.load();
+    d["bytes_bounced"] = s.bytes_bounced.load();
+    d["errors"] = s.errors.load();
+    return d;
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+    m.doc() = "sfstore's native helper (private): registered buffers and the batched O_DIRECT I/O engine.";
+
+    nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+        try {
+            std::rethrow_exception(p);
+        } catch (const SfError& e) {
+            to_python(e).restore();
+        }
+    });
+
+    nb::class_<PyBuffer>(m, "Buffer", nb::type_slots(buffer_slots))
+        .def_prop_ro("address", [](PyBuffer& b) { b.check_live(); return reinterpret_cast<uintptr_t>(b.ptr); })
+        .def_prop_ro("nbytes", [](PyBuffer& b) { return b.released ? size_t(0) : b.size; })
+        .def("__len__", [](PyBuffer& b) { return b.released ? size_t(0) : b.size; })
+        .def_prop_ro("locked", [](PyBuffer& b) { return b.locked; })
+        .def_prop_ro("huge_pages", [](PyBuffer& b) { return b.huge; })
+        .def_prop_ro("cuda_registered", [](PyBuffer& b) { return b.cuda; })
+        .def_prop_ro("released", [](PyBuffer& b) { return b.released; })
+        .def_prop_ro("exports", [](PyBuffer& b) { return b.exports; })
+        .def_prop_ro("is_view", [](PyBuffer& b) { return b.parent != nullptr || (!b.pool && !b.released); })
+        .def("release", &buffer_release)
+        .def("__getitem__", &buffer_getitem)
+        .def("__dlpack__", &buffer_dlpack, "stream"_a = nb::none(), nb::kw_only(), "max_version"_a = nb::none(),
+             "dl_device"_a = nb::none(), "copy"_a = nb::none())
+        .def("__dlpack_device__", [](PyBuffer&) { return std::make_pair(kDLCPU, 0); });
+
+    nb::class_<PyPool>(m, "BufferPool")
+        .def("__init__",
+             [](PyPool* self, size_t buffer_size, size_t max_buffers, int huge, int lock, int cuda) {
+                 new (self) PyPool{std::make_shared<BufferPool>(buffer_size, max_buffers, static_cast<Mode>(huge),
+                                                                static_cast<Mode>(lock), static_cast<Mode>(cuda))};
+             },
+             "buffer_size"_a, "max_buffers"_a = 0, "huge"_a = 1, "mlock"_a = 1, "cuda"_a = 1)
+        .def("acquire",
+             [](PyPool& self, double timeout) {
+                 Region r;
+                 {
+                     nb::gil_scoped_release nogil;
+                     try {
+                         r = self.pool->acquire(timeout);
+                     } catch (const SfError& e) {
+                         nb::gil_scoped_acquire gil;
+                         throw to_python(e);
+                     }
+                 }
+                 PyBuffer b;
+                 b.pool = self.pool;
+                 b.region = r;
+                 b.ptr = r.ptr;
+                 b.size = r.size;
+                 b.released = false;
+                 b.locked = r.locked;
+                 b.huge = r.hugetlb || r.thp;
+                 b.cuda = r.cuda;
+                 return nb::cast(std::move(b), nb::rv_policy::move);
+             },
+             "timeout"_a = -1.0)
+        .def("close", [](PyPool& self) { self.pool->close(); })
+        .def_prop_ro("buffer_size", [](PyPool& self) { return self.pool->buffer_size(); })
+        .def("stats", [](PyPool& self) {
+            PoolStats s = self.pool->stats();
+            nb::dict d;
+            d["buffer_size"] = s.buffer_size;
+            d["max_buffers"] = s.max_buffers;
+            d["allocated"] = s.allocated;
+            d["in_use"] = s.in_use;
+            d["free"] = s.free;
+            d["locked_bytes"] = s.locked_bytes;
+            d["mlock_failures"] = s.mlock_failures;
+            d["mlock_error"] = s.mlock_error;
+            d["hugetlb_buffers"] = s.hugetlb_buffers;
+            d["thp_buffers"] = s.thp_buffers;
+            d["hugetlb_error"] = s.hugetlb_error;
+            d["cuda_registered"] = s.cuda_registered;
+            d["cuda_error"] = s.cuda_error;
+            return d;
+        });
+
+    nb::class_<PyFuture>(m, "Future")
+        .def("done",
+             [](PyFuture& f) {
+                 bool d = f.is_done();
+                 if (d) f.release_views();
+                 return d;
+             })
+        .def("wait",
+             [](PyFuture& f, double timeout) {
+                 bool d;
+                 {
+                     nb::gil_scoped_release nogil;
+                     d = f.batch->wait(timeout);
+                 }
+                 if (d) f.release_views();
+                 return d;
+             },
+             "timeout"_a = -1.0)
+        .def("results", [](PyFuture& f) {
+            {
+                nb::gil_scoped_release nogil;
+                f.batch->wait(-1);
+            }
+            f.release_views();
+            return f.batch->results();
+        });
+
+    nb::class_<PyEngine>(m, "IOEngine")
+        .def("__init__",
+             [](PyEngine* self, const std::string& backend, unsigned queue_depth, unsigned threads, size_t bounce) {
+                 new (self) PyEngine{Engine::create(backend, queue_depth, threads, bounce)};
+             },
+             "backend"_a, "queue_depth"_a, "threads"_a, "bounce_buffer_size"_a)
+        .def("submit", &engine_submit, "requests"_a, "bounce"_a = true)
+        .def("stats", &engine_stats)
+        .def("close", [](PyEngine& self) {
+            nb::gil_scoped_release nogil;
+            self.engine->close();
+        })
+        .def_prop_ro("backend", [](PyEngine& self) { return std::string(self.engine->backend_name()); })
+        .def_prop_ro("queue_depth", [](PyEngine& self) { return self.engine->depth(); });
+
+    m.def("dio_alignment", [](int fd) {
+        FdInfo fi = describe_fd(fd);
+        return std::make_pair(fi.mem_align, fi.off_align);
+    }, "fd"_a, "O_DIRECT alignment of an open descriptor: (memory, file offset/length).");
+    m.def("fd_is_direct", [](int fd) { return describe_fd(fd).direct; }, "fd"_a);
+    m.def("uring_status", [] {
+        std::string why;
+        bool ok = uring_available(&why);
+        return std::make_pair(ok, why);
+    });
+    m.def("cuda_status", [] {
+        std::string why;
+        bool ok = cuda::available(&why);
+        return std::make_pair(ok, why);
+    });
+    m.def("page_size", [] { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); });
+}

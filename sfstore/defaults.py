@@ -1,0 +1,229 @@
+"""Every tunable of sfstore, in one table.
+
+Each setting has a name (``queue_depth``), an environment variable (``SFSTORE_QUEUE_DEPTH``) and a default.
+The value in force is, first found: a value given to :func:`set`, the environment variable, the default.
+Environment variables are read when :func:`get` is called, so a process may change them at run time.
+
+>>> from sfstore import defaults
+>>> defaults.get("queue_depth")
+32
+>>> with defaults.set(queue_depth=64):
+...     defaults.get("queue_depth")
+64
+
+``python -m sfstore.defaults`` prints the table as markdown (README's configuration section is that output).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sfstore.errors import ConfigError
+
+__all__ = ["Setting", "SETTINGS", "get", "set", "reset", "table", "as_dict"]
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def _parse_size(text: str) -> int:
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    unit = t[len(num):]
+    if unit not in _UNITS or not num.strip().isdigit():
+        raise ValueError("expected a byte count such as 4096, 64k, 1m or 2GiB")
+    return int(num) * _UNITS[unit]
+
+
+def _default_data_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "sfstore")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One tunable: its name, type, default, allowed values and documentation."""
+
+    name: str
+    kind: str  # "int" | "size" | "bool" | "choice" | "path" | "str"
+    default: Any
+    doc: str
+    choices: tuple[str, ...] = ()
+    minimum: int | None = None
+
+    @property
+    def env(self) -> str:
+        return "SFSTORE_" + self.name.upper()
+
+    def default_value(self) -> Any:
+        return self.default() if callable(self.default) else self.default
+
+    def parse(self, raw: Any, source: str) -> Any:
+        """Convert ``raw`` (a string from the environment or a Python value) to this setting's type."""
+        try:
+            value = self._convert(raw)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{source}: invalid value {raw!r} for {self.name} ({self.env}): {exc}") from None
+        return value
+
+    def _convert(self, raw: Any) -> Any:
+        if self.kind == "bool":
+            return raw if isinstance(raw, bool) else _parse_bool(str(raw))
+        if self.kind in ("int", "size"):
+            if isinstance(raw, bool):
+                raise TypeError("expected an integer")
+            value = raw if isinstance(raw, int) else (_parse_size(raw) if self.kind == "size" else int(str(raw)))
+            if self.minimum is not None and value < self.minimum:
+                raise ValueError(f"must be at least {self.minimum}")
+            return value
+        if self.kind == "choice":
+            text = str(raw).strip().lower()
+            if text not in self.choices:
+                raise ValueError("expected one of " + ", ".join(self.choices))
+            return text
+        if self.kind == "path":
+            if not isinstance(raw, (str, os.PathLike)) or not str(raw):
+                raise TypeError("expected a non-empty path")
+            return os.path.abspath(os.path.expanduser(os.fspath(raw)))
+        return str(raw)
+
+
+_SETTINGS_LIST = [
+    Setting("data_dir", "path", _default_data_dir,
+            "Embedded default data directory: where every path stores data when no cluster is configured "
+            "(default `$XDG_DATA_HOME/sfstore`, else `~/.local/share/sfstore`)."),
+    Setting("engine", "choice", "auto",
+            "I/O engine: `uring` (io_uring), `threads` (native thread pool), `python` (pure Python), "
+            "or `auto` (the first of these that works here).",
+            choices=("auto", "uring", "threads", "python")),
+    Setting("queue_depth", "int", 32, "Requests the engine keeps in flight at once (io_uring ring size).",
+            minimum=1),
+    Setting("io_threads", "int", 8, "Worker threads of the `threads` and `python` engines.", minimum=1),
+    Setting("direct_io", "choice", "auto",
+            "Open files with O_DIRECT: `auto` (where the filesystem allows it), `on` (fail where it does not) "
+            "or `off`.", choices=("auto", "on", "off")),
+    Setting("bounce", "bool", True,
+            "Let the engine move misaligned heads, tails and buffers of O_DIRECT requests through bounce "
+            "buffers; when off, such a request raises `AlignmentError`."),
+    Setting("bounce_buffer_size", "size", 1 << 20,
+            "Size of each engine bounce buffer; misaligned buffers move in pieces of this size.", minimum=4096),
+    Setting("buffer_size", "size", 8 << 20, "Default size of a registered buffer in a pool.", minimum=4096),
+    Setting("huge_pages", "choice", "auto",
+            "Back pool buffers of 2 MiB multiples with huge pages: `auto` (hugetlbfs pages if reserved, "
+            "else transparent huge pages), `on` (fail without hugetlbfs pages) or `off`.",
+            choices=("auto", "on", "off")),
+    Setting("mlock", "choice", "auto",
+            "Lock pool buffers in RAM: `auto` (try; the probe reports when RLIMIT_MEMLOCK refuses), `on` "
+            "(fail when refused) or `off`.", choices=("auto", "on", "off")),
+    Setting("cuda_register", "choice", "auto",
+            "Register pool buffers with CUDA (`cuMemHostRegister`): `auto` (where a driver is present, a "
+            "reported no-op elsewhere), `on` (fail without a driver) or `off`.", choices=("auto", "on", "off")),
+]
+
+SETTINGS: Mapping[str, Setting] = {s.name: s for s in _SETTINGS_LIST}
+
+_overrides: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def _setting(name: str) -> Setting:
+    try:
+        return SETTINGS[name]
+    except KeyError:
+        raise ConfigError(f"unknown setting {name!r}; known: {', '.join(SETTINGS)}") from None
+
+
+def get(name: str) -> Any:
+    """Return the value in force for ``name`` (override, else ``SFSTORE_<NAME>``, else the default)."""
+    setting = _setting(name)
+    with _lock:
+        if name in _overrides:
+            return _overrides[name]
+    raw = os.environ.get(setting.env)
+    if raw is not None and raw != "":
+        return setting.parse(raw, f"environment variable {setting.env}")
+    return setting.default_value()
+
+
+def source(name: str) -> str:
+    """Say where the value in force for ``name`` comes from: ``"set"``, the variable's name, or ``"default"``."""
+    setting = _setting(name)
+    with _lock:
+        if name in _overrides:
+            return "set"
+    return setting.env if os.environ.get(setting.env) else "default"
+
+
+class _Restore:
+    """Returned by :func:`set`; restores the previous values when used as a context manager."""
+
+    def __init__(self, previous: dict[str, Any]) -> None:
+        self._previous = previous
+
+    def __enter__(self) -> _Restore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        with _lock:
+            for name, value in self._previous.items():
+                if value is _MISSING:
+                    _overrides.pop(name, None)
+                else:
+                    _overrides[name] = value
+
+
+_MISSING = object()
+
+
+def set(**values: Any) -> _Restore:  # noqa: A001 - the documented name of this API
+    """Override settings for this process; takes effect at once.
+
+    Returns an object that, used as a context manager, restores the previous values on exit.
+    Invalid names or values raise :class:`~sfstore.errors.ConfigError` and change nothing.
+    """
+    parsed = {name: _setting(name).parse(value, "defaults.set") for name, value in values.items()}
+    with _lock:
+        previous = {name: _overrides.get(name, _MISSING) for name in parsed}
+        _overrides.update(parsed)
+    return _Restore(previous)
+
+
+def reset() -> None:
+    """Drop every override made with :func:`set`."""
+    with _lock:
+        _overrides.clear()
+
+
+def as_dict() -> dict[str, Any]:
+    """Every setting's value in force."""
+    return {name: get(name) for name in SETTINGS}
+
+
+def table(markdown: bool = True) -> str:
+    """The documented table of settings (markdown by default)."""
+    rows = ["| Variable | Setting | Default | Meaning |", "|---|---|---|---|"]
+    for s in SETTINGS.values():
+        default = "(see meaning)" if callable(s.default) else f"`{s.default}`"
+        rows.append(f"| `{s.env}` | `{s.name}` | {default} | {s.doc} |")
+    return "\n".join(rows)
+
+
+
+if __name__ == "__main__":
+    print(table())

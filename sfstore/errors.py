@@ -1,0 +1,152 @@
+"""Typed errors of sfstore.
+
+Every error sfstore raises is a :class:`SfstoreError`. Each subclass also mixes in the builtin exception
+that fits, so callers that already catch ``FileNotFoundError``, ``PermissionError``, ``ValueError`` or
+``OSError`` keep working. Errors that come from the operating system carry ``errno`` and, where one is
+known, the ``filename`` (path) in their message.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+__all__ = [
+    "SfstoreError",
+    "ConfigError",
+    "InvalidRequestError",
+    "BufferTooSmallError",
+    "ReadOnlyBufferError",
+    "AlignmentError",
+    "BufferInUseError",
+    "PoolExhaustedError",
+    "EngineUnavailableError",
+    "SfstoreOSError",
+    "BadFileDescriptorError",
+    "NoSpaceError",
+    "IOEngineError",
+    "PathNotFoundError",
+    "PathEscapeError",
+    "IOTimeoutError",
+    "RegistrationError",
+    "NotSupportedOnHostError",
+    "native_error",
+]
+
+
+class SfstoreError(Exception):
+    """Base class of every error sfstore raises."""
+
+
+class ConfigError(SfstoreError, ValueError):
+    """A setting (environment variable, config file key or ``defaults.set`` argument) is invalid."""
+
+
+class InvalidRequestError(SfstoreError, ValueError):
+    """An I/O request is malformed (negative offset or length, bad operation); raised before any I/O."""
+
+
+class BufferTooSmallError(InvalidRequestError):
+    """The buffer cannot hold ``length`` bytes at ``buffer_offset``; raised before any I/O."""
+
+
+class ReadOnlyBufferError(SfstoreError, TypeError):
+    """A read was asked to land in a read-only buffer (e.g. ``bytes``); raised before any I/O.
+
+    Mixes in ``TypeError`` as ``io.RawIOBase.readinto(bytes)`` does.
+    """
+
+
+class AlignmentError(InvalidRequestError):
+    """A request on an ``O_DIRECT`` file descriptor is misaligned and bounce buffers are disabled."""
+
+
+class BufferInUseError(SfstoreError, BufferError):
+    """A registered buffer was released while views of it (numpy, torch, slices) are still alive."""
+
+
+class PoolExhaustedError(SfstoreError, MemoryError):
+    """A buffer pool reached its ``max_buffers`` limit and no buffer was returned in time."""
+
+
+class EngineUnavailableError(SfstoreError, RuntimeError):
+    """The I/O engine asked for (``SFSTORE_ENGINE``) cannot run here; the message says why."""
+
+
+class SfstoreOSError(SfstoreError, OSError):
+    """An operating-system error, with ``errno``, ``strerror`` and ``filename`` set as in ``OSError``."""
+
+
+class BadFileDescriptorError(SfstoreOSError):
+    """A request names a closed file descriptor, or one not opened for the operation (EBADF)."""
+
+
+class NoSpaceError(SfstoreOSError):
+    """The device or filesystem is full (ENOSPC, EDQUOT)."""
+
+
+class IOEngineError(SfstoreOSError):
+    """A request failed in the I/O engine; the message names the request, file offset and path."""
+
+
+class PathNotFoundError(SfstoreOSError, FileNotFoundError):
+    """A path (or key) does not exist."""
+
+
+class PathEscapeError(SfstoreError, PermissionError):
+    """A path or key would leave its root (``..``, an absolute path elsewhere, or a symlink out)."""
+
+
+class IOTimeoutError(SfstoreError, TimeoutError):
+    """Waiting for an I/O future timed out (the I/O itself goes on)."""
+
+
+class RegistrationError(SfstoreOSError):
+    """Registering memory with CUDA or an RDMA protection domain failed."""
+
+
+class NotSupportedOnHostError(SfstoreError, NotImplementedError):
+    """The feature needs hardware or kernel support this host lacks (the message names what)."""
+
+
+_OS_CLASSES: dict[int, type[SfstoreOSError]] = {
+    _errno.EBADF: BadFileDescriptorError,
+    _errno.ENOSPC: NoSpaceError,
+    _errno.EDQUOT: NoSpaceError,
+    _errno.ENOENT: PathNotFoundError,
+}
+
+_NATIVE_KINDS: dict[str, type[SfstoreError]] = {
+    "invalid": InvalidRequestError,
+    "too_small": BufferTooSmallError,
+    "read_only": ReadOnlyBufferError,
+    "alignment": AlignmentError,
+    "in_use": BufferInUseError,
+    "exhausted": PoolExhaustedError,
+    "registration": RegistrationError,
+}
+
+
+def os_error(err: int, context: str, path: str | None = None, cls: type[SfstoreOSError] | None = None) -> SfstoreOSError:
+    """Build the typed ``OSError`` subclass for ``err`` with ``context`` and ``path`` in the message."""
+    if cls is None or cls is IOEngineError:
+        cls = _OS_CLASSES.get(err, cls or SfstoreOSError)
+    msg = f"{context}: {os.strerror(err)}"
+    if path is not None:
+        return cls(err, msg, path)
+    return cls(err, msg)
+
+
+def native_error(kind: str, err: int, message: str, path: str | None = None) -> SfstoreError:
+    """Map an error reported by ``sfstore._native`` (or the pure-Python engine) to its typed class.
+
+    ``kind`` is ``"os"`` for an operating-system error (``err`` is the errno) or one of the request
+    kinds (``"invalid"``, ``"too_small"``, ``"read_only"``, ``"alignment"``, ``"in_use"``,
+    ``"exhausted"``, ``"registration"``).
+    """
+    if kind == "os":
+        return os_error(err, message, path, IOEngineError)
+    cls = _NATIVE_KINDS.get(kind, SfstoreError)
+    if issubclass(cls, OSError):
+        return os_error(err or _errno.EIO, message, path, cls)  # type: ignore[arg-type]
+    return cls(message if path is None else f"{message} [{path}]")
