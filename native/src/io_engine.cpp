@@ -250,8 +250,7 @@ bool Engine::complete(Op* op, int64_t res) {
     Batch& b = *op->batch;
     if (res < 0) {
         int expected = 0;
-        b.errs[op->req].compare_exchange_strong(expected, static_cast<int>(-res));
-        stats_.errors += 1;
+        if (b.errs[op->req].compare_exchange_strong(expected, static_cast<int>(-res))) stats_.errors += 1;
         finish_op(op);
         return false;
     }
@@ -270,8 +269,7 @@ bool Engine::complete(Op* op, int64_t res) {
             if (op->write) {
                 if (res == 0) {  // a write that moves nothing would loop forever
                     int expected = 0;
-                    b.errs[op->req].compare_exchange_strong(expected, EIO);
-                    stats_.errors += 1;
+                    if (b.errs[op->req].compare_exchange_strong(expected, EIO)) stats_.errors += 1;
                 } else {
                     again = true;
                 }

@@ -423,6 +423,13 @@ NB_MODULE(_native, m) {
         .def_prop_ro("exports", [](PyBuffer& b) { return b.exports; })
         .def_prop_ro("is_view", [](PyBuffer& b) { return b.parent != nullptr || (!b.pool && !b.released); })
         .def("release", &buffer_release)
+        .def("register_rdma",
+             [](nb::handle self, nb::handle pd, nb::object access) {
+                 return nb::module_::import_("sfstore.buffers").attr("_register_rdma")(self, pd, access);
+             },
+             "pd"_a, "access"_a = nb::none())
+        .def("__enter__", [](nb::handle self) { return nb::borrow(self); })
+        .def("__exit__", [](PyBuffer& b, nb::args) { buffer_release(b); })
         .def("__getitem__", &buffer_getitem)
         .def("__dlpack__", &buffer_dlpack, "stream"_a = nb::none(), nb::kw_only(), "max_version"_a = nb::none(),
              "dl_device"_a = nb::none(), "copy"_a = nb::none())
