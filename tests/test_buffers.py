@@ -153,9 +153,10 @@ def test_max_buffers_and_timeout() -> None:
         with pytest.raises(errors.PoolExhaustedError) as info:
             p.acquire(timeout=0.05)
         assert isinstance(info.value, MemoryError)
+        a_address = a.address
         a.release()
         c = p.acquire(timeout=0.05)
-        assert c.address == a.address  # the one just returned
+        assert c.address == a_address  # the one just returned
         b.release()
         c.release()
 
