@@ -1,11 +1,17 @@
-// io_uring backend: callers put ops on the submission queue (under a lock) up to the queue depth; one
-// service thread reaps completions, finishes ops and refills the queue from the pending list.
+// io_uring backend. One service thread owns the ring: it alone fills the submission queue, submits and reaps,
+// so the ring needs no lock and each loop turn is a single io_uring_enter (submit + wait). Callers hand ops
+// over through a locked inbox and wake the service thread: through a condition variable when it is idle,
+// through an eventfd it keeps a poll request on when it is waiting in the kernel.
 #include "common.hpp"
 #include "io_engine.hpp"
 
 #ifdef SFSTORE_HAVE_LIBURING
 #include <liburing.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
+#include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <thread>
@@ -13,20 +19,50 @@
 namespace sfstore {
 namespace {
 
+// user_data of the eventfd poll; ops use their address, which is never this value.
+constexpr uint64_t kWakeTag = 1;
+
 class UringBackend final : public Backend {
 public:
     UringBackend(Engine* engine, unsigned depth) : engine_(engine), depth_(depth) {
-        // One spare entry so shutdown can always post its wake-up even with the queue full.
-        int r = io_uring_queue_init(depth + 1, &ring_, 0);
-        if (r < 0) throw SfError("os", -r, "io_uring_queue_init(" + std::to_string(depth + 1) + ") failed");
-        thread_ = std::thread([this] { run(); });
+        efd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+        if (efd_ < 0) throw SfError("os", errno, "eventfd for the io_uring service thread");
+        // The ring is made by the service thread: with SINGLE_ISSUER the kernel binds it to its creator.
+        thread_ = std::thread([this] {
+            int r = init_ring();
+            {
+                std::lock_guard<std::mutex> lk(mu_);
+                init_result_ = r;
+                init_done_ = true;
+            }
+            cv_.notify_all();
+            if (r == 0) run();
+        });
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return init_done_; });
+        if (init_result_ < 0) {
+            lk.unlock();
+            thread_.join();
+            close(efd_);
+            throw SfError("os", -init_result_, "io_uring_queue_init(" + std::to_string(depth + 2) + ") failed");
+        }
     }
     ~UringBackend() override { shutdown(); }
 
     void submit(const std::vector<Op*>& ops) override {
-        std::lock_guard<std::mutex> lk(mu_);
-        pending_.insert(pending_.end(), ops.begin(), ops.end());
-        fill_locked();
+        bool in_kernel;
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            inbox_.insert(inbox_.end(), ops.begin(), ops.end());
+            in_kernel = in_kernel_;
+        }
+        if (in_kernel) {
+            uint64_t one = 1;
+            ssize_t ignored = write(efd_, &one, sizeof one);
+            (void)ignored;  // EAGAIN means a wake-up is already pending
+        } else {
+            cv_.notify_one();
+        }
     }
 
     void shutdown() override {
@@ -34,23 +70,49 @@ public:
             std::lock_guard<std::mutex> lk(mu_);
             if (stop_) return;
             stop_ = true;
-            io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-            if (sqe) {
-                io_uring_prep_nop(sqe);
-                io_uring_sqe_set_data(sqe, nullptr);
-                io_uring_submit(&ring_);
-            }
         }
+        cv_.notify_one();
+        uint64_t one = 1;
+        ssize_t ignored = write(efd_, &one, sizeof one);
+        (void)ignored;
         thread_.join();
         io_uring_queue_exit(&ring_);
+        close(efd_);
     }
 
     const char* name() const override { return "uring"; }
     unsigned depth() const override { return depth_; }
 
 private:
-    void fill_locked() {
-        unsigned queued = 0;
+    int init_ring() {
+        // Two spare entries: the wake-up poll and its re-arm never compete with I/O for a slot.
+        unsigned entries = depth_ + 2;
+        io_uring_params p{};
+        // The service thread is the only submitter and reaper: let the kernel run completion work when that
+        // thread enters the kernel instead of interrupting it (6.1+); older kernels get the plain ring.
+        p.flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN;
+        int r = io_uring_queue_init_params(entries, &ring_, &p);
+        if (r < 0) {
+            io_uring_params plain{};
+            r = io_uring_queue_init_params(entries, &ring_, &plain);
+        }
+        return r;
+    }
+
+    void arm_wake() {
+        io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+        io_uring_prep_poll_add(sqe, efd_, POLLIN);
+        io_uring_sqe_set_data64(sqe, kWakeTag);
+        wake_armed_ = true;
+    }
+
+    // Moves ops from the inbox (and the retry list) onto the submission queue, up to the queue depth.
+    void fill() {
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            pending_.insert(pending_.end(), inbox_.begin(), inbox_.end());
+            inbox_.clear();
+        }
         while (inflight_ < depth_ && !pending_.empty()) {
             io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
             if (!sqe) break;
@@ -64,54 +126,89 @@ private:
             }
             io_uring_sqe_set_data(sqe, op);
             ++inflight_;
-            ++queued;
         }
-        if (!queued) return;
-        int r;
-        do {
-            r = io_uring_submit(&ring_);
-        } while (r == -EINTR || r == -EAGAIN);
-        // A failed submit leaves the SQEs queued; the kernel takes them at the next io_uring_enter.
     }
 
     void run() {
         for (;;) {
-            io_uring_cqe* cqe = nullptr;
-            int r = io_uring_wait_cqe(&ring_, &cqe);
-            if (r == -EINTR) continue;
-            if (r < 0) {
+            if (inflight_ == 0 && pending_.empty()) {
+                // Idle: sleep in user space until work or shutdown arrives.
+                std::unique_lock<std::mutex> lk(mu_);
+                cv_.wait(lk, [&] { return stop_ || !inbox_.empty(); });
+                if (stop_ && inbox_.empty()) return;
+            }
+            fill();
+            if (!wake_armed_) arm_wake();
+            {
                 std::lock_guard<std::mutex> lk(mu_);
-                if (stop_ && inflight_ == 0) return;
+                // Ops that arrived after fill() are seen through the eventfd, which is armed now.
+                in_kernel_ = true;
+            }
+            int r = io_uring_submit_and_wait(&ring_, 1);
+            {
+                std::lock_guard<std::mutex> lk(mu_);
+                in_kernel_ = false;
+            }
+            if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) {
+                // The ring itself failed: fail what is queued rather than hang the callers.
+                fail_all(-r);
                 continue;
             }
+            unsigned head, reaped = 0;
+            io_uring_cqe* cqe;
             std::vector<Op*> again;
-            unsigned reaped = 0, completed = 0, head;
             io_uring_for_each_cqe(&ring_, head, cqe) {
                 ++reaped;
+                if (io_uring_cqe_get_data64(cqe) == kWakeTag) {
+                    uint64_t v;
+                    ssize_t ignored = read(efd_, &v, sizeof v);
+                    (void)ignored;
+                    wake_armed_ = false;
+                    continue;
+                }
                 Op* op = static_cast<Op*>(io_uring_cqe_get_data(cqe));
-                if (!op) continue;  // shutdown wake-up
-                ++completed;
+                --inflight_;
                 int64_t res = cqe->res;
-                if (res == -EINTR || res == -EAGAIN) again.push_back(op);
-                else if (engine_->complete(op, res)) again.push_back(op);
+                if (res == -EINTR || res == -EAGAIN || engine_->complete(op, res)) again.push_back(op);
             }
             io_uring_cq_advance(&ring_, reaped);
-            std::lock_guard<std::mutex> lk(mu_);
-            inflight_ -= completed;
             pending_.insert(pending_.begin(), again.begin(), again.end());
-            fill_locked();
-            if (stop_ && inflight_ == 0 && pending_.empty()) return;
+            std::lock_guard<std::mutex> lk(mu_);
+            if (stop_ && inflight_ == 0 && pending_.empty() && inbox_.empty()) return;
+        }
+    }
+
+    void fail_all(int err) {
+        // Only reached if io_uring_enter itself fails (not an I/O error): finish every queued op with err.
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            pending_.insert(pending_.end(), inbox_.begin(), inbox_.end());
+            inbox_.clear();
+        }
+        while (!pending_.empty()) {
+            Op* op = pending_.front();
+            pending_.pop_front();
+            engine_->complete(op, -static_cast<int64_t>(err));
         }
     }
 
     Engine* engine_;
     unsigned depth_;
     io_uring ring_{};
-    std::mutex mu_;
+    int efd_ = -1;
+    int init_result_ = 0;
+    bool init_done_ = false;
+    // Service-thread state (no lock: only that thread touches it).
     std::deque<Op*> pending_;
     unsigned inflight_ = 0;
-    std::thread thread_;
+    bool wake_armed_ = false;
+    // Shared with callers, under mu_.
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::vector<Op*> inbox_;
+    bool in_kernel_ = false;
     bool stop_ = false;
+    std::thread thread_;
 };
 
 }  // namespace

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# sfstore's set-up-and-run script: README's two commands call it.
+#
+#   tools/dev.sh demo [sfstore demo args]   set up (venv, native build) and run the demo on the embedded default
+#   tools/dev.sh test [pytest args]         set up (incl. test extras) and run ruff, mypy and pytest
+#   tools/dev.sh setup [test]               only set up
+#
+# Every install step is here: Debian packages (installed only if missing), the virtual environment (.venv,
+# or $SFSTORE_VENV), the build and the package. Re-running is cheap: nothing is reinstalled that is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV=${SFSTORE_VENV:-$ROOT/.venv}
+PY=${PYTHON:-python3}
+
+say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+retry() {  # retry a download-dependent command: registries are far away and sometimes flaky
+  local n=1
+  until "$@"; do
+    if [ $n -ge 4 ]; then say "failed after $n tries: $*"; return 1; fi
+    say "retrying in $((n * 5)) s ($n/3): $*"; sleep $((n * 5)); n=$((n + 1))
+  done
+}
+
+apt_ensure() {  # install the Debian packages that are missing
+  local missing=()
+  for pkg in "$@"; do dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  local sudo=()
+  [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+  if ! command -v apt-get >/dev/null; then
+    say "missing system packages: ${missing[*]} (no apt-get here: install them with your package manager)"
+    return 1
+  fi
+  say "installing Debian packages: ${missing[*]}"
+  retry "${sudo[@]}" apt-get update -qq
+  retry "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+setup() {  # setup [test]
+  local extras=""
+  # liburing-dev: the io_uring backend of the native engine (without it the build still works, threads only)
+  local pkgs=(liburing-dev)
+  if [ "${1:-}" = test ]; then
+    extras="[test]"
+    # e2fsprogs: tests build 4096-byte-sector ext4 filesystems on loop devices; fio: the benchmark's reference
+    pkgs+=(e2fsprogs fio)
+  fi
+  apt_ensure "${pkgs[@]}"
+  if [ ! -x "$VENV/bin/python" ]; then
+    say "creating the virtual environment $VENV"
+    "$PY" -m venv "$VENV"
+  fi
+  say "building and installing sfstore$extras"
+  retry "$VENV/bin/pip" install -q --disable-pip-version-check "scikit-build-core>=0.10" "nanobind>=2.4"
+  # --no-build-isolation: build with the venv's scikit-build-core/nanobind (no second download per run)
+  retry "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation -e ".$extras"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  setup)
+    setup "${1:-}"
+    ;;
+  demo)
+    setup
+    exec "$VENV/bin/sfstore" demo "$@"
+    ;;
+  test)
+    setup test
+    say "ruff"
+    "$VENV/bin/ruff" check sfstore tests tools
+    say "mypy"
+    "$VENV/bin/mypy"
+    say "pytest"
+    exec "$VENV/bin/python" -m pytest "$@"
+    ;;
+  *)
+    sed -n '2,8p' "$0" >&2
+    exit 2
+    ;;
+esac
