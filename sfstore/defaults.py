@@ -191,7 +191,7 @@ class _Restore:
 _MISSING = object()
 
 
-def set(**values: Any) -> _Restore:  # noqa: A001 - the documented name of this API
+def set(**values: Any) -> _Restore:
     """Override settings for this process; takes effect at once.
 
     Returns an object that, used as a context manager, restores the previous values on exit.

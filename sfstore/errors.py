@@ -26,11 +26,16 @@ __all__ = [
     "NoSpaceError",
     "IOEngineError",
     "PathNotFoundError",
+    "PathExistsError",
+    "AccessDeniedError",
+    "IsADirectoryPathError",
+    "NotADirectoryPathError",
     "PathEscapeError",
     "IOTimeoutError",
     "RegistrationError",
     "NotSupportedOnHostError",
     "native_error",
+    "os_error",
 ]
 
 
@@ -93,6 +98,22 @@ class PathNotFoundError(SfstoreOSError, FileNotFoundError):
     """A path (or key) does not exist."""
 
 
+class PathExistsError(SfstoreOSError, FileExistsError):
+    """A path that must not exist yet does (EEXIST)."""
+
+
+class AccessDeniedError(SfstoreOSError, PermissionError):
+    """The operating system refused access (EACCES, EPERM)."""
+
+
+class IsADirectoryPathError(SfstoreOSError, IsADirectoryError):
+    """A file operation named a directory (EISDIR)."""
+
+
+class NotADirectoryPathError(SfstoreOSError, NotADirectoryError):
+    """A directory operation named something that is not one (ENOTDIR)."""
+
+
 class PathEscapeError(SfstoreError, PermissionError):
     """A path or key would leave its root (``..``, an absolute path elsewhere, or a symlink out)."""
 
@@ -114,6 +135,17 @@ _OS_CLASSES: dict[int, type[SfstoreOSError]] = {
     _errno.ENOSPC: NoSpaceError,
     _errno.EDQUOT: NoSpaceError,
     _errno.ENOENT: PathNotFoundError,
+    _errno.EEXIST: PathExistsError,
+    _errno.EACCES: AccessDeniedError,
+    _errno.EPERM: AccessDeniedError,
+    _errno.EISDIR: IsADirectoryPathError,
+    _errno.ENOTDIR: NotADirectoryPathError,
+}
+
+_ENGINE_CLASSES: dict[int, type[SfstoreOSError]] = {
+    _errno.EBADF: BadFileDescriptorError,
+    _errno.ENOSPC: NoSpaceError,
+    _errno.EDQUOT: NoSpaceError,
 }
 
 _NATIVE_KINDS: dict[str, type[SfstoreError]] = {
@@ -127,10 +159,19 @@ _NATIVE_KINDS: dict[str, type[SfstoreError]] = {
 }
 
 
-def os_error(err: int, context: str, path: str | None = None, cls: type[SfstoreOSError] | None = None) -> SfstoreOSError:
-    """Build the typed ``OSError`` subclass for ``err`` with ``context`` and ``path`` in the message."""
-    if cls is None or cls is IOEngineError:
-        cls = _OS_CLASSES.get(err, cls or SfstoreOSError)
+def os_error(
+    err: int, context: str, path: str | None = None, cls: type[SfstoreOSError] | None = None
+) -> SfstoreOSError:
+    """Build the typed ``OSError`` subclass for ``err`` with ``context`` and ``path`` in the message.
+
+    With ``cls`` None the class follows the errno (``ENOENT`` -> :class:`PathNotFoundError`, ``EACCES`` ->
+    :class:`AccessDeniedError`, ...). With ``cls=IOEngineError`` (a failed I/O request) only the errnos a
+    caller acts on differently keep their own class: ``ENOSPC``/``EDQUOT`` and ``EBADF``.
+    """
+    if cls is IOEngineError:
+        cls = _ENGINE_CLASSES.get(err, IOEngineError)
+    elif cls is None:
+        cls = _OS_CLASSES.get(err, SfstoreOSError)
     msg = f"{context}: {os.strerror(err)}"
     if path is not None:
         return cls(err, msg, path)

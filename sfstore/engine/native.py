@@ -1,8 +1,9 @@
 """The native engines: ``uring`` (io_uring) and ``threads`` (a C++ thread pool), from ``sfstore._native``.
 
 Both take a whole batch in one call: the native side validates every request, plans O_DIRECT requests into
-direct and bounced operations, and runs them with the GIL released. Python only wraps the handle. Importing this module fails with ``ImportError`` where the helper was not built;
-:mod:`sfstore.engine` then offers the pure-Python engine and says why.
+direct and bounced operations, and runs them with the GIL released. Python only wraps the handle.
+Importing this module fails with ``ImportError`` where the helper was not built; :mod:`sfstore.engine`
+then offers the pure-Python engine and says why.
 """
 
 from __future__ import annotations

@@ -1,0 +1,366 @@
+"""The pure-Python I/O engine: ``os.preadv``/``os.pwritev`` into memoryview slices on a thread pool.
+
+It has the semantics of every engine (see :mod:`sfstore.engine`) and needs nothing but the standard library,
+so it is always there when the native helper is not built. On ``O_DIRECT`` descriptors it goes direct where a
+request is aligned and, with the ``bounce`` setting on, moves misaligned parts through page-aligned bounce
+buffers (``mmap``) or, for misaligned write heads and tails, through a buffered descriptor of the same file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from sfstore import defaults, errors
+from sfstore.engine.base import (
+    CheckedRequest,
+    IOEngine,
+    IOFuture,
+    Request,
+    Segment,
+    plan_direct,
+    validate_batch,
+)
+
+__all__ = ["PythonEngine"]
+
+
+class _PythonFuture(IOFuture):
+    """Future of a batch run by :class:`PythonEngine`."""
+
+    def __init__(self, requests: Sequence[Request]) -> None:
+        super().__init__(requests)
+        self._results = [0] * len(requests)
+        self._event = threading.Event()
+        self._causes: dict[int, BaseException] = {}
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def results(self, timeout: float | None = None) -> list[int]:
+        if not self._event.wait(timeout):
+            raise self.timeout_error(timeout)
+        return list(self._results)
+
+    def error_for(self, index: int, err: int) -> errors.SfstoreOSError:
+        exc = super().error_for(index, err)
+        cause = self._causes.get(index)
+        if cause is not None:
+            exc.__cause__ = cause
+        return exc
+
+
+class _BouncePool:
+    """Page-aligned bounce buffers (anonymous ``mmap``), reused across requests."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._free: dict[int, list[mmap.mmap]] = {}
+
+    @contextlib.contextmanager
+    def buffer(self, size: int) -> Iterator[memoryview]:
+        with self._lock:
+            free = self._free.get(size)
+            buf = free.pop() if free else None
+        if buf is None:
+            buf = mmap.mmap(-1, size)  # anonymous mappings are page-aligned
+        view = memoryview(buf)
+        try:
+            yield view
+        finally:
+            view.release()
+            with self._lock:
+                free = self._free.setdefault(size, [])
+                if len(free) < self._keep:
+                    free.append(buf)
+                    buf = None
+            if buf is not None:
+                buf.close()
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self._free = self._free, {}
+        for free in pools.values():
+            for buf in free:
+                buf.close()
+
+    def reset_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._free = {}
+
+
+class _Batch:
+    """One submitted batch: its future, the buffered descriptors it opened and the requests left."""
+
+    def __init__(self, engine: PythonEngine, future: _PythonFuture, count: int) -> None:
+        self.engine = engine
+        self.future = future
+        self.left = count
+        self.lock = threading.Lock()
+        self.buffered: dict[int, int] = {}
+
+    def buffered_fd(self, fd: int) -> int:
+        """A buffered (non-O_DIRECT) descriptor of the file behind ``fd``, opened once per batch."""
+        with self.lock:
+            other = self.buffered.get(fd)
+            if other is None:
+                flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+                keep = os.O_ACCMODE | getattr(os, "O_SYNC", 0) | getattr(os, "O_DSYNC", 0)
+                other = os.open(f"/proc/self/fd/{fd}", (flags & keep) | os.O_CLOEXEC)
+                self.buffered[fd] = other
+            return other
+
+    def finish(self, index: int, result: int, cause: BaseException | None) -> None:
+        fut = self.future
+        fut._results[index] = result
+        if cause is not None:
+            fut._causes[index] = cause
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+            opened, self.buffered = (self.buffered, {}) if last else ({}, self.buffered)
+        if last:
+            for other in opened.values():
+                with contextlib.suppress(OSError):
+                    os.close(other)
+            fut._event.set()
+
+
+def _read_full(fd: int, view: memoryview, offset: int) -> int:
+    """Read into all of ``view`` from a buffered descriptor, looping on short reads; stop early only at EOF."""
+    done = 0
+    total = view.nbytes
+    while done < total:
+        with view[done:] as rest:
+            got = os.preadv(fd, [rest], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
+def _read_direct(fd: int, view: memoryview, offset: int, offset_align: int) -> int:
+    """Read an aligned range on an O_DIRECT descriptor; a short count that is not block-aligned means EOF."""
+    done = 0
+    total = view.nbytes
+    while done < total:
+        with view[done:] as rest:
+            got = os.preadv(fd, [rest], offset + done)
+        if got == 0:
+            break
+        done += got
+        if got % offset_align:
+            break
+    return done
+
+
+def _write_full(fd: int, view: memoryview, offset: int) -> int:
+    done = 0
+    total = view.nbytes
+    while done < total:
+        with view[done:] as rest:
+            put = os.pwritev(fd, [rest], offset + done)
+        if put <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        done += put
+    return done
+
+
+class PythonEngine(IOEngine):
+    """Pure-Python engine: a pool of ``threads`` workers, at most ``queue_depth`` requests in flight.
+
+    Parameters
+    ----------
+    queue_depth : int, optional
+        Requests in flight at most; default: the ``queue_depth`` setting.
+    threads : int, optional
+        Worker threads; default: the ``io_threads`` setting. ``min(threads, queue_depth)`` are used.
+    """
+
+    def __init__(self, queue_depth: int | None = None, threads: int | None = None) -> None:
+        qd = defaults.SETTINGS["queue_depth"].parse(
+            queue_depth if queue_depth is not None else defaults.get("queue_depth"), "PythonEngine(queue_depth=...)"
+        )
+        th = defaults.SETTINGS["io_threads"].parse(
+            threads if threads is not None else defaults.get("io_threads"), "PythonEngine(threads=...)"
+        )
+        super().__init__("python", int(qd), True)
+        self.threads = int(th)
+        self._workers = min(self.threads, self.queue_depth)
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._bounce = _BouncePool(self._workers)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        self._bounce.close()
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's worker threads do not exist here; the child starts its own on first use.
+        self._lock = threading.Lock()
+        self._executor = None
+        self._bounce.reset_after_fork()
+
+    # -- submission ------------------------------------------------------------------------------------------
+
+    def submit(self, requests: Sequence[Request]) -> IOFuture:
+        self._check_open()
+        batch_requests = list(requests)
+        bounce = bool(defaults.get("bounce"))
+        bounce_size = int(defaults.get("bounce_buffer_size"))
+        checked = validate_batch(batch_requests, bounce=bounce)
+        future = _PythonFuture(batch_requests)
+        batch = _Batch(self, future, len(checked))
+        if not checked:
+            self._counters.add(batches=1)
+            future._event.set()
+            return future
+        work: list[tuple[CheckedRequest, list[Segment] | None]] = []
+        for item in checked:
+            plan: list[Segment] | None = None
+            if item.direct and not item.aligned:
+                size = max(_round_up(bounce_size, item.offset_align), item.offset_align)
+                plan = plan_direct(
+                    item.op, item.offset, item.length, item.address, item.mem_align, item.offset_align, size
+                )
+            elif item.direct:
+                plan = [Segment("direct", item.offset, item.length, 0)]
+            work.append((item, plan))
+        started = 0
+        try:
+            with self._lock:
+                self._check_open()
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="sfstore-python-io")
+                executor = self._executor
+                self._counters.add(batches=1, requests=len(checked))
+                for item, plan in work:
+                    if item.length == 0:
+                        item.release()
+                        batch.finish(item.index, 0, None)
+                    else:
+                        executor.submit(self._run_one, batch, item, plan)
+                    started += 1
+        except BaseException:
+            for item, _ in work[started:]:
+                item.release()
+                batch.finish(item.index, -errno.ECANCELED, None)
+            raise
+        return future
+
+    # -- execution (worker threads) ------------------------------------------------------------------------
+
+    def _run_one(self, batch: _Batch, item: CheckedRequest, plan: list[Segment] | None) -> None:
+        result = 0
+        direct = bounced = 0
+        cause: BaseException | None = None
+        try:
+            if plan is None:
+                if item.op == "read":
+                    result = _read_full(item.fd, item.view, item.offset)
+                else:
+                    result = _write_full(item.fd, item.view, item.offset)
+            else:
+                result, direct, bounced = self._run_direct(batch, item, plan)
+        except OSError as exc:
+            result = -(exc.errno or errno.EIO)
+            cause = exc
+        except Exception as exc:  # a bug must not leave the batch hanging; get() chains it
+            result = -errno.EIO
+            cause = exc
+        finally:
+            item.release()
+        if result < 0:
+            self._counters.add(errors=1)
+        elif item.op == "read":
+            self._counters.add(bytes_read=result, bytes_direct=direct, bytes_bounced=bounced)
+        else:
+            self._counters.add(bytes_written=result, bytes_direct=direct, bytes_bounced=bounced)
+        batch.finish(item.index, result, cause)
+
+    def _run_direct(self, batch: _Batch, item: CheckedRequest, plan: list[Segment]) -> tuple[int, int, int]:
+        """Run the segments of a request on an O_DIRECT descriptor in order; return (bytes, direct, bounced)."""
+        total = direct = bounced = 0
+        align = item.offset_align
+        for seg in plan:
+            with item.view[seg.buffer_pos:seg.buffer_pos + seg.length] as part:
+                if seg.kind == "direct":
+                    if item.op == "read":
+                        moved = _read_direct(item.fd, part, seg.offset, align)
+                    else:
+                        moved = self._write_direct(batch, item.fd, part, seg.offset, align)
+                    direct += moved
+                elif seg.kind == "bounce":
+                    if item.op == "read":
+                        moved = self._read_bounce(item.fd, part, seg.offset, align)
+                    else:
+                        moved = self._write_bounce(item.fd, part, seg.offset, align)
+                    bounced += moved
+                else:
+                    moved = _write_full(batch.buffered_fd(item.fd), part, seg.offset)
+                    bounced += moved
+            total += moved
+            if moved < seg.length:  # EOF (reads only: writes raise instead)
+                break
+        return total, direct, bounced
+
+    def _bounce_size(self, align: int) -> int:
+        size = int(defaults.get("bounce_buffer_size"))
+        return max(_round_up(size, align), align)
+
+    def _read_bounce(self, fd: int, part: memoryview, offset: int, align: int) -> int:
+        """Read the aligned blocks around ``[offset, offset + len(part))`` into a bounce buffer; copy out."""
+        start = offset - offset % align
+        stop = _round_up(offset + part.nbytes, align)
+        with self._bounce.buffer(max(self._bounce_size(align), stop - start)) as bounce:
+            with bounce[:stop - start] as window:
+                got = _read_direct(fd, window, start, align)
+            skip = offset - start
+            avail = max(0, min(part.nbytes, got - skip))
+            part[:avail] = bounce[skip:skip + avail]
+        return avail
+
+    def _write_bounce(self, fd: int, part: memoryview, offset: int, align: int) -> int:
+        """Write an aligned file range whose memory is misaligned: copy into bounce buffers, write direct."""
+        size = self._bounce_size(align)
+        done = 0
+        with self._bounce.buffer(size) as bounce:
+            while done < part.nbytes:
+                step = min(size, part.nbytes - done)
+                bounce[:step] = part[done:done + step]
+                with bounce[:step] as window:
+                    put = _write_full(fd, window, offset + done)
+                done += put
+        return done
+
+    def _write_direct(self, batch: _Batch, fd: int, part: memoryview, offset: int, align: int) -> int:
+        done = 0
+        total = part.nbytes
+        while done < total:
+            with part[done:] as rest:
+                if done % align:  # a short direct write left a misaligned remainder: finish it buffered
+                    return done + _write_full(batch.buffered_fd(fd), rest, offset + done)
+                put = os.pwritev(fd, [rest], offset + done)
+            if put <= 0:
+                raise OSError(errno.EIO, "pwritev wrote nothing")
+            done += put
+        return done
+
+
+def _round_up(value: int, align: int) -> int:
+    return -(-value // align) * align

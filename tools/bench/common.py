@@ -1,0 +1,657 @@
+"""Helpers every benchmark suite shares: the rules of ``BENCHMARKING.md`` turned into code.
+
+Cold cache (:func:`drop_cache`), the filesystem check (:func:`check_bench_dir`), CPU and peak-RSS meters
+(:class:`CpuMeter`, :class:`PeakRss`), the statistics of interleaved A/B pairs (:func:`summarize_pairs`),
+machine facts for the JSON (:func:`machine_info`) and the text table (:class:`Table`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import platform
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = [
+    "GIB",
+    "BenchSetupError",
+    "Mount",
+    "RunResult",
+    "CpuMeter",
+    "PeakRss",
+    "parse_size",
+    "format_size",
+    "drop_cache",
+    "resident_bytes",
+    "mount_of",
+    "check_bench_dir",
+    "default_bench_dir",
+    "summarize_pairs",
+    "side_summary",
+    "machine_info",
+    "utc_now",
+    "match_any",
+    "Table",
+    "warn",
+]
+
+GIB = 1 << 30
+
+#: Filesystems that keep data in RAM and accept any O_DIRECT alignment: a benchmark there measures memcpy.
+_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs", "proc", "sysfs", "devpts", "shm"})
+
+
+class BenchSetupError(Exception):
+    """The benchmark cannot run here (missing tool, refused directory, engine unavailable); the message says why."""
+
+
+def warn(message: str, stream: TextIO | None = None) -> None:
+    """Print ``message`` as a warning on stderr (or ``stream``).
+
+    Parameters
+    ----------
+    message : str
+        The text, without the ``warning:`` prefix.
+    stream : TextIO or None
+        Where to print; ``sys.stderr`` when None.
+    """
+    print(f"warning: {message}", file=stream or sys.stderr, flush=True)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count such as ``4096``, ``64k``, ``16m``, ``1g`` or ``2GiB`` (binary units).
+
+    Parameters
+    ----------
+    text : str
+        The size.
+
+    Returns
+    -------
+    int
+        The number of bytes.
+
+    Raises
+    ------
+    ValueError
+        When ``text`` is not a size.
+    """
+    t = text.strip().lower()
+    digits = t.rstrip("kmgtib")
+    unit = t[len(digits):]
+    if unit not in _UNITS or not digits.isdigit():
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 64k, 16m, 1g)")
+    return int(digits) * _UNITS[unit]
+
+
+def format_size(n: int) -> str:
+    """Format a byte count the way case names spell block sizes: ``4k``, ``64k``, ``1m``, ``16m``, ``1g``.
+
+    Parameters
+    ----------
+    n : int
+        Bytes.
+
+    Returns
+    -------
+    str
+        The shortest exact spelling in binary units (plain digits when none divides ``n``).
+    """
+    for suffix, unit in (("t", 1 << 40), ("g", 1 << 30), ("m", 1 << 20), ("k", 1 << 10)):
+        if n >= unit and n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
+def drop_cache(path: str | os.PathLike[str]) -> None:
+    """Make ``path`` cold: fsync it, then ``posix_fadvise(POSIX_FADV_DONTNEED)`` over the whole file.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file.
+
+    Notes
+    -----
+    No root is needed. The host may still cache a virtual disk, which is why only ratios from one run count.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def resident_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Bytes of ``path`` in the page cache according to ``fincore`` (util-linux); None when it cannot tell.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file.
+
+    Returns
+    -------
+    int or None
+        Resident bytes, or None when ``fincore`` is missing or fails.
+    """
+    exe = shutil.which("fincore")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--bytes", "--noheadings", "--output", "RES", os.fspath(path)],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(out.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class Mount:
+    """The mount a path lives on (from ``/proc/self/mountinfo``)."""
+
+    mount_point: str
+    fstype: str
+    source: str
+    options: str
+
+
+def _unescape_mountinfo(field_text: str) -> str:
+    return field_text.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def mount_of(path: str | os.PathLike[str]) -> Mount | None:
+    """Return the mount holding ``path`` (the longest mount point that prefixes its real path).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        An existing file or directory.
+
+    Returns
+    -------
+    Mount or None
+        None when ``/proc/self/mountinfo`` cannot be read.
+    """
+    real = os.path.realpath(path)
+    best: Mount | None = None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields = left.split()
+        rest = right.split()
+        if len(fields) < 5 or len(rest) < 2:
+            continue
+        mp = _unescape_mountinfo(fields[4])
+        inside = real == mp or real.startswith(mp.rstrip("/") + "/")
+        if inside and (best is None or len(mp) >= len(best.mount_point)):
+            best = Mount(mp, rest[0], rest[1], fields[5] + ("," + rest[2] if len(rest) > 2 else ""))
+    return best
+
+
+def check_bench_dir(directory: str | os.PathLike[str]) -> Mount | None:
+    """Create ``directory`` if needed and refuse it when it lives in memory (tmpfs, ``/dev/shm``, ramfs).
+
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        Where benchmark files go.
+
+    Returns
+    -------
+    Mount or None
+        The mount it lives on (None when that cannot be read).
+
+    Raises
+    ------
+    BenchSetupError
+        For a memory filesystem: it accepts any O_DIRECT alignment and never touches a device, so a
+        comparison there measures memcpy, not storage.
+    """
+    real = os.path.realpath(directory)
+    if real == "/dev/shm" or real.startswith("/dev/shm/"):
+        raise BenchSetupError(f"{directory} is in /dev/shm (tmpfs): O_DIRECT there is memcpy, not storage; "
+                              "give --dir a directory on a disk filesystem")
+    try:
+        os.makedirs(real, exist_ok=True)
+    except OSError as exc:
+        raise BenchSetupError(f"cannot create benchmark directory {directory}: {exc.strerror}") from None
+    mount = mount_of(real)
+    if mount is not None and mount.fstype in _MEMORY_FILESYSTEMS:
+        raise BenchSetupError(f"{directory} is on {mount.fstype} (mounted at {mount.mount_point}): memory "
+                              "filesystems do not do O_DIRECT the way disks do; give --dir a directory on a disk "
+                              "filesystem")
+    return mount
+
+
+def default_bench_dir() -> str:
+    """``<sfstore data_dir>/bench`` (``SFSTORE_DATA_DIR`` or the embedded default).
+
+    Returns
+    -------
+    str
+        The directory (not created here).
+    """
+    from sfstore import defaults
+
+    return os.path.join(str(defaults.get("data_dir")), "bench")
+
+
+@dataclass
+class RunResult:
+    """One timed run of one side of a pair.
+
+    Attributes
+    ----------
+    bytes : int
+        Bytes moved inside the timed region.
+    ops : int
+        Requests (I/O operations) completed.
+    seconds : float
+        Length of the timed region.
+    cpu_s : float
+        CPU seconds (user + system) spent by the side inside the timed region.
+    extra : dict
+        Anything else worth keeping per run (JSON-serializable).
+    """
+
+    bytes: int
+    ops: int
+    seconds: float
+    cpu_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Throughput in bytes per second."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def iops(self) -> float:
+        """Operations per second."""
+        return self.ops / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_s_per_gib(self) -> float:
+        """CPU seconds per GiB moved."""
+        return self.cpu_s / (self.bytes / GIB) if self.bytes else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The run as a JSON-ready dictionary."""
+        return {"bytes": self.bytes, "ops": self.ops, "seconds": self.seconds, "cpu_s": self.cpu_s,
+                "bytes_per_s": self.bytes_per_s, "iops": self.iops, "cpu_s_per_gib": self.cpu_s_per_gib,
+                **self.extra}
+
+
+class CpuMeter:
+    """CPU seconds (user + system) of this whole process, every thread included, between start and stop.
+
+    The benchmark process does nothing else while a side runs, so this counts the thread that submits and
+    every engine thread (native or Python) that does the work.
+    """
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self.seconds = 0.0
+
+    @staticmethod
+    def _now() -> float:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+
+    def start(self) -> None:
+        """Begin measuring."""
+        self._start = self._now()
+
+    def stop(self) -> float:
+        """Stop measuring.
+
+        Returns
+        -------
+        float
+            CPU seconds since :meth:`start`.
+        """
+        self.seconds = self._now() - self._start
+        return self.seconds
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class PeakRss:
+    """Peak resident-set growth of this process over a region.
+
+    Resets the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``) at :meth:`start`, so the growth of
+    each region is seen even when an earlier region peaked higher; falls back to ``ru_maxrss`` (growth of the
+    lifetime peak only) where that file cannot be written.
+    """
+
+    def __init__(self) -> None:
+        self._base = 0
+        self._resettable = False
+        self.method = "none"
+
+    def start(self) -> None:
+        """Record the resident set now and reset the peak."""
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+                f.write("5")
+            self._resettable = True
+        except OSError:
+            self._resettable = False
+        rss = _status_kib("VmRSS") if self._resettable else None
+        if rss is not None:
+            self._base = rss * 1024
+            self.method = "VmHWM after clear_refs"
+        else:
+            self._resettable = False
+            self._base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            self.method = "ru_maxrss"
+
+    def growth(self) -> int:
+        """Bytes the resident set peaked above its size at :meth:`start` (never negative).
+
+        Returns
+        -------
+        int
+            Peak growth in bytes.
+        """
+        if self._resettable:
+            hwm = _status_kib("VmHWM")
+            if hwm is not None:
+                return max(0, hwm * 1024 - self._base)
+        return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self._base)
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def side_summary(runs: Sequence[RunResult], peak_rss_growth_bytes: int | None = None) -> dict[str, Any]:
+    """Summarize the repeated runs of one side: medians, spread, bytes per run and every run.
+
+    Parameters
+    ----------
+    runs : sequence of RunResult
+        The runs of this side, in order.
+    peak_rss_growth_bytes : int or None
+        Peak RSS growth measured for this side over the case.
+
+    Returns
+    -------
+    dict
+        ``bytes_per_s``, ``iops`` and ``cpu_s_per_gib`` (medians) plus ``bytes_per_s_min``/``_max``,
+        ``bytes`` (per run), ``seconds`` (median), ``peak_rss_growth_bytes`` and ``runs``.
+    """
+    bps = [r.bytes_per_s for r in runs]
+    moved = sorted({r.bytes for r in runs})
+    return {
+        "bytes_per_s": _median(bps),
+        "iops": _median([r.iops for r in runs]),
+        "cpu_s_per_gib": _median([r.cpu_s_per_gib for r in runs]),
+        "bytes_per_s_min": min(bps) if bps else 0.0,
+        "bytes_per_s_max": max(bps) if bps else 0.0,
+        "bytes": moved[0] if len(moved) == 1 else moved,
+        "seconds": _median([r.seconds for r in runs]),
+        "peak_rss_growth_bytes": peak_rss_growth_bytes,
+        "runs": [r.as_dict() for r in runs],
+    }
+
+
+def summarize_pairs(ours: Sequence[RunResult], reference: Sequence[RunResult]) -> dict[str, Any]:
+    """The ratio statistics of interleaved pairs: median of the pairwise ratios ours/reference, min and max.
+
+    Parameters
+    ----------
+    ours, reference : sequence of RunResult
+        Runs of each side; pair *i* is ``(ours[i], reference[i])``.
+
+    Returns
+    -------
+    dict
+        ``ratio`` (median of pairwise throughput ratios), ``ratio_min``, ``ratio_max``, ``ratios`` (each pair)
+        and ``ratio_of_medians``.
+    """
+    ratios = [a.bytes_per_s / b.bytes_per_s for a, b in zip(ours, reference, strict=True) if b.bytes_per_s > 0]
+    med_ref = _median([r.bytes_per_s for r in reference])
+    return {
+        "ratio": _median(ratios) if ratios else None,
+        "ratio_min": min(ratios) if ratios else None,
+        "ratio_max": max(ratios) if ratios else None,
+        "ratios": ratios,
+        "ratio_of_medians": _median([r.bytes_per_s for r in ours]) / med_ref if med_ref > 0 else None,
+    }
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        res = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def _block_device_facts(source: str) -> dict[str, Any]:
+    if not source.startswith("/dev/"):
+        return {}
+    name = os.path.basename(os.path.realpath(source))
+    sysdir = f"/sys/class/block/{name}"
+    if not os.path.exists(sysdir):
+        return {}
+    queue = f"{sysdir}/queue"
+    if not os.path.exists(queue):  # a partition: the queue belongs to the parent disk
+        queue = os.path.join(os.path.dirname(os.path.realpath(sysdir)), "queue")
+    facts: dict[str, Any] = {"device": name}
+    for key in ("logical_block_size", "physical_block_size", "rotational", "scheduler", "nr_requests"):
+        text = _read_text(f"{queue}/{key}")
+        if text is not None:
+            facts[key] = text.strip()
+    return facts
+
+
+def machine_info(bench_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Facts about this machine for the JSON: host, kernel, CPUs, memory, Python, sfstore commit, filesystem.
+
+    Parameters
+    ----------
+    bench_dir : str or os.PathLike or None
+        The benchmark directory, whose filesystem and block device are described.
+
+    Returns
+    -------
+    dict
+        JSON-ready facts; anything that cannot be read is left out or None.
+    """
+    cpu_model = None
+    for line in (_read_text("/proc/cpuinfo") or "").splitlines():
+        if line.startswith("model name"):
+            cpu_model = line.split(":", 1)[1].strip()
+            break
+    mem_total = None
+    for line in (_read_text("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemTotal:"):
+            mem_total = int(line.split()[1]) * 1024
+    os_name = None
+    for line in (_read_text("/etc/os-release") or "").splitlines():
+        if line.startswith("PRETTY_NAME="):
+            os_name = line.split("=", 1)[1].strip().strip('"')
+    try:
+        usable_cpus: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable_cpus = None
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "kernel": platform.release(),
+        "os": os_name,
+        "arch": platform.machine(),
+        "cpu_model": cpu_model,
+        "cpus": os.cpu_count(),
+        "usable_cpus": usable_cpus,
+        "load_avg": list(os.getloadavg()),
+        "mem_total_bytes": mem_total,
+        "python": platform.python_version(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(status) if status is not None else None,
+    }
+    try:
+        import sfstore
+
+        info["sfstore_version"] = getattr(sfstore, "__version__", None)
+    except ImportError:
+        info["sfstore_version"] = None
+    if bench_dir is not None:
+        mount = mount_of(bench_dir)
+        info["bench_dir"] = os.path.realpath(bench_dir)
+        if mount is not None:
+            info["filesystem"] = {"type": mount.fstype, "source": mount.source, "mount_point": mount.mount_point,
+                                  **_block_device_facts(mount.source)}
+    return info
+
+
+def utc_now() -> str:
+    """The current UTC time in ISO 8601, to the second."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def match_any(name: str, patterns: Iterable[str]) -> bool:
+    """Whether ``name`` matches any of the shell-style glob ``patterns``.
+
+    Parameters
+    ----------
+    name : str
+        A case name.
+    patterns : iterable of str
+        Globs such as ``read-*-qd32``.
+
+    Returns
+    -------
+    bool
+        True on a match.
+    """
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _gib_s(bps: float) -> str:
+    return f"{bps / GIB:.3f} GiB/s"
+
+
+def _iops(iops: float) -> str:
+    return f"{iops / 1000:.1f}k IOPS" if iops >= 1000 else f"{iops:.0f} IOPS"
+
+
+def _ratio(case: dict[str, Any]) -> str:
+    r, lo, hi = case.get("ratio"), case.get("ratio_min"), case.get("ratio_max")
+    if r is None:
+        return "n/a"
+    if lo is None or hi is None:
+        return f"{r:.2f}"
+    return f"{r:.2f} ({lo:.2f}-{hi:.2f})"
+
+
+def _cpu(side: dict[str, Any]) -> str:
+    value = side.get("cpu_s_per_gib")
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+class Table:
+    """The text table every suite prints: case, sfstore, reference, ratio (min-max), CPU s/GiB of each side.
+
+    Rows can be printed one by one as cases finish (:meth:`header`, :meth:`row`) or all at once
+    (:meth:`render`).
+
+    Parameters
+    ----------
+    reference_tool : str
+        Name of the reference column (``fio``, ``torch.save`` ...).
+    use_iops : callable or None
+        ``use_iops(case) -> bool``: show IOPS instead of GiB/s for that case (default: block size under 64 KiB).
+    """
+
+    def __init__(self, reference_tool: str, use_iops: Callable[[dict[str, Any]], bool] | None = None) -> None:
+        self.reference_tool = reference_tool
+        self.use_iops = use_iops or (lambda case: int(case.get("params", {}).get("block_size", 1 << 30)) < 65536)
+        self._widths = (20, 16, 16, 20, 12, 12)
+
+    def _line(self, cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, self._widths, strict=True)).rstrip()
+
+    def header(self) -> str:
+        """The two header lines."""
+        top = self._line(["case", "sfstore", self.reference_tool, "ratio (min-max)", "CPU s/GiB", ""])
+        sub = self._line(["", "", "", "", "sfstore", self.reference_tool])
+        return top + "\n" + sub
+
+    def row(self, case: dict[str, Any]) -> str:
+        """One case as a line.
+
+        Parameters
+        ----------
+        case : dict
+            A case in the common JSON shape.
+
+        Returns
+        -------
+        str
+            The formatted line.
+        """
+        ours, ref = case["sfstore"], case["reference"]
+        fmt: Callable[[dict[str, Any]], str]
+        if self.use_iops(case):
+            fmt = lambda s: _iops(float(s["iops"]))  # noqa: E731
+        else:
+            fmt = lambda s: _gib_s(float(s["bytes_per_s"]))  # noqa: E731
+        return self._line([case["name"], fmt(ours), fmt(ref), _ratio(case), _cpu(ours), _cpu(ref)])
+
+    def render(self, cases: Iterable[dict[str, Any]]) -> str:
+        """The header and every case.
+
+        Parameters
+        ----------
+        cases : iterable of dict
+            Cases in the common JSON shape.
+
+        Returns
+        -------
+        str
+            The table.
+        """
+        return "\n".join([self.header(), *(self.row(c) for c in cases)])
