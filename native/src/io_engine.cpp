@@ -90,12 +90,12 @@ bool Batch::wait(double timeout_s) {
 }
 
 std::shared_ptr<Engine> Engine::create(const std::string& backend, unsigned queue_depth, unsigned threads,
-                                       size_t bounce_size) {
+                                       size_t bounce_size, unsigned spin_us) {
     if (queue_depth == 0 || threads == 0) throw SfError("invalid", EINVAL, "queue_depth and threads must be >= 1");
     std::shared_ptr<Engine> e(new Engine(round_up(std::max<size_t>(bounce_size, 4096), 4096)));
     e->owner_pid_ = getpid();
     if (backend == "uring") {
-        e->backend_ = make_uring_backend(e.get(), queue_depth);
+        e->backend_ = make_uring_backend(e.get(), queue_depth, spin_us);
     } else if (backend == "threads") {
         e->backend_ = make_thread_backend(e.get(), threads);
     } else {

@@ -99,7 +99,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
 public:
     // backend: "uring" or "threads". queue_depth: ops in flight (uring) or worker threads (threads).
     static std::shared_ptr<Engine> create(const std::string& backend, unsigned queue_depth, unsigned threads,
-                                          size_t bounce_size);
+                                          size_t bounce_size, unsigned spin_us);
     ~Engine();
 
     // Plans and starts a validated batch. `infos` holds the descriptor facts gathered at validation.
@@ -135,6 +135,7 @@ FdInfo describe_fd(int fd);  // throws SfError("os", EBADF) for a closed descrip
 bool uring_available(std::string* reason);
 
 std::unique_ptr<Backend> make_thread_backend(Engine* engine, unsigned threads);
-std::unique_ptr<Backend> make_uring_backend(Engine* engine, unsigned depth);  // throws SfError when unavailable
+// spin_us: how long the service thread polls for completions before it sleeps. Throws SfError when unavailable.
+std::unique_ptr<Backend> make_uring_backend(Engine* engine, unsigned depth, unsigned spin_us);
 
 }  // namespace sfstore

@@ -516,10 +516,11 @@ NB_MODULE(_native, m) {
 
     nb::class_<PyEngine>(m, "IOEngine")
         .def("__init__",
-             [](PyEngine* self, const std::string& backend, unsigned queue_depth, unsigned threads, size_t bounce) {
-                 new (self) PyEngine{Engine::create(backend, queue_depth, threads, bounce)};
+             [](PyEngine* self, const std::string& backend, unsigned queue_depth, unsigned threads, size_t bounce,
+                unsigned spin_us) {
+                 new (self) PyEngine{Engine::create(backend, queue_depth, threads, bounce, spin_us)};
              },
-             "backend"_a, "queue_depth"_a, "threads"_a, "bounce_buffer_size"_a)
+             "backend"_a, "queue_depth"_a, "threads"_a, "bounce_buffer_size"_a, "spin_us"_a = 0)
         .def("submit", &engine_submit, "requests"_a, "bounce"_a = true)
         .def("stats", &engine_stats)
         .def("close", [](PyEngine& self) {

@@ -70,7 +70,9 @@ class NativeEngine(IOEngine):
             raise errors.EngineUnavailableError(f"the {backend} engine cannot run here: {why}")
         depth = queue_depth if backend == "uring" else threads
         super().__init__(backend, depth, supports_direct_io=True)
-        self._handle = _native.IOEngine(backend, queue_depth, threads, defaults.get("bounce_buffer_size"))
+        self._handle = _native.IOEngine(
+            backend, queue_depth, threads, defaults.get("bounce_buffer_size"), defaults.get("uring_spin_us")
+        )
 
     def submit(self, requests: Sequence[Request]) -> IOFuture:
         self._check_open()
