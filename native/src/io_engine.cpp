@@ -202,7 +202,8 @@ std::shared_ptr<Batch> Engine::start(std::vector<RequestSpec> reqs, const std::u
             bfd = it->second;
         } else {
             std::string proc = "/proc/self/fd/" + std::to_string(r.fd);
-            bfd = ::open(proc.c_str(), (fi.flags & O_ACCMODE) | O_CLOEXEC);
+            // Same access mode and synchronous-write flags, minus O_DIRECT.
+            bfd = ::open(proc.c_str(), (fi.flags & (O_ACCMODE | O_SYNC | O_DSYNC)) | O_CLOEXEC);
             if (bfd < 0) {
                 int e = errno;
                 for (int fd : b->reopened_fds) ::close(fd);
@@ -281,8 +282,13 @@ bool Engine::complete(Op* op, int64_t res) {
     }
     b.bytes[op->req] += static_cast<int64_t>(moved);
     (op->write ? stats_.bytes_written : stats_.bytes_read) += moved;
-    if (op->mode == OpMode::Direct) stats_.bytes_direct += moved;
-    else if (op->mode != OpMode::Plain) stats_.bytes_bounced += moved;
+    if (op->mode == OpMode::Direct) {
+        stats_.bytes_direct += moved;
+        b.moved_direct += moved;
+    } else if (op->mode != OpMode::Plain) {
+        stats_.bytes_bounced += moved;
+        b.moved_bounced += moved;
+    }
     if (again) return true;
     finish_op(op);
     return false;

@@ -64,6 +64,7 @@ struct Batch {
     std::unique_ptr<std::atomic<int64_t>[]> bytes;
     std::unique_ptr<std::atomic<int>[]> errs;
     std::atomic<size_t> remaining{0};
+    std::atomic<uint64_t> moved_direct{0}, moved_bounced{0};
     std::vector<int> reopened_fds;
     std::mutex mu;
     std::condition_variable cv;

@@ -505,6 +505,10 @@ NB_MODULE(_native, m) {
                  return d;
              },
              "timeout"_a = -1.0)
+        .def("transferred",
+             [](PyFuture& f) {
+                 return std::make_pair(f.batch->moved_direct.load(), f.batch->moved_bounced.load());
+             })
         .def("results", [](PyFuture& f) {
             {
                 nb::gil_scoped_release nogil;
@@ -545,5 +549,20 @@ NB_MODULE(_native, m) {
         bool ok = cuda::available(&why);
         return std::make_pair(ok, why);
     });
+    m.def(
+        "bytes_for_filling",
+        [](Py_ssize_t n) {
+            // An uninitialised bytes object and a writable view of its storage, so a file can be read straight
+            // into the bytes a caller gets back (no second copy). Only for a bytes object nobody else has seen:
+            // fill it through the view, drop the view, then hand the bytes out.
+            if (n < 0) throw nb::value_error("negative size");
+            PyObject* b = PyBytes_FromStringAndSize(nullptr, n);
+            if (!b) throw nb::python_error();
+            nb::object bytes = nb::steal(b);
+            PyObject* mv = PyMemoryView_FromMemory(PyBytes_AS_STRING(b), n, PyBUF_WRITE);
+            if (!mv) throw nb::python_error();
+            return nb::make_tuple(bytes, nb::steal(mv));
+        },
+        "n"_a);
     m.def("page_size", [] { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); });
 }

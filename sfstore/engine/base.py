@@ -181,6 +181,14 @@ class IOFuture(ABC):
         finished within ``timeout`` seconds (the I/O goes on).
         """
 
+    def transferred(self) -> tuple[int, int]:
+        """Bytes this batch moved ``(direct, bounced)`` on O_DIRECT descriptors so far (final once done).
+
+        ``direct`` went straight between storage and the caller's memory; ``bounced`` went through bounce
+        buffers or a buffered descriptor. Bytes on buffered descriptors count as neither.
+        """
+        return (0, 0)
+
     def get(self, timeout: float | None = None) -> list[int]:
         """Bytes done per request; raise the typed error of the first failed request.
 

@@ -41,6 +41,9 @@ class NativeIOFuture(IOFuture):
     def wait(self, timeout: float | None = None) -> bool:
         return self._handle.wait(-1.0 if timeout is None else max(0.0, float(timeout)))
 
+    def transferred(self) -> tuple[int, int]:
+        return self._handle.transferred()
+
     def results(self, timeout: float | None = None) -> list[int]:
         if not self.wait(timeout):
             raise self.timeout_error(timeout)

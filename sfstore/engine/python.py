@@ -39,6 +39,10 @@ class _PythonFuture(IOFuture):
         self._results = [0] * len(requests)
         self._event = threading.Event()
         self._causes: dict[int, BaseException] = {}
+        self._moved = [0, 0]  # direct, bounced; updated under the batch lock
+
+    def transferred(self) -> tuple[int, int]:
+        return (self._moved[0], self._moved[1])
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -291,6 +295,10 @@ class PythonEngine(IOEngine):
             self._counters.add(bytes_read=result, bytes_direct=direct, bytes_bounced=bounced)
         else:
             self._counters.add(bytes_written=result, bytes_direct=direct, bytes_bounced=bounced)
+        if direct or bounced:
+            with batch.lock:
+                batch.future._moved[0] += direct
+                batch.future._moved[1] += bounced
         batch.finish(item.index, result, cause)
 
     def _run_direct(self, batch: _Batch, item: CheckedRequest, plan: list[Segment]) -> tuple[int, int, int]:

@@ -1,0 +1,30 @@
+"""``sfstore demo`` runs end to end on a fresh data directory and checks its own data."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_demo_round_trip_verifies(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "sfstore.cli", "demo", "--data-dir", str(tmp_path), "--size", "8m"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "verified       yes" in out.stdout
+    assert "engine    ok" in out.stdout  # the probe table came first
+    assert (tmp_path / "demo" / "roundtrip.bin").stat().st_size == 8 << 20
+
+
+def test_demo_rejects_a_bad_size(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "sfstore.cli", "demo", "--data-dir", str(tmp_path), "--size", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "--size" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,274 @@
+"""sfstore.probe and `sfstore probe`: every section reported, absent hardware as absent, never an exception."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sfstore
+from sfstore import probe as probe_mod
+from sfstore.mounts import mount_for, parse_mountinfo
+from sfstore.probe import (
+    SECTIONS,
+    format_table,
+    probe,
+    probe_data_dir,
+    probe_engine,
+    probe_gds,
+    probe_gpus,
+    probe_memory,
+    probe_nfs,
+    probe_nvmeof,
+    probe_rdma,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+STATUSES = {"ok", "absent", "unavailable", "compat", "error"}
+SAMPLE = "\n".join([
+    "23 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw",
+    "412 23 0:52 / /mnt/nfs rw,relatime shared:211 - nfs4 10.0.2.15:/export rw,vers=4.2,rsize=262144,"
+    "wsize=262144,hard,proto=rdma,port=20049,addr=10.0.2.15",
+    "500 23 0:60 / /data rw,noatime - nfs 192.168.1.10:/vol rw,vers=3,rsize=1048576,wsize=1048576,nconnect=8,"
+    "proto=tcp,addr=192.168.1.10",
+])
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+def _no_rdma_here() -> bool:
+    return not os.path.isdir("/sys/class/infiniband") or not os.listdir("/sys/class/infiniband")
+
+
+def _no_nvme_here() -> bool:
+    controllers = os.listdir("/sys/class/nvme") if os.path.isdir("/sys/class/nvme") else []
+    return not controllers and not os.path.exists("/dev/nvme-fabrics")
+
+
+def test_probe_reports_every_section_as_json(tmp_path: Path) -> None:
+    report = probe(data_dir=str(tmp_path / "data"))
+    assert list(report) == list(SECTIONS)
+    for name, section in report.items():
+        assert section["status"] in STATUSES, name
+        if section["status"] != "ok":
+            assert section.get("reason"), f"{name} is {section['status']} without a reason"
+    assert json.loads(json.dumps(report)) == report
+    assert report["system"]["sfstore"] == sfstore.__version__
+
+
+def test_data_dir_is_created_and_described(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b"
+    section = probe_data_dir(str(target))
+    assert section["status"] == "ok" and section["created"] is True and target.is_dir()
+    assert section["path"] == str(target) and section["writable"] is True
+    assert section["mount"]["fstype"] == mount_for(target).fstype
+    assert isinstance(section["o_direct"]["ok"], bool) and section["o_direct"]["reason"]
+    assert not list(target.iterdir()), "the O_DIRECT check left its file behind"
+    alignment = section["alignment"]
+    if alignment["memory"] is not None:
+        assert alignment["memory"] > 0 and alignment["offset"] > 0
+    assert probe_data_dir(str(target))["created"] is False
+
+
+def test_data_dir_follows_the_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SFSTORE_DATA_DIR", str(tmp_path / "from-env"))
+    assert probe_data_dir()["path"] == str(tmp_path / "from-env")
+    assert (tmp_path / "from-env").is_dir()
+
+
+def test_data_dir_that_cannot_be_created_is_an_error_section(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    section = probe_data_dir(str(blocker / "sub"))
+    assert section["status"] == "error" and "cannot create" in section["reason"]
+
+
+def test_nfs_section_from_sample_mounts() -> None:
+    section = probe_nfs(parse_mountinfo(SAMPLE))
+    assert section["status"] == "ok" and section["rdma_mounts"] == 1
+    rdma, tcp = section["mounts"]
+    assert (rdma["mountpoint"], rdma["source"], rdma["vers"], rdma["proto"], rdma["port"]) == (
+        "/mnt/nfs", "10.0.2.15:/export", "4.2", "rdma", 20049)
+    assert (rdma["rsize"], rdma["wsize"], rdma["nconnect"]) == (262144, 262144, 1)
+    assert (tcp["proto"], tcp["vers"], tcp["nconnect"], tcp["rsize"]) == ("tcp", "3", 8, 1 << 20)
+
+
+def test_nfs_section_absent_without_nfs_mounts() -> None:
+    section = probe_nfs(parse_mountinfo(SAMPLE.splitlines()[0]))
+    assert section == {"status": "absent", "reason": "no NFS mounts in /proc/self/mountinfo", "mounts": []}
+
+
+def test_rdma_from_sysfs(tmp_path: Path) -> None:
+    dev = tmp_path / "rxe0"
+    _write(dev / "node_guid", "5054:00ff:fe12:3456")
+    _write(dev / "node_type", "1: CA")
+    _write(dev / "parent", "eth0")
+    _write(dev / "ports" / "1" / "state", "4: ACTIVE")
+    _write(dev / "ports" / "1" / "link_layer", "Ethernet")
+    _write(dev / "ports" / "1" / "gid_attrs" / "ndevs" / "0", "eth0")
+    section = probe_rdma(sys_class=str(tmp_path), use_pyverbs=False)
+    assert section["status"] == "ok" and section["source"] == "sysfs"
+    (device,) = section["devices"]
+    assert device["name"] == "rxe0" and device["node_guid"] == "5054:00ff:fe12:3456"
+    assert device["ports"] == [{"port": 1, "state": "ACTIVE", "link_layer": "Ethernet", "active_mtu": None,
+                                "netdev": "eth0"}]
+
+
+def test_rdma_absent(tmp_path: Path) -> None:
+    section = probe_rdma(sys_class=str(tmp_path / "none"), use_pyverbs=False)
+    assert section["status"] == "absent" and section["source"] == "none" and section["devices"] == []
+    assert section["reason"]
+
+
+@pytest.mark.skipif(not _no_rdma_here(), reason="this host has RDMA devices")
+def test_rdma_absent_on_this_host() -> None:
+    section = probe_rdma()
+    assert section["status"] == "absent" and section["devices"] == []
+    assert isinstance(section["pyverbs"]["available"], bool) and section["pyverbs"]["reason"]
+
+
+def test_nvmeof_from_sysfs(tmp_path: Path) -> None:
+    cls, block = tmp_path / "class", tmp_path / "block"
+    ctrl = cls / "nvme0"
+    _write(ctrl / "transport", "rdma")
+    _write(ctrl / "address", "traddr=10.0.2.15,trsvcid=4420,src_addr=10.0.2.15")
+    _write(ctrl / "subsysnqn", "nqn.2024-01.io.sfstore:testbed")
+    _write(ctrl / "state", "live")
+    _write(ctrl / "model", "Linux")
+    (ctrl / "nvme0c0n1").mkdir()  # native multipath: the path device; the block device is nvme0n1
+    _write(block / "nvme0n1" / "size", "524288")
+    _write(block / "nvme0n1" / "queue" / "logical_block_size", "512")
+    section = probe_nvmeof(sys_class=str(cls), fabrics_dev=str(tmp_path / "nvme-fabrics"), sys_block=str(block))
+    assert section["status"] == "ok" and section["fabrics_available"] is False
+    (c,) = section["controllers"]
+    assert (c["name"], c["transport"], c["traddr"], c["trsvcid"], c["subsysnqn"], c["state"]) == (
+        "nvme0", "rdma", "10.0.2.15", "4420", "nqn.2024-01.io.sfstore:testbed", "live")
+    assert c["namespaces"] == [{"name": "nvme0n1", "device": "/dev/nvme0n1", "size_bytes": 256 << 20,
+                                "logical_block_size": 512}]
+
+
+def test_nvmeof_fabrics_without_controllers(tmp_path: Path) -> None:
+    (tmp_path / "nvme-fabrics").write_text("")
+    section = probe_nvmeof(sys_class=str(tmp_path / "none"), fabrics_dev=str(tmp_path / "nvme-fabrics"))
+    assert section == {"status": "ok", "fabrics_available": True, "controllers": []}
+
+
+def test_nvmeof_absent(tmp_path: Path) -> None:
+    section = probe_nvmeof(sys_class=str(tmp_path / "none"), fabrics_dev=str(tmp_path / "no-fabrics"))
+    assert section["status"] == "absent" and section["controllers"] == [] and section["reason"]
+
+
+def test_gds_and_gpus_report_what_is_missing() -> None:
+    gds, gpus = probe_gds(), probe_gpus()
+    assert gds["status"] in ("ok", "compat", "absent")
+    assert set(gds) >= {"cufile", "nvidia_fs", "kvikio"}
+    assert gpus["status"] in ("ok", "absent", "error") and isinstance(gpus["count"], int)
+    if gpus["status"] == "ok":
+        assert gpus["count"] == len(gpus["devices"]) > 0
+    else:
+        assert gpus["reason"] and gpus["devices"] == []
+
+
+def test_gpus_absent_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(probe_mod, "_load", lambda names: (None, "libcuda.so.1: not found"))
+    assert probe_gpus() == {"status": "absent", "reason": "no CUDA driver: libcuda.so.1: not found", "count": 0,
+                            "devices": []}
+
+
+def test_missing_engine_and_buffers_modules_degrade(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "sfstore.engine", None)  # makes `import sfstore.engine` fail
+    monkeypatch.setitem(sys.modules, "sfstore.buffers", None)
+    engine = probe_engine()
+    assert engine["status"] == "unavailable" and "sfstore.engine" in engine["reason"]
+    memory = probe_memory()
+    assert memory["status"] == "unavailable" and "memlock_soft" in memory
+    data = probe_data_dir(str(tmp_path))
+    assert data["status"] == "ok" and data["alignment"]["memory"] is None and data["alignment"]["reason"]
+
+
+def test_a_failing_section_does_not_stop_the_others(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def boom() -> dict[str, Any]:
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setattr(probe_mod, "probe_gds", boom)
+    report = probe(data_dir=str(tmp_path))
+    assert report["gds"] == {"status": "error", "reason": "RuntimeError: driver exploded"}
+    assert report["system"]["status"] == "ok" and report["data_dir"]["status"] == "ok"
+
+
+def test_table_lists_every_section_with_aligned_columns() -> None:
+    report = {
+        "system": {"status": "ok", "kernel": "6.1", "python": "3.11"},
+        "nfs": probe_nfs(parse_mountinfo(SAMPLE)),
+        "gpus": {"status": "absent", "reason": "no CUDA driver", "count": 0, "devices": []},
+    }
+    lines = format_table(report).splitlines()
+    assert lines[0] == "system  ok"
+    assert lines[1:3] == ["    kernel  6.1", "    python  3.11"]
+    assert lines[3] == "nfs     ok"
+    header, rdma, tcp = lines[4:7]
+    assert header.split() == ["MOUNTPOINT", "SERVER:EXPORT", "VERS", "PROTO", "RSIZE", "WSIZE", "NCONNECT", "PORT"]
+    assert rdma.split() == ["/mnt/nfs", "10.0.2.15:/export", "4.2", "rdma", "262144", "262144", "1", "20049"]
+    assert tcp.split()[3] == "tcp"
+    assert header.index("PROTO") == rdma.index("rdma") == tcp.index("tcp")
+    assert lines[7] == "gpus    absent  (no CUDA driver)"
+
+
+# ---- the command
+
+
+def _cli(*args: str, data_dir: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, SFSTORE_DATA_DIR=str(data_dir), PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "sfstore.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=120, check=False)
+
+
+def test_cli_probe_json(tmp_path: Path) -> None:
+    result = _cli("probe", "--json", data_dir=tmp_path / "d")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report) == set(SECTIONS)
+    assert all(report[s]["status"] in STATUSES for s in SECTIONS)
+    assert report["data_dir"]["path"] == str(tmp_path / "d") and (tmp_path / "d").is_dir()
+    if _no_rdma_here():
+        assert report["rdma"]["status"] == "absent"
+    if _no_nvme_here():
+        assert report["nvmeof"]["status"] == "absent"
+    if report["nfs"]["mounts"] == []:
+        assert report["nfs"]["status"] == "absent"
+
+
+def test_cli_probe_table(tmp_path: Path) -> None:
+    result = _cli("probe", data_dir=tmp_path)
+    assert result.returncode == 0, result.stderr
+    starts = [line.split()[0] for line in result.stdout.splitlines() if line and not line.startswith(" ")]
+    assert starts == list(SECTIONS)
+
+
+def test_cli_probe_data_dir_option(tmp_path: Path) -> None:
+    result = _cli("probe", "--json", "--data-dir", str(tmp_path / "opt"), data_dir=tmp_path / "env")
+    assert json.loads(result.stdout)["data_dir"]["path"] == str(tmp_path / "opt")
+
+
+def test_cli_version_and_usage(tmp_path: Path) -> None:
+    result = _cli("--version", data_dir=tmp_path)
+    assert result.returncode == 0 and result.stdout.strip() == f"sfstore {sfstore.__version__}"
+    result = _cli(data_dir=tmp_path)
+    assert result.returncode == 2 and "probe" in result.stderr
+    result = _cli("frobnicate", data_dir=tmp_path)
+    assert result.returncode == 2
+
+
+def test_cli_main_in_process(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from sfstore.cli import main
+
+    assert main(["probe", "--json", "--data-dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["data_dir"]["path"] == str(tmp_path)
