@@ -32,6 +32,9 @@ __all__ = [
     "as_buffer",
     "memory_capabilities",
     "native_available",
+    "is_device_buffer",
+    "device_nbytes",
+    "copy_host_to_device",
 ]
 
 try:
@@ -206,6 +209,51 @@ def as_buffer(obj: Any) -> Any:
 
         return np.from_dlpack(obj)
     raise TypeError(f"{type(obj).__name__} exports neither the buffer protocol nor DLPack")
+
+
+_DL_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+def is_device_buffer(obj: Any) -> bool:
+    """Whether ``obj`` lives in GPU memory (a CUDA torch tensor, a cupy array, any CUDA DLPack producer)."""
+    if hasattr(obj, "__cuda_array_interface__"):
+        return True
+    if type(obj).__module__.startswith("torch"):
+        return bool(getattr(obj, "is_cuda", False))
+    dev = getattr(obj, "__dlpack_device__", None)
+    if dev is not None:
+        try:
+            return int(dev()[0]) in _DL_CUDA_DEVICES
+        except Exception:
+            return False
+    return False
+
+
+def device_nbytes(obj: Any) -> int:
+    """Size in bytes of a GPU buffer (torch CUDA tensor or cupy array)."""
+    if type(obj).__module__.startswith("torch"):
+        return int(obj.numel() * obj.element_size())
+    return int(obj.nbytes)
+
+
+def copy_host_to_device(dst: Any, dst_offset: int, src: Any) -> None:
+    """Copy the host bytes ``src`` into the GPU buffer ``dst`` at byte ``dst_offset`` (synchronous).
+
+    ``src`` is page-locked (a registered buffer) for full-speed copies. torch CUDA tensors and cupy arrays
+    (contiguous) are supported.
+    """
+    n = memoryview(src).nbytes
+    if type(dst).__module__.startswith("torch"):
+        import torch
+
+        flat = dst.detach().reshape(-1).view(torch.uint8)
+        flat[dst_offset : dst_offset + n].copy_(torch.frombuffer(src, dtype=torch.uint8, count=n))
+        return
+    import cupy
+    import numpy as np
+
+    flat = cupy.asarray(dst).reshape(-1).view(cupy.uint8)
+    flat[dst_offset : dst_offset + n].set(np.frombuffer(src, dtype=np.uint8, count=n))
 
 
 def _read_meminfo(key: str) -> int | None:

@@ -124,6 +124,12 @@ _SETTINGS_LIST = [
     Setting("bounce_buffer_size", "size", 1 << 20,
             "Size of each engine bounce buffer; misaligned buffers move in pieces of this size.", minimum=4096),
     Setting("buffer_size", "size", 8 << 20, "Default size of a registered buffer in a pool.", minimum=4096),
+    Setting("file_chunk_size", "size", 0,
+            "Bytes per request when the file path moves a large file; 0: from the mount (a few NFS `rsize`, "
+            "8 MiB on a local filesystem).", minimum=0),
+    Setting("file_parallelism", "int", 0,
+            "Requests the file path keeps in flight; 0: from the mount (16, or 16 per NFS `nconnect`, at most "
+            "64).", minimum=0),
     Setting("huge_pages", "choice", "auto",
             "Back pool buffers of 2 MiB multiples with huge pages: `auto` (hugetlbfs pages if reserved, "
             "else transparent huge pages), `on` (fail without hugetlbfs pages) or `off`.",

@@ -201,7 +201,7 @@ def fetch(what: str, cmd: Sequence[str | Path], log: TextIO, tries: int = 3, bef
 
 
 def default_mirror() -> str:
-    """The Debian mirror: ``$SFSTORE_TESTBED_MIRROR``, else the host's apt source, else deb.debian.org."""
+    """The Debian mirror: ``$SFSTORE_TESTBED_MIRROR``, else the host's own apt source."""
     env = os.environ.get("SFSTORE_TESTBED_MIRROR")
     if env:
         return env
@@ -210,7 +210,13 @@ def default_mirror() -> str:
         for line in sources.read_text().splitlines():
             if line.startswith("URIs:") and "security" not in line:
                 return line.split()[1]
-    return "http://deb.debian.org/debian"
+    legacy = Path("/etc/apt/sources.list")
+    if legacy.exists():
+        for line in legacy.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[0] == "deb" and "security" not in line:
+                return parts[1]
+    raise SystemExit("testbed: no Debian mirror found in the host's apt sources; set SFSTORE_TESTBED_MIRROR")
 
 
 def default_python() -> str:

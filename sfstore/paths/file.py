@@ -1,0 +1,698 @@
+"""FilePath: a directory on a mount — NFS over RDMA on a cluster, any POSIX filesystem elsewhere.
+
+The mount under the root decides how data moves. ``/proc/self/mountinfo`` says whether it is NFS (v3/v4.x)
+with ``proto=rdma`` (the direct path) or ``proto=tcp``, with which ``rsize``/``wsize``/``nconnect``, or a local
+filesystem; the chunk size and the number of chunks in flight follow from it (and can be set). Large files
+move as parallel aligned chunks through the I/O engine straight into the caller's buffer; many small files
+move in one pipelined batch (open, read, close overlap); whole-file writes are published atomically (written to
+a temporary name in the same directory, fsynced when asked, renamed into place).
+
+Paths are relative to the root (``"a/b.bin"``); an absolute path is accepted only inside the root. ``..``
+that climbs out, absolute paths elsewhere and symlinks that point out are refused with
+:class:`~sfstore.errors.PathEscapeError` (a ``PermissionError``).
+
+Alignment and performance: O_DIRECT moves data without a page-cache copy when the caller's buffer is aligned
+to the filesystem's O_DIRECT memory alignment (registered buffers always are; ``numpy`` arrays usually are
+not); a misaligned buffer still works, through the engine's bounce buffers, at the cost of one copy.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sfstore import defaults, errors
+from sfstore.buffers import as_buffer, copy_host_to_device, is_device_buffer
+from sfstore.engine import IOEngine, IOFuture, Request, describe_engines, get_engine, open_fd
+from sfstore.mounts import MountInfo, mount_for
+from sfstore.paths.base import StoragePath
+
+__all__ = ["FilePath", "MountFacts", "AtomicWriter", "ReadFuture"]
+
+MiB = 1 << 20
+_TMP_MARK = ".sfstore-tmp-"
+
+
+@dataclass(frozen=True)
+class MountFacts:
+    """What the mount under a root is, and what follows from it."""
+
+    mountpoint: str
+    fstype: str
+    source: str
+    transport: str  # "rdma" | "tcp" | "local"
+    nfs_version: str | None = None
+    rsize: int | None = None
+    wsize: int | None = None
+    nconnect: int | None = None
+
+    @classmethod
+    def from_mount(cls, m: MountInfo) -> MountFacts:
+        def num(name: str) -> int | None:
+            v = m.option(name)
+            return int(v) if v and v.isdigit() else None
+
+        if not m.is_nfs:
+            return cls(m.mountpoint, m.fstype, m.source, "local")
+        version = m.option("vers") or ("4" if m.fstype == "nfs4" else "3")
+        return cls(m.mountpoint, m.fstype, m.source, m.transport, version, num("rsize"), num("wsize"), num("nconnect"))
+
+    def default_chunk_size(self) -> int:
+        """Bytes per request: a few NFS ``rsize`` (so each request is several RPCs in flight), 8 MiB locally."""
+        if self.transport == "local":
+            return 8 * MiB
+        rsize = self.rsize or MiB
+        return max(MiB, min(16 * MiB, 4 * rsize))
+
+    def default_parallelism(self) -> int:
+        """Requests in flight: 16 locally; on NFS 16 per connection (``nconnect``), at most 64."""
+        if self.transport == "local":
+            return 16
+        return min(64, 16 * (self.nconnect or 1))
+
+
+class ReadFuture:
+    """The pending result of :meth:`FilePath.read_into_async`: ``get()`` returns the bytes read."""
+
+    def __init__(self, path: FilePath, fd: int, future: IOFuture, requests: int, after: Any = None) -> None:
+        self._path, self._fd, self._future, self._requests, self._after = path, fd, future, requests, after
+        self._result: int | None = None
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._future.wait(timeout)
+
+    def get(self, timeout: float | None = None) -> int:
+        """Bytes read (fewer than asked only at end of file); raises the typed error of a failed chunk."""
+        with self._lock:
+            if self._result is not None:
+                return self._result
+            try:
+                got = self._path._finish(self._future, self._requests, timeout, files=1)
+                total = sum(got)
+                if self._after is not None:
+                    self._after(total)
+            finally:
+                if self._future.done():
+                    self._close()
+            self._result = total
+            return total
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        if self._fd >= 0 and self._future.done():
+            self._close()
+
+
+class FilePath(StoragePath):
+    """A directory on a mount, read and written through the I/O engine.
+
+    Parameters
+    ----------
+    root : str or os.PathLike
+        The directory; created if missing (``create=True``).
+    engine : IOEngine, optional
+        Default: ``get_engine(queue_depth=parallelism)``.
+    direct : {"auto", "on", "off"}, optional
+        O_DIRECT use (default: the ``direct_io`` setting). ``auto`` uses it where the filesystem allows it and
+        reports a fallback where it does not.
+    chunk_size, parallelism : int, optional
+        Bytes per request and requests in flight (defaults: the ``file_chunk_size``/``file_parallelism``
+        settings, or, where those are 0, what the mount suggests: see :class:`MountFacts`).
+    """
+
+    kind = "file"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        engine: IOEngine | None = None,
+        direct: str | None = None,
+        chunk_size: int | None = None,
+        parallelism: int | None = None,
+        create: bool = True,
+    ) -> None:
+        super().__init__()
+        raw = os.path.abspath(os.path.expanduser(os.fspath(root)))
+        if create:
+            os.makedirs(raw, exist_ok=True)
+        elif not os.path.isdir(raw):
+            raise errors.os_error(errno.ENOENT, "FilePath root is not a directory", raw)
+        self.root = os.path.realpath(raw)
+        self.mount = MountFacts.from_mount(mount_for(self.root))
+        self.chunk_size = int(chunk_size or defaults.get("file_chunk_size") or self.mount.default_chunk_size())
+        self.parallelism = int(parallelism or defaults.get("file_parallelism") or self.mount.default_parallelism())
+        self._engine = engine
+        self._direct_mode = defaults.SETTINGS["direct_io"].parse(direct, "FilePath") if direct else None
+        self.direct = self._probe_direct()
+        if self.mount.transport == "tcp":
+            self.fallbacks.append(f"NFS over TCP ({self.mount.source}, proto=tcp): this mount has no RDMA")
+        elif self.mount.transport == "local":
+            self.fallbacks.append(
+                f"local {self.mount.fstype} filesystem at {self.mount.mountpoint}: no NFS over RDMA configured"
+            )
+
+    # -- what it is ------------------------------------------------------------------------------------------
+
+    @property
+    def transport(self) -> str:
+        return self.mount.transport
+
+    @property
+    def supports_direct_io(self) -> bool:
+        return self.direct
+
+    @property
+    def engine(self) -> IOEngine:
+        """The I/O engine (made on first use, so a forked child makes its own)."""
+        if self._engine is None or self._engine.closed:
+            self._engine = get_engine(queue_depth=self.parallelism)
+        return self._engine
+
+    def describe(self) -> dict[str, Any]:
+        engines = describe_engines()
+        fallbacks = list(self.fallbacks)
+        if engines.get("selected") != "uring":
+            fallbacks.append(f"I/O engine {engines.get('selected')}: {engines.get('why')}")
+        return {
+            "kind": self.kind,
+            "root": self.root,
+            "transport": self.transport,
+            "mount": asdict(self.mount),
+            "direct_io": self.direct,
+            "chunk_size": self.chunk_size,
+            "parallelism": self.parallelism,
+            "engine": engines.get("selected"),
+            "fallbacks": fallbacks,
+            "counters": self.counters.snapshot(),
+        }
+
+    def _probe_direct(self) -> bool:
+        mode = self._direct_mode or defaults.get("direct_io")
+        if mode == "off":
+            self.fallbacks.append("O_DIRECT off by setting (direct_io=off): page-cache I/O")
+            return False
+        probe = os.path.join(self.root, f"{_TMP_MARK}probe-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            fd, direct = open_fd(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, direct=mode)
+        except errors.SfstoreOSError as exc:
+            if mode == "on":
+                raise
+            self.fallbacks.append(f"cannot probe O_DIRECT in {self.root}: {exc}")
+            return False
+        os.close(fd)
+        os.unlink(probe)
+        if not direct:
+            self.fallbacks.append(f"{self.mount.fstype} at {self.mount.mountpoint} refuses O_DIRECT: page-cache I/O")
+        return direct
+
+    # -- names -----------------------------------------------------------------------------------------------
+
+    def resolve(self, path: str | os.PathLike[str]) -> str:
+        """The absolute path of ``path`` (relative to the root, or absolute inside it), symlinks resolved.
+
+        Raises :class:`~sfstore.errors.PathEscapeError` when the result would leave the root.
+        """
+        text = os.fspath(path)
+        if "\x00" in text:
+            raise errors.PathEscapeError(f"path {text!r} contains a NUL byte")
+        candidate = text if os.path.isabs(text) else os.path.join(self.root, text)
+        real = os.path.realpath(candidate)
+        if real != self.root and not real.startswith(self.root + os.sep):
+            raise errors.PathEscapeError(f"path {text!r} resolves to {real}, outside the root {self.root}")
+        return real
+
+    def relative(self, full: str) -> str:
+        """The root-relative name of an absolute path inside the root (``""`` for the root)."""
+        rel = os.path.relpath(full, self.root)
+        return "" if rel == "." else rel
+
+    # -- reads -----------------------------------------------------------------------------------------------
+
+    def _open(self, full: str, flags: int) -> tuple[int, bool]:
+        try:
+            return open_fd(full, flags, direct=self.direct)
+        except errors.SfstoreOSError:
+            self.counters.add(errors=1)
+            raise
+
+    def _finish(self, fut: IOFuture, requests: int, timeout: float | None = None, files: int = 0) -> list[int]:
+        try:
+            got = fut.get(timeout)
+        except errors.SfstoreOSError:
+            self.counters.add(errors=1, requests=requests)
+            raise
+        direct, bounced = fut.transferred()
+        self.counters.add(requests=requests, files=files, bytes_direct=direct, bytes_bounced=bounced)
+        return got
+
+    def _chunks(self, fd: int, offset: int, length: int, view: Any, buffer_offset: int, write: bool) -> list[Request]:
+        make = Request.write if write else Request.read
+        step = self.chunk_size
+        return [
+            make(fd, offset + pos, min(step, length - pos), view, buffer_offset + pos) for pos in range(0, length, step)
+        ]
+
+    def size(self, path: str | os.PathLike[str]) -> int:
+        """Size in bytes of the file at ``path``."""
+        full = self.resolve(path)
+        try:
+            return os.stat(full).st_size
+        except OSError as exc:
+            self.counters.add(errors=1)
+            raise errors.os_error(exc.errno or errno.EIO, "stat", full) from None
+
+    def read_into_async(
+        self, path: str | os.PathLike[str], buffer: Any, offset: int = 0, length: int | None = None
+    ) -> ReadFuture:
+        """Start reading ``path`` from ``offset`` into ``buffer``; :meth:`ReadFuture.get` returns the bytes read.
+
+        ``buffer`` is anything with the buffer protocol or a CPU DLPack/torch tensor (written in place, no
+        intermediate ``bytes``); ``length`` defaults to the buffer's size, and the read stops early at end of
+        file. The file is read as ``chunk_size`` requests, ``parallelism`` in flight. A GPU buffer (cupy, torch
+        CUDA) is filled through pinned bounce buffers (the device path, where there is one, avoids the copy).
+        """
+        if offset < 0 or (length is not None and length < 0):
+            raise errors.InvalidRequestError(f"negative offset or length ({offset}, {length})")
+        full = self.resolve(path)
+        if is_device_buffer(buffer):
+            return self._read_into_device(full, buffer, offset, length)
+        view = as_buffer(buffer)
+        nbytes = memoryview(view).nbytes
+        want = nbytes if length is None else length
+        if want > nbytes:
+            raise errors.BufferTooSmallError(f"a buffer of {nbytes} bytes cannot hold {want} bytes of {full}")
+        fd, _ = self._open(full, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            n = max(0, min(want, size - offset))
+            reqs = self._chunks(fd, offset, n, view, 0, write=False)
+            fut = self.engine.submit(reqs)
+        except BaseException:
+            os.close(fd)
+            raise
+        return ReadFuture(self, fd, fut, len(reqs), after=lambda total: self.counters.add(bytes_read=total))
+
+    def read_into(
+        self, path: str | os.PathLike[str], buffer: Any, offset: int = 0, length: int | None = None
+    ) -> int:
+        """Read ``path`` from ``offset`` into ``buffer``; return the bytes read (see :meth:`read_into_async`)."""
+        return self.read_into_async(path, buffer, offset, length).get()
+
+    def read(self, path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> bytes:
+        """The bytes of ``path`` from ``offset`` (to the end, or ``length`` bytes), read straight into the
+        returned ``bytes`` object."""
+        full = self.resolve(path)
+        size = self.size(full)
+        n = max(0, size - offset) if length is None else max(0, min(length, size - offset))
+        data, view = _bytes_for_filling(n)
+        got = self.read_into(full, view, offset, n)
+        view.release()
+        return _as_bytes(data, got)
+
+    def read_ranges_into(
+        self, path: str | os.PathLike[str], ranges: Sequence[tuple[int, int, Any, int]]
+    ) -> list[int]:
+        """Read several ``(offset, length, buffer, buffer_offset)`` ranges of one file in one batch.
+
+        Returns the bytes read per range (short only at end of file).
+        """
+        full = self.resolve(path)
+        fd, _ = self._open(full, os.O_RDONLY)
+        try:
+            reqs: list[Request] = []
+            owner: list[int] = []
+            for i, (off, length, buf, boff) in enumerate(ranges):
+                chunk = self._chunks(fd, off, length, as_buffer(buf), boff, write=False)
+                reqs.extend(chunk)
+                owner.extend([i] * len(chunk))
+            got = self._finish(self.engine.submit(reqs), len(reqs), files=1)
+        finally:
+            os.close(fd)
+        out = [0] * len(ranges)
+        for i, n in zip(owner, got, strict=True):
+            out[i] += n
+        self.counters.add(bytes_read=sum(got))
+        return out
+
+    def read_many(
+        self, paths: Iterable[str | os.PathLike[str]], *, on_error: str = "raise", window: int = 256
+    ) -> list[bytes | BaseException]:
+        """Read many (small) files whole, pipelined: the next ``window`` files open while these are read.
+
+        Returns one ``bytes`` per path, in order. ``on_error="raise"`` raises the first error (typed, e.g.
+        :class:`~sfstore.errors.PathNotFoundError`); ``"return"`` puts the exception in that path's place.
+        """
+        if on_error not in ("raise", "return"):
+            raise errors.InvalidRequestError(f"on_error must be 'raise' or 'return', not {on_error!r}")
+        names = list(paths)
+        out: list[bytes | BaseException] = [b""] * len(names)
+        pending: _Group | None = None
+        try:
+            for start in range(0, len(names), max(1, window)):
+                group = self._open_group(names, start, min(len(names), start + window), out, on_error)
+                if pending is not None:
+                    self._finish_group(pending, out, on_error)
+                pending = group
+            if pending is not None:
+                group, pending = pending, None
+                self._finish_group(group, out, on_error)
+        finally:
+            if pending is not None:
+                pending.close()
+        return out
+
+    def _open_group(
+        self, names: list[Any], start: int, stop: int, out: list[bytes | BaseException], on_error: str
+    ) -> _Group:
+        group = _Group()
+        try:
+            reqs: list[Request] = []
+            for i in range(start, stop):
+                try:
+                    full = self.resolve(names[i])
+                    fd, _ = self._open(full, os.O_RDONLY)
+                except errors.SfstoreError as exc:
+                    if on_error == "raise":
+                        raise
+                    out[i] = exc
+                    continue
+                group.fds.append(fd)
+                size = os.fstat(fd).st_size
+                data, view = _bytes_for_filling(size)
+                chunk = self._chunks(fd, 0, size, view, 0, write=False)
+                group.items.append((i, data, view, len(reqs), len(chunk), size))
+                reqs.extend(chunk)
+            group.requests = len(reqs)
+            group.future = self.engine.submit(reqs)
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    def _finish_group(self, group: _Group, out: list[bytes | BaseException], on_error: str) -> None:
+        try:
+            assert group.future is not None
+            results = group.future.results()
+            direct, bounced = group.future.transferred()
+            self.counters.add(
+                requests=group.requests, files=len(group.items), bytes_direct=direct, bytes_bounced=bounced
+            )
+            for i, data, view, first, count, _size in group.items:
+                view.release()
+                got = results[first : first + count]
+                bad = next((r for r in got if r < 0), None)
+                if bad is not None:
+                    exc = group.future.error_for(first + got.index(bad), -bad)
+                    self.counters.add(errors=1)
+                    if on_error == "raise":
+                        raise exc
+                    out[i] = exc
+                    continue
+                n = sum(got)
+                self.counters.add(bytes_read=n)
+                out[i] = _as_bytes(data, n)
+        finally:
+            group.close()
+
+    def _read_into_device(self, full: str, buffer: Any, offset: int, length: int | None) -> ReadFuture:
+        # No device path yet: read into pinned registered buffers and copy each to the GPU.
+        from sfstore.buffers import RegisteredBufferPool, device_nbytes
+
+        if "GPU buffers through pinned bounce buffers" not in " ".join(self.fallbacks):
+            self.fallbacks.append("GPU buffers through pinned bounce buffers: no GPU-direct path here")
+        nbytes = device_nbytes(buffer)
+        want = nbytes if length is None else length
+        if want > nbytes:
+            raise errors.BufferTooSmallError(f"a buffer of {nbytes} bytes cannot hold {want} bytes of {full}")
+        size = self.size(full)
+        n = max(0, min(want, size - offset))
+        total = 0
+        with RegisteredBufferPool(self.chunk_size) as pool:
+            host = pool.acquire()
+            try:
+                for pos in range(0, n, self.chunk_size):
+                    step = min(self.chunk_size, n - pos)
+                    got = self.read_into(full, host[0:step], offset + pos, step)
+                    copy_host_to_device(buffer, pos, host[0:got])
+                    total += got
+                    self.counters.add(bytes_bounced=got)
+                    if got < step:
+                        break
+            finally:
+                host.release()
+        return _DoneRead(total)  # type: ignore[return-value]
+
+    # -- writes ----------------------------------------------------------------------------------------------
+
+    def _temp_name(self, full: str) -> str:
+        head, tail = os.path.split(full)
+        return os.path.join(head, f".{tail}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(6)}")
+
+    def write(
+        self, path: str | os.PathLike[str], data: Any, *, fsync: bool = False, overwrite: bool = True
+    ) -> int:
+        """Write ``data`` as the whole content of ``path``, atomically; return the bytes written.
+
+        The bytes go to a temporary name in the same directory (O_DIRECT where possible, ``chunk_size``
+        requests in parallel), are fsynced when ``fsync`` is true, then renamed over ``path`` (and the
+        directory fsynced), so readers see the old content or the new, never a part. ``overwrite=False``
+        refuses an existing file with :class:`~sfstore.errors.PathExistsError`.
+        """
+        with self.open_writer(path, fsync=fsync, overwrite=overwrite) as w:
+            w.write(data)
+        return w.size
+
+    def open_writer(
+        self, path: str | os.PathLike[str], *, fsync: bool = False, overwrite: bool = True
+    ) -> AtomicWriter:
+        """A writer that publishes ``path`` atomically on :meth:`AtomicWriter.close` (discarded on error)."""
+        full = self.resolve(path)
+        if os.path.isdir(full):
+            raise errors.os_error(errno.EISDIR, "cannot write a file over a directory", full)
+        if not overwrite and os.path.lexists(full):
+            raise errors.os_error(errno.EEXIST, "refusing to overwrite", full)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        return AtomicWriter(self, full, fsync=fsync, overwrite=overwrite)
+
+    def _publish(self, tmp: str, full: str, fsync: bool, overwrite: bool) -> None:
+        if overwrite:
+            os.replace(tmp, full)
+        else:
+            try:
+                os.link(tmp, full)  # fails if full appeared meanwhile: no silent overwrite
+            except OSError as exc:
+                os.unlink(tmp)
+                raise errors.os_error(exc.errno or errno.EEXIST, "refusing to overwrite", full) from None
+            os.unlink(tmp)
+        if fsync:
+            fsync_dir(os.path.dirname(full))
+
+    def clean_stale_temporaries(self, directory: str | os.PathLike[str] = "") -> int:
+        """Remove temporary files that crashed writers left in ``directory``; return how many."""
+        full = self.resolve(directory)
+        removed = 0
+        for entry in os.scandir(full):
+            if _TMP_MARK in entry.name and entry.is_file(follow_symlinks=False):
+                pid = _tmp_pid(entry.name)
+                if pid is not None and pid != os.getpid() and _pid_alive(pid):
+                    continue
+                os.unlink(entry.path)
+                removed += 1
+        return removed
+
+    def is_temporary(self, name: str) -> bool:
+        """Whether ``name`` is one of sfstore's in-progress temporary files (hidden from listings)."""
+        return _TMP_MARK in os.path.basename(name)
+
+
+class AtomicWriter:
+    """Streams bytes into a temporary file through the engine and publishes it atomically on close.
+
+    Writes are buffered into ``chunk_size`` pieces and written in the background, up to ``parallelism``
+    pieces in flight. :meth:`close` writes the rest, fsyncs when asked and renames into place; :meth:`discard`
+    (or an exception inside ``with``) removes the temporary file and leaves any old content in place.
+    """
+
+    def __init__(self, fp: FilePath, full: str, *, fsync: bool, overwrite: bool) -> None:
+        self._fp, self.path, self._fsync, self._overwrite = fp, full, fsync, overwrite
+        self._tmp = fp._temp_name(full)
+        self._fd, _ = fp._open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        self._pending: list[tuple[IOFuture, int, bytearray | None]] = []
+        self._buf = bytearray()
+        self.size = 0  # bytes accepted so far
+        self._written = 0  # file offset of the next piece
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        """Accept ``data`` (bytes-like, numpy, CPU tensor); return its length."""
+        if self.closed:
+            raise errors.InvalidRequestError(f"write to a closed writer of {self.path}")
+        view = memoryview(as_buffer(data)).cast("B")
+        n = view.nbytes
+        step = self._fp.chunk_size
+        if not self._buf and n >= step:
+            # Large writes go straight from the caller's memory; it must stay unchanged until they finish,
+            # so wait for them before returning.
+            whole = n - n % step
+            reqs = self._fp._chunks(self._fd, self._written, whole, view, 0, write=True)
+            self._fp._finish(self._fp.engine.submit(reqs), len(reqs))
+            self._written += whole
+            view = view[whole:]
+        if view.nbytes:
+            self._buf += view
+            while len(self._buf) >= step:
+                piece = bytearray(self._buf[:step])
+                del self._buf[:step]
+                self._submit(piece)
+        self.size += n
+        self._fp.counters.add(bytes_written=n)
+        return n
+
+    def _submit(self, piece: bytearray) -> None:
+        reqs = [Request.write(self._fd, self._written, len(piece), piece)]
+        self._pending.append((self._fp.engine.submit(reqs), len(reqs), piece))
+        self._written += len(piece)
+        while len(self._pending) >= self._fp.parallelism:
+            fut, count, _ = self._pending.pop(0)
+            self._fp._finish(fut, count)
+
+    def _drain(self) -> None:
+        while self._pending:
+            fut, count, _ = self._pending.pop(0)
+            self._fp._finish(fut, count)
+
+    def close(self) -> None:
+        """Write what is buffered, fsync if asked, and publish the file under its name."""
+        if self.closed:
+            return
+        try:
+            if self._buf:
+                self._submit(self._buf)
+                self._buf = bytearray()
+            self._drain()
+            if self._fsync:
+                os.fsync(self._fd)
+        except BaseException:
+            self.discard()
+            raise
+        os.close(self._fd)
+        self.closed = True
+        self._fp.counters.add(files=1)
+        self._fp._publish(self._tmp, self.path, self._fsync, self._overwrite)
+
+    def discard(self) -> None:
+        """Drop everything written; the old content of the path (if any) stays."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            for fut, _, _ in self._pending:
+                fut.wait()
+            self._pending = []
+        finally:
+            os.close(self._fd)
+            try:
+                os.unlink(self._tmp)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> AtomicWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
+
+
+class _Group:
+    """Files of one :meth:`FilePath.read_many` window: descriptors, destination bytes, the batch future."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.items: list[tuple[int, bytes | bytearray, memoryview, int, int, int]] = []
+        self.future: IOFuture | None = None
+        self.requests = 0
+
+    def close(self) -> None:
+        if self.future is not None:
+            self.future.wait()
+        for _, _, view, _, _, _ in self.items:
+            view.release()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+class _DoneRead:
+    """A :class:`ReadFuture` stand-in for reads already finished (the GPU bounce path)."""
+
+    def __init__(self, total: int) -> None:
+        self._total = total
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def get(self, timeout: float | None = None) -> int:
+        return self._total
+
+
+def _bytes_for_filling(n: int) -> tuple[bytes | bytearray, memoryview]:
+    """A buffer of ``n`` bytes to read into, and a writable view of it: an uninitialised ``bytes`` (no copy
+    when handed out) where the native helper is built, else a ``bytearray`` (:func:`_as_bytes` copies it)."""
+    try:
+        from sfstore import _native
+    except ImportError:
+        buf = bytearray(n)
+        return buf, memoryview(buf)
+    return _native.bytes_for_filling(n)
+
+
+def _as_bytes(data: bytes | bytearray, n: int) -> bytes:
+    if isinstance(data, bytes) and len(data) == n:
+        return data
+    return bytes(memoryview(data)[:n])
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory, so a rename or create inside it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_pid(name: str) -> int | None:
+    tail = name.split(_TMP_MARK, 1)[1]
+    head = tail.split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
