@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sfstore.router import Router
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "open"]
+
+
+def open(config: Any = None) -> Router:
+    """Read the configuration and return the :class:`~sfstore.router.Router` (see :mod:`sfstore.router`)."""
+    from sfstore.router import Router
+
+    return Router(config)

@@ -1,0 +1,257 @@
+"""The router: one ``sfstore.open()`` that maps each data class to its direct path, and says why.
+
+Data classes: ``dataset`` and ``checkpoint`` (file path: NFS over RDMA on a cluster), ``hot`` (block path:
+NVMe over RDMA) and ``kvcache`` (device path: GPU-direct storage). Paths not built yet are reported as
+such by :meth:`Router.describe`; asking for them raises :class:`~sfstore.errors.NotSupportedOnHostError`.
+
+Configuration, first found wins for each value: the ``config`` argument, ``SFSTORE_*`` variables, the config
+file, the defaults. The config file is ``config`` when it is a path, else ``$SFSTORE_CONFIG``, else
+``./sfstore.toml``, else ``$XDG_CONFIG_HOME/sfstore/sfstore.toml`` (``~/.config/...``)::
+
+    root = "/mnt/nfs-rdma/ai"         # file-path root for every file-backed class (SFSTORE_ROOT)
+
+    [settings]                         # any sfstore.defaults setting by name, for this process
+    queue_depth = 64                   # (a SFSTORE_* variable that is set still wins)
+
+    [classes.dataset]
+    path = "file"                      # the only path for dataset/checkpoint until more land
+    root = "/mnt/nfs-rdma/datasets"    # optional: overrides `root` for this class
+
+    [classes.checkpoint]
+    path = "file"
+    subdir = "checkpoints"             # optional: a directory under `root`
+
+Without any configuration the root is the embedded default data directory (``SFSTORE_DATA_DIR``): datasets
+live at the root itself (what ``sf://`` shows), checkpoints under ``<root>/checkpoints``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from sfstore import defaults, errors
+from sfstore.paths.base import StoragePath
+from sfstore.paths.file import FilePath
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["Router", "open", "DATA_CLASSES", "find_config"]
+
+DATA_CLASSES = ("dataset", "checkpoint", "hot", "kvcache")
+
+# Where each class goes, and which paths it may use, until configured otherwise.
+_DEFAULT_PATH = {"dataset": "file", "checkpoint": "file", "hot": "block", "kvcache": "device"}
+_ALLOWED = {"dataset": ("file",), "checkpoint": ("file",), "hot": ("block", "file"), "kvcache": ("device", "file")}
+_DEFAULT_SUBDIR = {"dataset": "", "checkpoint": "checkpoints", "hot": "hot", "kvcache": "kvcache"}
+_BUILT = {"file"}  # paths that exist in this version
+_PENDING = {
+    "block": "the block path (NVMe over RDMA) is not built yet",
+    "device": "the device path (GPU-direct storage) is not built yet",
+}
+_TOP_KEYS = {"root", "data_dir", "settings", "classes"}
+_CLASS_KEYS = {"path", "root", "subdir"}
+
+
+def find_config(config: str | os.PathLike[str] | None = None) -> str | None:
+    """The config file that applies: ``config``, ``$SFSTORE_CONFIG``, ``./sfstore.toml`` or the user's."""
+    if config is not None:
+        return os.fspath(config)
+    env = os.environ.get("SFSTORE_CONFIG")
+    if env:
+        return env
+    if os.path.isfile("sfstore.toml"):
+        return os.path.abspath("sfstore.toml")
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    user = os.path.join(base, "sfstore", "sfstore.toml")
+    return user if os.path.isfile(user) else None
+
+
+def _load(path: str) -> dict[str, Any]:
+    try:
+        with builtins.open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise errors.ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise errors.ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise errors.ConfigError(f"config file {path} cannot be read: {exc}") from None
+
+
+def _expect(source: str, key: str, value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise errors.ConfigError(f"{source}: key {key!r} must be {what}, not {value!r}")
+    return value
+
+
+class Router:
+    """Maps data classes to paths. Made by :func:`open`; see the module docs for the configuration.
+
+    Attributes
+    ----------
+    config_file : str or None
+        The config file read, if any.
+    root : str
+        The file-path root (``SFSTORE_ROOT``, else the config's ``root``, else the data directory).
+    """
+
+    def __init__(self, config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> None:
+        if isinstance(config, Mapping):
+            self.config_file: str | None = None
+            raw: dict[str, Any] = dict(config)
+            source = "config mapping"
+        else:
+            self.config_file = find_config(config)
+            raw = _load(self.config_file) if self.config_file else {}
+            source = f"config file {self.config_file}"
+        self._source = source
+        unknown = set(raw) - _TOP_KEYS
+        if unknown:
+            raise errors.ConfigError(
+                f"{source}: unknown key(s) {', '.join(sorted(unknown))}; expected {', '.join(sorted(_TOP_KEYS))}"
+            )
+        self._apply_settings(raw.get("settings", {}))
+        if "data_dir" in raw and not os.environ.get("SFSTORE_DATA_DIR"):
+            _expect(source, "data_dir", raw["data_dir"], str, "a directory path")
+            defaults.set(data_dir=raw["data_dir"])
+        env_root = os.environ.get("SFSTORE_ROOT")
+        if env_root:
+            self.root, self._root_from = os.path.abspath(os.path.expanduser(env_root)), "SFSTORE_ROOT"
+        elif "root" in raw:
+            root = _expect(source, "root", raw["root"], str, "a directory path")
+            self.root, self._root_from = os.path.abspath(os.path.expanduser(root)), f"'root' in {source}"
+        else:
+            self.root, self._root_from = defaults.get("data_dir"), "the embedded default data directory (data_dir)"
+        classes = _expect(source, "classes", raw.get("classes", {}), dict, "a table of data classes")
+        self._classes: dict[str, dict[str, Any]] = {}
+        for name, table in classes.items():
+            if name not in DATA_CLASSES:
+                raise errors.ConfigError(
+                    f"{source}: unknown data class [classes.{name}]; expected one of {', '.join(DATA_CLASSES)}"
+                )
+            table = _expect(source, f"classes.{name}", table, dict, "a table")
+            bad = set(table) - _CLASS_KEYS
+            if bad:
+                raise errors.ConfigError(
+                    f"{source}: unknown key(s) {', '.join(sorted(bad))} in [classes.{name}]; "
+                    f"expected {', '.join(sorted(_CLASS_KEYS))}"
+                )
+            path = table.get("path", _DEFAULT_PATH[name])
+            if path not in _ALLOWED[name]:
+                raise errors.ConfigError(
+                    f"{source}: [classes.{name}] path = {path!r}; expected one of {', '.join(_ALLOWED[name])}"
+                )
+            for key in ("root", "subdir"):
+                if key in table:
+                    _expect(source, f"classes.{name}.{key}", table[key], str, "a directory path")
+            self._classes[name] = table
+        self._paths: dict[str, StoragePath] = {}
+        self._lock = threading.Lock()
+
+    def _apply_settings(self, settings: Any) -> None:
+        settings = _expect(self._source, "settings", settings, dict, "a table of sfstore settings")
+        chosen: dict[str, Any] = {}
+        for name, value in settings.items():
+            if name not in defaults.SETTINGS:
+                raise errors.ConfigError(
+                    f"{self._source}: unknown setting {name!r} in [settings]; known: {', '.join(defaults.SETTINGS)}"
+                )
+            setting = defaults.SETTINGS[name]
+            parsed = setting.parse(value, f"{self._source}: [settings] {name}")
+            if not os.environ.get(setting.env):
+                chosen[name] = parsed
+        if chosen:
+            defaults.set(**chosen)
+
+    def _plan(self, data_class: str) -> tuple[str, str | None, list[str]]:
+        """(path kind, file root or None, reasons) for a data class."""
+        if data_class not in DATA_CLASSES:
+            raise errors.ConfigError(f"unknown data class {data_class!r}; expected one of {', '.join(DATA_CLASSES)}")
+        table = self._classes.get(data_class, {})
+        wanted = table.get("path", _DEFAULT_PATH[data_class])
+        reasons: list[str] = []
+        kind = wanted
+        if wanted not in _BUILT:
+            return wanted, None, [_PENDING[wanted]]
+        if "root" in table:
+            root = os.path.abspath(os.path.expanduser(table["root"]))
+            reasons.append(f"root from [classes.{data_class}] in {self._source}")
+        else:
+            sub = table.get("subdir", _DEFAULT_SUBDIR[data_class])
+            root = os.path.join(self.root, sub) if sub else self.root
+            reasons.append(f"root from {self._root_from}")
+        return kind, root, reasons
+
+    def path(self, data_class: str) -> StoragePath:
+        """The path serving ``data_class`` (made once per router)."""
+        with self._lock:
+            got = self._paths.get(data_class)
+            if got is not None:
+                return got
+            _, root, reasons = self._plan(data_class)
+            if root is None:
+                raise errors.NotSupportedOnHostError(f"data class {data_class!r}: {reasons[0]}")
+            fp = FilePath(root)
+            self._paths[data_class] = fp
+            return fp
+
+    def file_path(self, data_class: str = "dataset") -> FilePath:
+        """The :class:`FilePath` serving ``data_class`` (``dataset`` by default)."""
+        p = self.path(data_class)
+        if not isinstance(p, FilePath):  # pragma: no cover - only file paths exist so far
+            raise errors.ConfigError(f"data class {data_class!r} is not served by the file path")
+        return p
+
+    def describe(self) -> dict[str, Any]:
+        """Per data class: the path, its transport, why it was chosen and any fallback taken, its counters."""
+        out: dict[str, Any] = {"config_file": self.config_file, "root": self.root, "classes": {}}
+        for name in DATA_CLASSES:
+            kind, root, reasons = self._plan(name)
+            if root is None:
+                out["classes"][name] = {"path": kind, "available": False, "why": reasons}
+                continue
+            p = self.path(name)
+            d = p.describe()
+            out["classes"][name] = {
+                "path": d["kind"],
+                "available": True,
+                "root": d.get("root"),
+                "transport": d["transport"],
+                "direct_io": d.get("direct_io"),
+                "why": reasons,
+                "fallbacks": d["fallbacks"],
+                "counters": d["counters"],
+            }
+        return out
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Counters of every path made so far, by data class."""
+        with self._lock:
+            return {name: p.counters.snapshot() for name, p in self._paths.items()}
+
+    def format(self) -> str:
+        """:meth:`describe` as a readable table."""
+        d = self.describe()
+        lines = [f"config: {d['config_file'] or '(none: defaults and SFSTORE_* variables)'}", f"root:   {d['root']}"]
+        for name, c in d["classes"].items():
+            if not c["available"]:
+                lines.append(f"{name:<11} {c['path']:<6} unavailable: {'; '.join(c['why'])}")
+                continue
+            io = "O_DIRECT" if c["direct_io"] else "page cache"
+            lines.append(f"{name:<11} {c['path']:<6} {c['transport']:<6} {io:<10} {c['root']}")
+            for f in c["fallbacks"]:
+                lines.append(f"{'':<11} fallback: {f}")
+        return "\n".join(lines)
+
+
+def open(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> Router:
+    """Open sfstore: read the configuration and return the :class:`Router` for this process."""
+    return Router(config)

@@ -1,0 +1,114 @@
+"""sfstore.open(): config file, SFSTORE_* variables and defaults; routing per data class; typed config errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import sfstore
+from sfstore import defaults, errors
+from sfstore.paths.file import FilePath
+from sfstore.router import find_config
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for var in ("SFSTORE_CONFIG", "SFSTORE_ROOT", "SFSTORE_DATA_DIR", "SFSTORE_QUEUE_DEPTH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("SFSTORE_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.chdir(tmp_path)
+    defaults.reset()
+    yield
+    defaults.reset()
+
+
+def test_defaults_route_to_the_data_dir(tmp_path: Path) -> None:
+    r = sfstore.open()
+    assert r.config_file is None and r.root == str(tmp_path / "data")
+    ds = r.path("dataset")
+    assert isinstance(ds, FilePath) and ds.root == os.path.realpath(tmp_path / "data")
+    assert r.file_path("checkpoint").root == os.path.realpath(tmp_path / "data" / "checkpoints")
+    assert r.path("dataset") is ds  # made once
+    d = r.describe()
+    assert d["classes"]["dataset"]["transport"] == "local"
+    assert any("embedded default" in w for w in d["classes"]["dataset"]["why"])
+    assert d["classes"]["hot"]["available"] is False and "not built" in d["classes"]["hot"]["why"][0]
+    with pytest.raises(errors.NotSupportedOnHostError):
+        r.path("kvcache")
+    text = r.format()
+    assert "dataset" in text and "fallback: local" in text
+
+
+def test_config_file_and_env_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "sfstore.toml"
+    cfg.write_text(
+        f'root = "{tmp_path / "shared"}"\n'
+        "[settings]\nqueue_depth = 48\n"
+        f'[classes.checkpoint]\npath = "file"\nroot = "{tmp_path / "ckpt"}"\n'
+        '[classes.hot]\npath = "file"\n'
+    )
+    r = sfstore.open()  # ./sfstore.toml is found
+    assert r.config_file == str(cfg)
+    assert r.file_path("dataset").root == os.path.realpath(tmp_path / "shared")
+    assert r.file_path("checkpoint").root == os.path.realpath(tmp_path / "ckpt")
+    assert defaults.get("queue_depth") == 48
+    hot = r.describe()["classes"]["hot"]
+    assert hot["available"] and hot["path"] == "file"
+    defaults.reset()
+    monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "env-root"))
+    monkeypatch.setenv("SFSTORE_QUEUE_DEPTH", "16")
+    r2 = sfstore.open(str(cfg))
+    assert r2.root == str(tmp_path / "env-root")  # the variable wins over the file
+    assert defaults.get("queue_depth") == 16
+
+
+def test_config_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert find_config() is None
+    user = tmp_path / "xdg" / "sfstore" / "sfstore.toml"
+    user.parent.mkdir(parents=True)
+    user.write_text("")
+    assert find_config() == str(user)
+    (tmp_path / "sfstore.toml").write_text("")
+    assert find_config() == str(tmp_path / "sfstore.toml")
+    monkeypatch.setenv("SFSTORE_CONFIG", "/elsewhere.toml")
+    assert find_config() == "/elsewhere.toml"
+    assert find_config("given.toml") == "given.toml"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("root = 5\n", "'root' must be a directory path"),
+        ("rooot = '/x'\n", "unknown key(s) rooot"),
+        ("[classes.videos]\npath = 'file'\n", "unknown data class [classes.videos]"),
+        ("[classes.dataset]\npath = 'block'\n", "path = 'block'; expected one of file"),
+        ("[classes.dataset]\nroot = '/x'\nmount = 'y'\n", "unknown key(s) mount in [classes.dataset]"),
+        ("[settings]\nqueue_depth = 'deep'\n", "queue_depth"),
+        ("[settings]\nspeed = 'max'\n", "unknown setting 'speed'"),
+        ("root = \n", "not valid TOML"),
+    ],
+)
+def test_bad_config_names_file_key_and_expectation(tmp_path: Path, text: str, needle: str) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    with pytest.raises(errors.ConfigError) as info:
+        sfstore.open(cfg)
+    assert str(cfg) in str(info.value) and needle in str(info.value), str(info.value)
+    assert defaults.get("queue_depth") == 32  # nothing half-applied
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(errors.ConfigError, match="does not exist"):
+        sfstore.open(tmp_path / "nope.toml")
+
+
+def test_counters_per_class(tmp_path: Path) -> None:
+    r = sfstore.open({"root": str(tmp_path / "m")})
+    fp = r.file_path("dataset")
+    fp.write("x.bin", b"hello")
+    assert fp.read("x.bin") == b"hello"
+    c = r.counters()["dataset"]
+    assert c["bytes_read"] == 5 and c["bytes_written"] == 5 and c["files"] >= 2
