@@ -1,0 +1,249 @@
+"""The FilePath conformance suite: what every mount (local, NFS over TCP, NFS over RDMA) must do.
+
+Subclass :class:`FilePathTests` and provide ``fp_root`` (an empty directory on the mount under test). The
+suite covers confinement to the root, parallel reads into caller buffers (numpy, registered, torch), end of
+file, typed errors, async and ranged reads, pipelined many-file reads, atomic and streaming writes, stale
+temporaries and describe/counters.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sfstore import errors
+from sfstore.buffers import RegisteredBufferPool
+from sfstore.paths.file import FilePath
+
+__all__ = ["FilePathTests"]
+
+MiB = 1 << 20
+
+
+def data(n: int, seed: int = 0) -> bytes:
+    """``n`` reproducible pseudo-random bytes."""
+    return random.Random(seed).randbytes(n)
+
+
+class FilePathTests:
+    """Conformance tests for :class:`~sfstore.paths.file.FilePath` on one mount."""
+
+    @pytest.fixture
+    def fp_root(self, tmp_path: Path) -> Path:
+        """An empty directory on the mount under test (override in subclasses)."""
+        return tmp_path / "root"
+
+    @pytest.fixture
+    def fp(self, fp_root: Path) -> FilePath:
+        return FilePath(fp_root, chunk_size=256 << 10, parallelism=8)
+
+    @pytest.fixture
+    def outside(self, fp_root: Path) -> Path:
+        """A directory next to the root (outside it)."""
+        out = Path(str(fp_root) + "-outside")
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+
+    # -- confinement -----------------------------------------------------------------------------------------
+
+
+    def test_paths_cannot_leave_the_root(self, fp: FilePath, outside: Path) -> None:
+        (outside / "secret").write_bytes(b"x")
+        for bad in ("../secret", "a/../../secret", str(outside / "secret"), "/etc/passwd"):
+            with pytest.raises(errors.PathEscapeError) as info:
+                fp.resolve(bad)
+            assert isinstance(info.value, PermissionError)
+        with pytest.raises(errors.PathEscapeError):
+            fp.read("../secret")
+        with pytest.raises(errors.PathEscapeError):
+            fp.write("../evil", b"x")
+        assert not (outside / "evil").exists()
+
+
+    def test_symlinks_out_of_the_root_are_refused_and_inside_allowed(self, fp: FilePath, outside: Path) -> None:
+        (outside / "outside.txt").write_bytes(b"out")
+        os.symlink(outside / "outside.txt", os.path.join(fp.root, "link-out"))
+        os.symlink(outside, os.path.join(fp.root, "dir-out"))
+        fp.write("inside.txt", b"in")
+        os.symlink("inside.txt", os.path.join(fp.root, "link-in"))
+        with pytest.raises(errors.PathEscapeError):
+            fp.read("link-out")
+        with pytest.raises(errors.PathEscapeError):
+            fp.write("dir-out/new.txt", b"x")
+        assert not (outside / "new.txt").exists()
+        assert fp.read("link-in") == b"in"
+        assert fp.resolve(os.path.join(fp.root, "inside.txt")) == os.path.join(fp.root, "inside.txt")
+        assert fp.resolve("") == fp.root and fp.resolve("a/./b/..") == os.path.join(fp.root, "a")
+
+
+    # -- reads ---------------------------------------------------------------------------------------------------
+
+
+    def test_read_into_numpy_registered_and_bytearray(self, fp: FilePath) -> None:
+        payload = data(3 * MiB + 12345)
+        fp.write("big.bin", payload)
+        arr = np.zeros(len(payload), dtype=np.uint8)
+        assert fp.read_into("big.bin", arr) == len(payload)
+        assert arr.tobytes() == payload
+        with RegisteredBufferPool(4 * MiB) as pool:
+            buf = pool.acquire()
+            n = fp.read_into("big.bin", buf)
+            assert n == len(payload) and bytes(buf[0:n]) == payload
+            buf.release()
+        ba = bytearray(1000)
+        assert fp.read_into("big.bin", ba, offset=MiB + 7) == 1000
+        assert ba == payload[MiB + 7 : MiB + 1007]
+
+
+    def test_read_into_torch_tensor_in_place(self, fp: FilePath) -> None:
+        torch = pytest.importorskip("torch")
+        t = torch.arange(1 << 18, dtype=torch.float32)
+        fp.write("t.bin", t.numpy().tobytes())
+        out = torch.empty_like(t)
+        ptr = out.data_ptr()
+        assert fp.read_into("t.bin", out) == t.numel() * 4
+        assert out.data_ptr() == ptr and torch.equal(out, t)
+
+
+    def test_reads_stop_at_end_of_file(self, fp: FilePath) -> None:
+        fp.write("small.bin", b"0123456789")
+        buf = bytearray(100)
+        assert fp.read_into("small.bin", buf) == 10 and buf[:10] == b"0123456789"
+        assert fp.read_into("small.bin", buf, offset=8) == 2
+        assert fp.read_into("small.bin", buf, offset=50) == 0
+        assert fp.read("small.bin", 3, 4) == b"3456"
+        assert fp.read("small.bin", 7) == b"789"
+        assert fp.read("small.bin", 20) == b""
+
+
+    def test_read_errors_are_typed(self, fp: FilePath) -> None:
+        with pytest.raises(errors.PathNotFoundError) as info:
+            fp.read("nope.bin")
+        assert isinstance(info.value, FileNotFoundError) and "nope.bin" in str(info.value)
+        fp.write("x.bin", b"abc")
+        with pytest.raises(errors.BufferTooSmallError):
+            fp.read_into("x.bin", bytearray(2), length=3)
+        with pytest.raises(errors.InvalidRequestError):
+            fp.read_into("x.bin", bytearray(2), offset=-1)
+        with pytest.raises(errors.ReadOnlyBufferError):
+            fp.read_into("x.bin", b"zzz")
+        assert fp.counters.snapshot()["errors"] >= 1
+
+
+    def test_read_into_async_overlaps(self, fp: FilePath) -> None:
+        fp.write("a.bin", data(MiB, 1))
+        fp.write("b.bin", data(MiB, 2))
+        a, b = bytearray(MiB), bytearray(MiB)
+        fa, fb = fp.read_into_async("a.bin", a), fp.read_into_async("b.bin", b)
+        assert fb.get() == MiB and fa.get() == MiB and fa.done()
+        assert bytes(a) == data(MiB, 1) and bytes(b) == data(MiB, 2)
+
+
+    def test_read_ranges_into_one_batch(self, fp: FilePath) -> None:
+        payload = data(2 * MiB, 3)
+        fp.write("r.bin", payload)
+        out = bytearray(3000)
+        ranges = [(0, 1000, out, 0), (MiB, 1000, out, 1000), (2 * MiB - 500, 1000, out, 2000)]
+        got = fp.read_ranges_into("r.bin", ranges)
+        assert got == [1000, 1000, 500]
+        assert out[:1000] == payload[:1000] and out[1000:2000] == payload[MiB : MiB + 1000]
+        assert out[2000:2500] == payload[-500:]
+
+
+    def test_read_many_keeps_order_and_contents(self, fp: FilePath) -> None:
+        names = [f"d/{i:04d}.bin" for i in range(300)]
+        want = {n: data(random.Random(i).randrange(0, 70_000), i) for i, n in enumerate(names)}
+        for n, d in want.items():
+            fp.write(n, d)
+        got = fp.read_many(names, window=64)
+        assert got == [want[n] for n in names]
+        assert all(type(g) is bytes for g in got)
+        c = fp.counters.snapshot()
+        assert c["files"] >= 600 and c["bytes_read"] >= sum(len(d) for d in want.values())
+
+
+    def test_read_many_errors_raise_or_return(self, fp: FilePath) -> None:
+        fp.write("ok.bin", b"ok")
+        with pytest.raises(errors.PathNotFoundError):
+            fp.read_many(["ok.bin", "missing.bin"])
+        got = fp.read_many(["ok.bin", "missing.bin", "../escape", "ok.bin"], on_error="return")
+        assert got[0] == b"ok" and got[3] == b"ok"
+        assert isinstance(got[1], errors.PathNotFoundError) and isinstance(got[2], errors.PathEscapeError)
+        with pytest.raises(errors.InvalidRequestError):
+            fp.read_many(["ok.bin"], on_error="ignore")
+
+
+    # -- writes --------------------------------------------------------------------------------------------------
+
+
+    def test_write_is_atomic_and_leaves_no_temporaries(self, fp: FilePath) -> None:
+        fp.write("f.bin", b"old")
+        with pytest.raises(RuntimeError):
+            with fp.open_writer("f.bin") as w:
+                w.write(b"new content that never lands")
+                raise RuntimeError("crash in the middle")
+        assert fp.read("f.bin") == b"old"
+        assert [n for n in os.listdir(fp.root) if fp.is_temporary(n)] == []
+        assert fp.write("f.bin", b"new", fsync=True) == 3
+        assert fp.read("f.bin") == b"new"
+        with pytest.raises(errors.PathExistsError):
+            fp.write("f.bin", b"x", overwrite=False)
+        assert fp.read("f.bin") == b"new"
+        fp.write("deep/er/g.bin", b"g", overwrite=False)
+        assert fp.read("deep/er/g.bin") == b"g"
+
+
+    def test_writer_streams_mixed_sizes(self, fp: FilePath) -> None:
+        pieces = [data(n, n) for n in (10, 300_000, 1, 1 << 20, 4096, 777)]
+        with fp.open_writer("s.bin", fsync=True) as w:
+            for p in pieces:
+                assert w.write(p) == len(p)
+            # not visible under its name before close
+            assert not os.path.exists(os.path.join(fp.root, "s.bin"))
+        assert fp.read("s.bin") == b"".join(pieces)
+        assert fp.size("s.bin") == sum(map(len, pieces))
+
+
+    def test_write_accepts_numpy_and_tensors(self, fp: FilePath) -> None:
+        torch = pytest.importorskip("torch")
+        t = torch.randn(1000, dtype=torch.float32).to(torch.bfloat16)
+        fp.write("t.bin", t)
+        back = torch.empty_like(t)
+        fp.read_into("t.bin", back)
+        assert torch.equal(back, t)
+        a = np.arange(100, dtype=np.int64)
+        fp.write("a.bin", a)
+        assert np.array_equal(np.frombuffer(fp.read("a.bin"), dtype=np.int64), a)
+
+
+    def test_write_over_a_directory_is_refused(self, fp: FilePath) -> None:
+        os.makedirs(os.path.join(fp.root, "dir"))
+        with pytest.raises(errors.IsADirectoryPathError):
+            fp.write("dir", b"x")
+
+
+    def test_stale_temporaries_are_cleaned(self, fp: FilePath) -> None:
+        dead = os.path.join(fp.root, ".x.bin.sfstore-tmp-999999999-abcdef")
+        mine = os.path.join(fp.root, f".y.bin.sfstore-tmp-{os.getppid()}-abcdef")  # alive: kept
+        for p in (dead, mine):
+            with open(p, "wb") as f:
+                f.write(b"partial")
+        assert fp.clean_stale_temporaries() == 1
+        assert not os.path.exists(dead) and os.path.exists(mine)
+
+    # -- describe and counters ---------------------------------------------------------------------------------
+
+    def test_describe_reports_transport_and_counters(self, fp: FilePath) -> None:
+        d = fp.describe()
+        assert d["kind"] == "file" and d["root"] == fp.root and d["transport"] in ("rdma", "tcp", "local")
+        assert d["chunk_size"] == 256 << 10 and d["parallelism"] == 8
+        if d["transport"] != "rdma":
+            assert d["fallbacks"], "a path that is not NFS over RDMA must say why"
+        fp.write("c.bin", b"abc")
+        fp.read("c.bin")
+        c = fp.describe()["counters"]
+        assert c["bytes_written"] == 3 and c["bytes_read"] == 3 and c["files"] >= 2
