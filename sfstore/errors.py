@@ -33,6 +33,7 @@ __all__ = [
     "PathEscapeError",
     "IOTimeoutError",
     "RegistrationError",
+    "CorruptCheckpointError",
     "NotSupportedOnHostError",
     "native_error",
     "os_error",
@@ -120,6 +121,16 @@ class PathEscapeError(SfstoreError, PermissionError):
 
 class IOTimeoutError(SfstoreError, TimeoutError):
     """Waiting for an I/O future timed out (the I/O itself goes on)."""
+
+
+class CorruptCheckpointError(SfstoreError, ValueError):
+    """A checkpoint's bytes do not match its manifest (checksum, size, header); the message names the shard
+    and, where known, the tensor. Nothing from it is returned."""
+
+    def __init__(self, message: str, *, shard: str | None = None, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.tensor = tensor
 
 
 class RegistrationError(SfstoreOSError):
