@@ -15,7 +15,6 @@ import importlib
 import os
 import stat
 import struct
-import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -25,6 +24,7 @@ from typing import Any, NamedTuple
 
 from sfstore import defaults, errors
 from sfstore.buffers import as_buffer
+from sfstore.counters import Counters
 
 __all__ = [
     "Request",
@@ -117,28 +117,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class EngineStats:
+class EngineStats(Counters):
     """Thread-safe counters behind :meth:`IOEngine.stats` (keys: :data:`STATS_KEYS`)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(STATS_KEYS, 0)
-        _fork_targets.add(self)
-
-    def add(self, **deltas: int) -> None:
-        """Add ``deltas`` (keyword per counter) atomically."""
-        with self._lock:
-            for key, value in deltas.items():
-                self._values[key] += value
-
-    def snapshot(self) -> dict[str, int]:
-        """A copy of every counter."""
-        with self._lock:
-            return dict(self._values)
-
-    def _after_fork_in_child(self) -> None:
-        # Another thread may have held the lock at fork time; the child would wait for it forever.
-        self._lock = threading.Lock()
+        super().__init__(STATS_KEYS)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ falls back silently: :meth:`StoragePath.describe` and the counters report it.
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from typing import Any
+
+from sfstore.counters import Counters
 
 __all__ = ["PathCounters", "StoragePath", "COUNTER_KEYS"]
 
@@ -25,8 +26,8 @@ COUNTER_KEYS = (
 )
 
 
-class PathCounters:
-    """Thread-safe counters of one path: requests, files, bytes read/written, direct vs bounced, errors.
+class PathCounters(Counters):
+    """Counters of one path: requests, files, bytes read/written, direct vs bounced, errors.
 
     ``bytes_direct`` moved straight between storage and the caller's (or a registered) buffer with O_DIRECT;
     ``bytes_bounced`` moved through a bounce buffer or the page cache of an O_DIRECT-capable file; bytes on a
@@ -34,21 +35,7 @@ class PathCounters:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(COUNTER_KEYS, 0)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for key, value in deltas.items():
-                self._values[key] += value
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._values)
-
-    def reset(self) -> None:
-        with self._lock:
-            self._values = dict.fromkeys(COUNTER_KEYS, 0)
+        super().__init__(COUNTER_KEYS)
 
 
 class StoragePath(ABC):
