@@ -604,12 +604,15 @@ class Table:
         Name of the reference column (``fio``, ``torch.save`` ...).
     use_iops : callable or None
         ``use_iops(case) -> bool``: show IOPS instead of GiB/s for that case (default: block size under 64 KiB).
+    name_width : int
+        Width of the case column (default 20; suites with longer case names pass more).
     """
 
-    def __init__(self, reference_tool: str, use_iops: Callable[[dict[str, Any]], bool] | None = None) -> None:
+    def __init__(self, reference_tool: str, use_iops: Callable[[dict[str, Any]], bool] | None = None,
+                 name_width: int = 20) -> None:
         self.reference_tool = reference_tool
         self.use_iops = use_iops or (lambda case: int(case.get("params", {}).get("block_size", 1 << 30)) < 65536)
-        self._widths = (20, 16, 16, 20, 12, 12)
+        self._widths = (max(20, name_width), 16, 16, 20, 12, 12)
 
     def _line(self, cells: Sequence[str]) -> str:
         return "  ".join(c.ljust(w) for c, w in zip(cells, self._widths, strict=True)).rstrip()

@@ -160,7 +160,8 @@ def run_fio(exe: str, job: FioJob) -> RunResult:
     RunResult
         ``bytes`` and ``ops`` as fio reports them, ``seconds`` from fio's runtime (millisecond resolution,
         fsync included for writes), ``cpu_s`` from fio's job ``usr_cpu``/``sys_cpu`` over its runtime; ``extra``
-        holds the CPU of the whole fio process (``wait4``: start-up and JSON output included) and its peak RSS.
+        holds the CPU of the whole fio process (``wait4``: start-up and JSON output included). Its peak RSS is not
+        reported: ``ru_maxrss`` of a spawned child includes the parent's resident memory at the time of spawn.
 
     Raises
     ------
@@ -205,6 +206,5 @@ def run_fio(exe: str, job: FioJob) -> RunResult:
             "fio_iops": ddir.get("iops"),
             "short_ios": ddir.get("short_ios", 0),
             "process_cpu_s": usage.ru_utime + usage.ru_stime,
-            "process_peak_rss_bytes": usage.ru_maxrss * 1024,
         },
     )
