@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -245,8 +246,10 @@ class FilePath(StoragePath):
     def _open(self, full: str, flags: int) -> tuple[int, bool]:
         try:
             return open_fd(full, flags, direct=self.direct)
-        except errors.SfstoreOSError:
+        except errors.SfstoreOSError as exc:
             self.counters.add(errors=1)
+            if exc.errno == errno.EINVAL and os.path.isdir(full):  # O_DIRECT refused on a directory
+                raise errors.os_error(errno.EISDIR, "cannot read a directory", full) from None
             raise
 
     def _finish(self, fut: IOFuture, requests: int, timeout: float | None = None, files: int = 0) -> list[int]:
@@ -297,7 +300,7 @@ class FilePath(StoragePath):
             raise errors.BufferTooSmallError(f"a buffer of {nbytes} bytes cannot hold {want} bytes of {full}")
         fd, _ = self._open(full, os.O_RDONLY)
         try:
-            size = os.fstat(fd).st_size
+            size = _regular_size(fd, full)
             n = max(0, min(want, size - offset))
             reqs = self._chunks(fd, offset, n, view, 0, write=False)
             fut = self.engine.submit(reqs)
@@ -391,7 +394,13 @@ class FilePath(StoragePath):
                     out[i] = exc
                     continue
                 group.fds.append(fd)
-                size = os.fstat(fd).st_size
+                try:
+                    size = _regular_size(fd, full)
+                except errors.SfstoreError as exc:
+                    if on_error == "raise":
+                        raise
+                    out[i] = exc
+                    continue
                 data, view = _bytes_for_filling(size)
                 chunk = self._chunks(fd, 0, size, view, 0, write=False)
                 group.items.append((i, data, view, len(reqs), len(chunk), size))
@@ -670,6 +679,15 @@ def _as_bytes(data: bytes | bytearray, n: int) -> bytes:
     if isinstance(data, bytes) and len(data) == n:
         return data
     return bytes(memoryview(data)[:n])
+
+
+def _regular_size(fd: int, full: str) -> int:
+    """Size of the open file ``fd``; a directory raises :class:`~sfstore.errors.IsADirectoryPathError` (reading
+    one would fail later, in the engine, as an untyped EISDIR)."""
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        raise errors.os_error(errno.EISDIR, "cannot read a directory", full)
+    return st.st_size
 
 
 def fsync_dir(path: str) -> None:

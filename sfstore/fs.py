@@ -1,0 +1,1032 @@
+"""The fsspec filesystem ``sf://``: datasets on sfstore's file path, for data loaders.
+
+Installed with sfstore, the ``fsspec.specs`` entry point registers the protocol, so ``fsspec.filesystem("sf")``,
+``fsspec.open("sf://train/0001.tar")``, ``pandas.read_parquet("sf://tables/t.parquet")`` and
+``UPath("sf://train")`` work without importing sfstore. Every byte moves through :class:`~sfstore.paths.file.
+FilePath` (NFS over RDMA on a cluster, any directory elsewhere): whole files are read straight into the returned
+``bytes``, many small files in one pipelined batch (:meth:`SFFileSystem.cat`), byte ranges coalesced and read in
+one batch per file (:meth:`SFFileSystem.cat_ranges`), and every write is published atomically.
+
+>>> import fsspec
+>>> fs = fsspec.filesystem("sf", root="/tmp/sf-doc")   # doctest: +SKIP
+>>> fs.pipe_file("sf://a/b.bin", b"hello")             # doctest: +SKIP
+>>> fs.cat_file("a/b.bin")                             # doctest: +SKIP
+b'hello'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import hashlib
+import mmap
+import os
+import posixpath
+import secrets
+import shutil
+import stat
+from collections.abc import Callable, Sequence
+from glob import has_magic
+from typing import Any, Protocol
+
+from fsspec.caching import BaseCache
+from fsspec.callbacks import DEFAULT_CALLBACK
+from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
+from fsspec.utils import isfilelike, stringify_path
+
+from sfstore import errors
+from sfstore.engine import Request, open_fd
+from sfstore.paths.file import AtomicWriter, FilePath, _as_bytes, _bytes_for_filling
+
+__all__ = ["SFFileSystem", "SFFile"]
+
+MiB = 1 << 20
+
+_ENV_KEYS = ("SFSTORE_ROOT", "SFSTORE_CONFIG", "SFSTORE_DATA_DIR", "XDG_DATA_HOME", "XDG_CONFIG_HOME")
+
+
+def _default_file_path(config: str | None) -> FilePath:
+    """The FilePath ``sf://`` uses when no root is given: the router's ``dataset`` path.
+
+    Its root is ``SFSTORE_ROOT``, else the config file's ``root`` (``[classes.dataset]`` may override it), else
+    the embedded data directory (``SFSTORE_DATA_DIR``); see :mod:`sfstore.router`.
+    """
+    from sfstore import router
+
+    return router.open(config).file_path("dataset")
+
+
+class _ConfigToken:
+    """Class attribute whose value is what a root-less instance reads its configuration from.
+
+    fsspec caches instances by their arguments (and the class attributes named in
+    ``_extra_tokenize_attributes``); this makes a change of ``SFSTORE_ROOT`` (or the config file that applies)
+    give a new instance instead of the cached one.
+    """
+
+    def __get__(self, obj: object, owner: type | None = None) -> tuple[str | None, ...]:
+        try:
+            cwd: str | None = os.getcwd()
+        except OSError:
+            cwd = None
+        return (*(os.environ.get(k) for k in _ENV_KEYS), cwd)
+
+
+def _normalize(text: str) -> str:
+    """The root-relative name of ``text`` (``""`` for the root): leading slashes mean the root, repeated
+    slashes count once, ``.`` and ``..`` are folded lexically.
+
+    Raises :class:`~sfstore.errors.PathEscapeError` where ``..`` would climb above the root.
+    """
+    if "\x00" in text:
+        raise errors.PathEscapeError(f"path {text!r} contains a NUL byte")
+    parts: list[str] = []
+    for part in text.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not parts:
+                raise errors.PathEscapeError(f"path {text!r} climbs above the sf:// root")
+            parts.pop()
+        else:
+            parts.append(part)
+    return "/".join(parts)
+
+
+def _url(name: str) -> str:
+    return "sf://" + name
+
+
+def _typed(exc: OSError, context: str, name: str) -> errors.SfstoreError:
+    """``exc`` as sfstore's typed error naming the ``sf://`` URL (already-typed errors pass through)."""
+    if isinstance(exc, errors.SfstoreError):
+        return exc
+    return errors.os_error(exc.errno or errno.EIO, context, _url(name))
+
+
+def _aligned_buffer(n: int) -> mmap.mmap:
+    """``n`` bytes of page-aligned private anonymous memory, so O_DIRECT moves data without a bounce buffer.
+
+    Private: a forked child gets a copy-on-write view, not memory shared with its parent. Never closed
+    explicitly: the mapping goes when the last view of it does.
+    """
+    return mmap.mmap(-1, max(1, n), flags=mmap.MAP_PRIVATE)
+
+
+def _bounds(start: int | None, end: int | None, size: int) -> tuple[int, int]:
+    """Python-slice bounds (``None``, negative from the end) clamped to ``[0, size]``."""
+    s = 0 if start is None else (start + size if start < 0 else start)
+    e = size if end is None else (end + size if end < 0 else end)
+    s = min(max(s, 0), size)
+    e = min(max(e, s), size)
+    return s, e
+
+
+class _Pending(Protocol):
+    def get(self, timeout: float | None = None) -> Any: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+class _Batch:
+    """An engine future whose result is the sum of its requests (a local-file read of one block)."""
+
+    def __init__(self, future: Any) -> None:
+        self._future = future
+
+    def get(self, timeout: float | None = None) -> int:
+        return int(sum(self._future.get(timeout)))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return bool(self._future.wait(timeout))
+
+
+class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
+    """fsspec filesystem over sfstore's file path: ``sf://`` names files under one root directory.
+
+    Parameters
+    ----------
+    root : str, optional
+        The directory ``sf://`` names. Default: the router's ``dataset`` path — ``SFSTORE_ROOT``, else the
+        config file's ``root``, else the embedded data directory ``SFSTORE_DATA_DIR``.
+    config : str, optional
+        sfstore config file for the router (default: ``SFSTORE_CONFIG``, ``./sfstore.toml``, the user's).
+    **storage_options
+        fsspec options (``skip_instance_cache``, ``use_listings_cache``, ...).
+
+    Notes
+    -----
+    **Paths.** Every name is relative to the root, and every form names the same file::
+
+        sf://train/0001.tar   sf:///train/0001.tar   /train/0001.tar   train/0001.tar   ->  <root>/train/0001.tar
+
+    A leading ``/`` means the root, never the host's ``/``: ``sf:///etc/passwd`` is ``<root>/etc/passwd``, so
+    an absolute path cannot name anything outside the root. Names this filesystem returns (``ls``, ``find``,
+    ``info``) are root-relative without a leading slash, ``train/0001.tar``, and the root itself is ``""``
+    (as an object store names ``bucket/key``); :meth:`unstrip_protocol` gives ``sf://train/0001.tar``, and so
+    does ``str(UPath(...))``. pyarrow given this filesystem (``filesystem=fs``) wants that form too:
+    ``"train"``, not ``"/train"``. ``.`` and ``..`` are folded before use; ``..`` above the root (``sf://../x``,
+    ``a/../../x``), and symlinks that resolve outside the root, raise
+    :class:`~sfstore.errors.PathEscapeError` (a ``PermissionError``). Symlinks that stay inside the root are
+    followed for content; ``rm`` and ``mv`` act on the link itself. ``ls`` hides sfstore's in-progress temporary
+    files, and lists a symlink that points out of the root (or nowhere) as type ``"other"``.
+
+    **Reads.** :meth:`cat_file` reads straight into the returned ``bytes``; :meth:`read_into` into a caller's
+    buffer (numpy, torch, registered buffers; GPU arrays through pinned bounce buffers) and
+    :meth:`cat_ranges_into` into host buffers; :meth:`cat` of many paths is one pipelined batch
+    (:meth:`FilePath.read_many`); :meth:`cat_ranges` merges ranges at most ``max_gap`` apart and reads each
+    file's ranges in one engine batch. :meth:`open` in ``rb`` returns an
+    :class:`SFFile` whose default cache reads ahead through the engine while the caller consumes data.
+
+    **Writes.** ``pipe_file``, ``put_file``, ``cp_file`` and files opened ``wb``/``xb`` write to a temporary
+    name and rename it into place on close, so readers see the old content or the new, never a part; a write
+    that fails (or a ``with`` block that raises) leaves the old content. ``ab`` is atomic too: the existing
+    bytes are copied into the new version first (so it costs a copy of the file, and of two concurrent
+    appenders the last to close wins).
+
+    **Processes.** Instances are cached per arguments (and per the configuration a root-less instance reads);
+    they pickle by arguments and work in forked ``DataLoader`` workers (a forked child gets its own I/O engine).
+    """
+
+    protocol = "sf"
+    root_marker = ""
+    cachable = True
+    _extra_tokenize_attributes = ("_config_token",)
+    _config_token = _ConfigToken()
+
+    def __init__(self, root: str | None = None, config: str | None = None, **storage_options: Any) -> None:
+        super().__init__(**storage_options)
+        self.file_path: FilePath = FilePath(root) if root is not None else _default_file_path(config)
+        self.root: str = self.file_path.root
+        chunk = self.file_path.chunk_size
+        self.blocksize = min(32 * MiB, 4 * chunk)  # readahead window of open() files, block of copies
+
+    # -- names -----------------------------------------------------------------------------------------------
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> Any:
+        """``sf://a/b``, ``sf:///a/b``, ``/a/b`` and ``a/b`` -> ``a/b`` (see the class notes); lists element-wise."""
+        if isinstance(path, (list, tuple)):
+            return [cls._strip_protocol(p) for p in path]
+        text = stringify_path(path)
+        for prefix in ("sf://", "sf::"):
+            if text.startswith(prefix):
+                text = text[len(prefix):]
+                break
+        return _normalize(text)
+
+    def unstrip_protocol(self, name: str) -> str:
+        """The URL of a name: ``a/b`` -> ``sf://a/b``."""
+        return "sf://" + str(self._strip_protocol(name))
+
+    @property
+    def fsid(self) -> str:
+        """Identifies the filesystem across sessions: the protocol and the root."""
+        return f"sf:{self.root}"
+
+    @property
+    def counters(self) -> Any:
+        """The file path's counters (requests, files, bytes read/written, direct vs bounced, errors)."""
+        return self.file_path.counters
+
+    def _host(self, path: Any) -> str:
+        """The host path of ``path``, symlinks resolved; :class:`PathEscapeError` if it leaves the root."""
+        return self.file_path.resolve(self._strip_protocol(path))
+
+    def _entry(self, name: str) -> str:
+        """The host path of the directory entry ``name`` itself (its parent resolved, the last part not)."""
+        if name == "":
+            return self.root
+        parent, base = posixpath.split(name)
+        return os.path.join(self.file_path.resolve(parent), base)
+
+    def _stat(self, full: str, name: str) -> os.stat_result:
+        try:
+            return os.stat(full)
+        except OSError as exc:
+            raise _typed(exc, "stat", name) from None
+
+    # -- metadata --------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _make_info(name: str, st: os.stat_result, islink: bool, kind: str | None = None) -> dict[str, Any]:
+        if kind is None:
+            kind = "directory" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "other"
+        return {
+            "name": name,
+            "size": 0 if kind == "directory" else st.st_size,
+            "type": kind,
+            "created": getattr(st, "st_birthtime", st.st_ctime),
+            "mtime": st.st_mtime,
+            "islink": islink,
+            "mode": st.st_mode,
+            "uid": st.st_uid,
+            "gid": st.st_gid,
+            "ino": st.st_ino,
+            "nlink": st.st_nlink,
+        }
+
+    def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
+        """Details of ``path``: name, size, type (file/directory/other), created, mtime, islink, mode, ...
+
+        A symlink inside the root reports its target; one that points out raises :class:`PathEscapeError`.
+        """
+        name = self._strip_protocol(path)
+        entry = self._entry(name)
+        try:
+            lst = os.lstat(entry)
+        except OSError as exc:
+            raise _typed(exc, "info", name) from None
+        if not stat.S_ISLNK(lst.st_mode):
+            return self._make_info(name, lst, False)
+        return self._make_info(name, self._stat(self.file_path.resolve(entry), name), True)
+
+    def _dirent_info(self, name: str, de: os.DirEntry[str]) -> dict[str, Any]:
+        lst = de.stat(follow_symlinks=False)
+        if not stat.S_ISLNK(lst.st_mode):
+            return self._make_info(name, lst, False)
+        try:
+            return self._make_info(name, os.stat(self.file_path.resolve(de.path)), True)
+        except OSError:  # dangling, or pointing out of the root (PathEscapeError)
+            return self._make_info(name, lst, True, kind="other")
+
+    def ls(self, path: Any, detail: bool = True, **kwargs: Any) -> list[Any]:
+        """Entries of a directory (sorted by name, sfstore's temporary files hidden), or ``[info]`` of a file."""
+        name = self._strip_protocol(path)
+        full = self._host(name)
+        try:
+            st = os.stat(full)
+            if not stat.S_ISDIR(st.st_mode):
+                info = self.info(name)
+                return [info] if detail else [name]
+            out: list[dict[str, Any]] = []
+            with os.scandir(full) as it:
+                for de in it:
+                    if self.file_path.is_temporary(de.name):
+                        continue
+                    child = posixpath.join(name, de.name)
+                    if not detail:
+                        out.append({"name": child})
+                        continue
+                    try:
+                        out.append(self._dirent_info(child, de))
+                    except FileNotFoundError:  # removed while listing
+                        continue
+        except OSError as exc:
+            raise _typed(exc, "ls", name) from None
+        out.sort(key=lambda d: str(d["name"]))
+        return out if detail else [d["name"] for d in out]
+
+    def exists(self, path: Any, **kwargs: Any) -> bool:
+        """Whether ``path`` exists; a path that escapes the root raises :class:`PathEscapeError`."""
+        try:
+            self.info(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    def lexists(self, path: Any, **kwargs: Any) -> bool:
+        """Whether the entry exists (a broken symlink counts)."""
+        return os.path.lexists(self._entry(self._strip_protocol(path)))
+
+    def isdir(self, path: Any) -> bool:
+        try:
+            return stat.S_ISDIR(os.stat(self._host(path)).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def isfile(self, path: Any) -> bool:
+        try:
+            return stat.S_ISREG(os.stat(self._host(path)).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def islink(self, path: Any) -> bool:
+        return os.path.islink(self._entry(self._strip_protocol(path)))
+
+    def size(self, path: Any) -> int:
+        return int(self.info(path)["size"])
+
+    def created(self, path: Any) -> datetime.datetime:
+        """Creation time (birth time where the filesystem records it, else the inode change time), UTC."""
+        return datetime.datetime.fromtimestamp(self.info(path)["created"], tz=datetime.timezone.utc)
+
+    def modified(self, path: Any) -> datetime.datetime:
+        """Last modification time, UTC."""
+        return datetime.datetime.fromtimestamp(self.info(path)["mtime"], tz=datetime.timezone.utc)
+
+    def ukey(self, path: Any) -> str:
+        """Changes whenever the file's content may have: hash of inode, size and modification/change times."""
+        st = self._stat(self._host(path), self._strip_protocol(path))
+        key = f"{self.root}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    # -- reads -----------------------------------------------------------------------------------------------
+
+    def _file_size(self, full: str, name: str) -> int:
+        st = self._stat(full, name)
+        if stat.S_ISDIR(st.st_mode):
+            raise errors.os_error(errno.EISDIR, "cannot read a directory", _url(name))
+        return st.st_size
+
+    def cat_file(self, path: Any, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        """Bytes ``[start, end)`` of ``path`` (slice semantics), read through the engine straight into the
+        returned ``bytes`` (parallel chunks for large files)."""
+        name = self._strip_protocol(path)
+        full = self._host(name)
+        s, e = _bounds(start, end, self._file_size(full, name))
+        return self.file_path.read(full, s, e - s)
+
+    def read_into(self, path: Any, buffer: Any, offset: int = 0, length: int | None = None) -> int:
+        """Read ``path`` from ``offset`` into ``buffer`` (numpy, torch, registered buffer, GPU array, ...).
+
+        ``length`` defaults to the buffer's size; returns the bytes read (fewer only at end of file). No
+        intermediate ``bytes`` object: the engine writes into ``buffer`` (see :meth:`FilePath.read_into`).
+        """
+        return self.file_path.read_into(self._host(path), buffer, offset, length)
+
+    def cat(
+        self, path: Any, recursive: bool = False, on_error: str = "raise", **kwargs: Any
+    ) -> bytes | dict[str, bytes | BaseException]:
+        """Contents of one path (``bytes``), or of many (``{name: bytes}``) read in one pipelined batch.
+
+        ``path`` may be a list, a glob or (``recursive=True``) a directory; directories themselves are skipped.
+        ``on_error``: ``"raise"`` the first error, ``"omit"`` failed paths, or ``"return"`` the exception in
+        their place.
+        """
+        if on_error not in ("raise", "omit", "return"):
+            raise errors.InvalidRequestError(f"on_error must be 'raise', 'omit' or 'return', not {on_error!r}")
+        names: list[str] = self.expand_path(path, recursive=recursive)
+        if len(names) == 1 and not isinstance(path, (list, tuple)) and names[0] == self._strip_protocol(path):
+            return self.cat_file(names[0])
+        explicit = not recursive and not any(has_magic(str(p)) for p in (path if isinstance(path, list) else [path]))
+        got = self.file_path.read_many(names, on_error="return")
+        out: dict[str, bytes | BaseException] = {}
+        for name, value in zip(names, got, strict=True):
+            if isinstance(value, BaseException):
+                if isinstance(value, IsADirectoryError) and not explicit:
+                    continue  # a directory found by the expansion: nothing to read
+                if on_error == "raise":
+                    raise value
+                if on_error == "omit":
+                    continue
+            out[name] = value
+        return out
+
+    def cat_ranges(
+        self,
+        paths: list[Any],
+        starts: int | list[int | None] | None,
+        ends: int | list[int | None] | None,
+        max_gap: int | None = None,
+        on_error: str = "return",
+        max_block: int = 64 * MiB,
+        **kwargs: Any,
+    ) -> list[bytes | BaseException]:
+        """Byte ranges ``[starts[i], ends[i])`` of ``paths[i]`` (slice semantics), coalesced and batched.
+
+        Per file, ranges at most ``max_gap`` bytes apart (default 64 KiB) are merged into one read of at most
+        ``max_block`` bytes, and all of a file's reads go to the engine as one batch. ``on_error="return"``
+        puts a file's exception in place of each of its ranges; ``"raise"`` raises it.
+        """
+        n = len(paths)
+        starts_l = starts if isinstance(starts, list) else [starts] * n
+        ends_l = ends if isinstance(ends, list) else [ends] * n
+        if len(starts_l) != n or len(ends_l) != n:
+            raise errors.InvalidRequestError("cat_ranges: paths, starts and ends differ in length")
+        gap = 64 * 1024 if max_gap is None else max_gap
+        out: list[bytes | BaseException] = [b""] * n
+        for name, members in self._group_by_file(paths).items():
+            try:
+                self._read_coalesced(name, members, starts_l, ends_l, gap, max_block, out)
+            except Exception as exc:
+                if on_error != "return":
+                    raise
+                for i in members:
+                    out[i] = exc
+        return out
+
+    def _group_by_file(self, paths: Sequence[Any]) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for i, p in enumerate(paths):
+            groups.setdefault(self._strip_protocol(p), []).append(i)
+        return groups
+
+    def _read_coalesced(
+        self,
+        name: str,
+        members: list[int],
+        starts: list[int | None],
+        ends: list[int | None],
+        gap: int,
+        max_block: int,
+        out: list[bytes | BaseException],
+    ) -> None:
+        full = self._host(name)
+        size = self._file_size(full, name)
+        spans = {i: _bounds(starts[i], ends[i], size) for i in members}
+        merged: list[list[Any]] = []  # [start, end, [members]]
+        for i in sorted(members, key=lambda j: spans[j]):
+            s, e = spans[i]
+            if merged and s <= merged[-1][1] + gap and max(e, merged[-1][1]) - merged[-1][0] <= max_block:
+                merged[-1][1] = max(merged[-1][1], e)
+                merged[-1][2].append(i)
+            else:
+                merged.append([s, e, [i]])
+        bufs = [_bytes_for_filling(m[1] - m[0]) for m in merged if m[1] > m[0]]
+        reads = [m for m in merged if m[1] > m[0]]
+        if not reads:
+            return
+        try:
+            got = self.file_path.read_ranges_into(
+                full, [(m[0], m[1] - m[0], v, 0) for m, (_, v) in zip(reads, bufs, strict=True)]
+            )
+        finally:
+            for _, view in bufs:
+                view.release()
+        for m, (data, _), n in zip(reads, bufs, got, strict=True):
+            whole = len(m[2]) == 1 and spans[m[2][0]] == (m[0], m[1])
+            for i in m[2]:
+                s, e = spans[i]
+                e = min(e, m[0] + n)
+                out[i] = _as_bytes(data, n) if whole else bytes(memoryview(data)[s - m[0]: max(s, e) - m[0]])
+
+    def cat_ranges_into(
+        self,
+        paths: list[Any],
+        starts: int | list[int],
+        ends: int | list[int],
+        buffers: Sequence[Any],
+    ) -> list[int]:
+        """Read ranges ``[starts[i], ends[i])`` of ``paths[i]`` into ``buffers[i]``; return bytes read per range.
+
+        Ranges are absolute, non-negative offsets; each buffer must hold its range. Each file's ranges go to the
+        engine as one batch, straight into the buffers (no intermediate ``bytes``). Raises the first error.
+        """
+        n = len(paths)
+        starts_l = starts if isinstance(starts, list) else [starts] * n
+        ends_l = ends if isinstance(ends, list) else [ends] * n
+        if len(starts_l) != n or len(ends_l) != n or len(buffers) != n:
+            raise errors.InvalidRequestError("cat_ranges_into: paths, starts, ends and buffers differ in length")
+        out = [0] * n
+        for name, members in self._group_by_file(paths).items():
+            for i in members:
+                if starts_l[i] < 0 or ends_l[i] < starts_l[i]:
+                    raise errors.InvalidRequestError(f"bad range [{starts_l[i]}, {ends_l[i]}) for {name}")
+            got = self.file_path.read_ranges_into(
+                self._host(name), [(starts_l[i], ends_l[i] - starts_l[i], buffers[i], 0) for i in members]
+            )
+            for i, k in zip(members, got, strict=True):
+                out[i] = k
+        return out
+
+    # -- streaming copies ------------------------------------------------------------------------------------
+
+    def _pump(
+        self,
+        start: Callable[[int, memoryview], _Pending],
+        size: int,
+        sink: Callable[[memoryview], Any],
+        callback: Any = DEFAULT_CALLBACK,
+    ) -> int:
+        """Move ``size`` bytes from a source to a sink in blocks, reading the next block while writing this one.
+
+        ``start(pos, view)`` begins reading into ``view`` and returns something with ``get()`` (bytes read);
+        ``sink(view)`` consumes a block.
+        """
+        if size <= 0:
+            return 0
+        block = min(self.blocksize, size)
+        views = [memoryview(_aligned_buffer(block)) for _ in range(1 if size <= block else 2)]
+        pos, i, total = 0, 0, 0
+        pending: _Pending | None = start(0, views[0][:block])
+        try:
+            while pending is not None:
+                want = min(block, size - pos)
+                got = int(pending.get())
+                pending = None
+                if got == want and pos + got < size:
+                    j = (i + 1) % len(views)
+                    pending = start(pos + got, views[j][: min(block, size - pos - got)])
+                sink(views[i][:got])
+                callback.relative_update(got)
+                total += got
+                pos += got
+                i = (i + 1) % len(views)
+        finally:
+            if pending is not None:  # an error while a read is in flight: let it finish before freeing its buffer
+                with contextlib.suppress(Exception):
+                    pending.get()
+        return total
+
+    def _sf_source(self, full: str) -> Callable[[int, memoryview], _Pending]:
+        return lambda pos, view: self.file_path.read_into_async(full, view, pos, view.nbytes)
+
+    def _local_source(self, fd: int) -> Callable[[int, memoryview], _Pending]:
+        fp = self.file_path
+
+        def start(pos: int, view: memoryview) -> _Pending:
+            n, step = view.nbytes, fp.chunk_size
+            reqs = [Request.read(fd, pos + k, min(step, n - k), view, k) for k in range(0, n, step)]
+            return _Batch(fp.engine.submit(reqs))
+
+        return start
+
+    def _local_sink(self, fd: int) -> Callable[[memoryview], None]:
+        fp = self.file_path
+        offset = [0]
+
+        def sink(view: memoryview) -> None:
+            n, step, at = view.nbytes, fp.chunk_size, offset[0]
+            fp.engine.run([Request.write(fd, at + k, min(step, n - k), view, k) for k in range(0, n, step)])
+            offset[0] += n
+
+        return sink
+
+    def pipe_file(self, path: Any, value: Any, mode: str = "overwrite", **kwargs: Any) -> None:
+        """Write ``value`` (bytes-like, numpy, CPU tensor) as the whole of ``path``, atomically.
+
+        ``mode="create"`` refuses an existing file (``FileExistsError``); ``fsync=True`` makes it durable.
+        """
+        self.file_path.write(
+            self._host(path), value, overwrite=mode != "create", fsync=bool(kwargs.get("fsync", False))
+        )
+
+    def put_file(
+        self, lpath: Any, rpath: Any, callback: Any = DEFAULT_CALLBACK, mode: str = "overwrite", **kwargs: Any
+    ) -> None:
+        """Copy the local file ``lpath`` to ``rpath``: read through the engine, published atomically."""
+        lpath = os.fspath(lpath)
+        if os.path.isdir(lpath):
+            self.makedirs(rpath, exist_ok=True)
+            return
+        fd, _ = open_fd(lpath, os.O_RDONLY, direct="off")
+        try:
+            size = os.fstat(fd).st_size
+            callback.set_size(size)
+            with self.file_path.open_writer(self._host(rpath), overwrite=mode != "create") as w:
+                self._pump(self._local_source(fd), size, w.write, callback)
+        finally:
+            os.close(fd)
+
+    def get_file(
+        self,
+        rpath: Any,
+        lpath: Any,
+        callback: Any = DEFAULT_CALLBACK,
+        outfile: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Copy ``rpath`` to the local file ``lpath`` (written to a temporary name, then renamed) or ``outfile``."""
+        if outfile is None and isfilelike(lpath):
+            outfile = lpath
+        name = self._strip_protocol(rpath)
+        full = self._host(name)
+        if outfile is None and self.isdir(name):
+            os.makedirs(lpath, exist_ok=True)
+            return
+        size = self._file_size(full, name)
+        callback.set_size(size)
+        if outfile is not None:
+            self._pump(self._sf_source(full), size, outfile.write, callback)
+            return
+        lpath = os.path.abspath(os.fspath(lpath))
+        os.makedirs(os.path.dirname(lpath), exist_ok=True)
+        head, tail = os.path.split(lpath)
+        tmp = os.path.join(head, f".{tail}.sfstore-part-{os.getpid()}-{secrets.token_hex(4)}")
+        fd, _ = open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, direct="off")
+        try:
+            try:
+                self._pump(self._sf_source(full), size, self._local_sink(fd), callback)
+            finally:
+                os.close(fd)
+            os.replace(tmp, lpath)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def cp_file(self, path1: Any, path2: Any, **kwargs: Any) -> None:
+        """Copy a file within the root through the engine, published atomically (a directory: made)."""
+        src = self._strip_protocol(path1)
+        full = self._host(src)
+        st = self._stat(full, src)
+        if stat.S_ISDIR(st.st_mode):
+            self.makedirs(path2, exist_ok=True)
+            return
+        with self.file_path.open_writer(self._host(path2)) as w:
+            self._pump(self._sf_source(full), st.st_size, w.write, kwargs.get("callback", DEFAULT_CALLBACK))
+
+    # -- namespace -------------------------------------------------------------------------------------------
+
+    def mkdir(self, path: Any, create_parents: bool = True, **kwargs: Any) -> None:
+        name = self._strip_protocol(path)
+        full = self._host(name)
+        try:
+            if os.path.lexists(full):
+                raise FileExistsError(errno.EEXIST, "exists", full)
+            if create_parents:
+                os.makedirs(full, exist_ok=True)
+            else:
+                os.mkdir(full)
+        except OSError as exc:
+            raise _typed(exc, "mkdir", name) from None
+
+    def makedirs(self, path: Any, exist_ok: bool = False) -> None:
+        name = self._strip_protocol(path)
+        try:
+            os.makedirs(self._host(name), exist_ok=exist_ok)
+        except OSError as exc:
+            raise _typed(exc, "makedirs", name) from None
+
+    def rmdir(self, path: Any) -> None:
+        """Remove an empty directory (never the root)."""
+        name = self._strip_protocol(path)
+        if name == "":
+            raise errors.InvalidRequestError("refusing to remove the sf:// root")
+        try:
+            os.rmdir(self._entry(name))
+        except OSError as exc:
+            raise _typed(exc, "rmdir", name) from None
+
+    def rm_file(self, path: Any) -> None:
+        """Remove a file (a symlink: the link itself)."""
+        name = self._strip_protocol(path)
+        try:
+            os.unlink(self._entry(name))
+        except OSError as exc:
+            raise _typed(exc, "rm", name) from None
+
+    def _rm(self, path: Any) -> None:
+        self.rm_file(path)
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        """Remove files, and with ``recursive=True`` directories with what they hold (globs expand).
+
+        Symlinks are removed, never followed. With ``maxdepth``, entries deeper than ``maxdepth`` levels below a
+        directory stay, and so do the directories holding them. The root itself is never removed.
+        """
+        names: list[str] = []
+        for p in path if isinstance(path, (list, tuple)) else [path]:
+            name = self._strip_protocol(p)
+            if has_magic(name):
+                found = self.glob(name)
+                if not found:
+                    raise errors.os_error(errno.ENOENT, "rm: no match", _url(name))
+                names.extend(found)
+            else:
+                names.append(name)
+        for name in sorted(set(names), reverse=True):  # children before their parents
+            if name == "":
+                raise errors.InvalidRequestError("refusing to remove the sf:// root")
+            entry = self._entry(name)
+            try:
+                lst = os.lstat(entry)
+                if not stat.S_ISDIR(lst.st_mode):
+                    os.unlink(entry)
+                elif not recursive:
+                    raise IsADirectoryError(errno.EISDIR, "is a directory (use recursive=True)", name)
+                elif maxdepth is None:
+                    shutil.rmtree(entry)
+                else:
+                    _rmtree_depth(entry, maxdepth)
+            except OSError as exc:
+                raise _typed(exc, "rm", name) from None
+
+    def mv(self, path1: Any, path2: Any, recursive: bool = False, maxdepth: int | None = None, **kwargs: Any) -> None:
+        """Move a file or directory: one ``rename`` within the root (copy and remove across mounts).
+
+        As ``mv`` does, a move onto an existing directory (or onto ``"dir/"``, made if missing) moves into it.
+        Lists and globs move one by one through copy and remove.
+        """
+        if isinstance(path1, (list, tuple)) or isinstance(path2, (list, tuple)) or has_magic(str(path1)):
+            super().mv(path1, path2, recursive=recursive, maxdepth=maxdepth, **kwargs)
+            return
+        src, dst = self._strip_protocol(path1), self._strip_protocol(path2)
+        if src == "":
+            raise errors.InvalidRequestError("refusing to move the sf:// root")
+        if src == dst:
+            return
+        src_entry = self._entry(src)
+        if not os.path.lexists(src_entry):
+            raise errors.os_error(errno.ENOENT, "mv", _url(src))
+        if isinstance(path2, str) and path2.endswith("/") and not self.isdir(dst):
+            self.makedirs(dst, exist_ok=True)  # "dir/" names a directory, made if missing (as fsspec's copy does)
+        if self.isdir(dst):
+            dst = posixpath.join(dst, posixpath.basename(src))
+        dst_entry = self._entry(dst)
+        try:
+            os.rename(src_entry, dst_entry)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise _typed(exc, f"mv to {_url(dst)}", src) from None
+            self.copy(src, dst, recursive=True, on_error="raise")
+            self.rm(src, recursive=True)
+
+    def touch(self, path: Any, truncate: bool = True, **kwargs: Any) -> None:
+        """Create an empty file (atomically), or with ``truncate=False`` update an existing file's times."""
+        if truncate or not self.exists(path):
+            self.pipe_file(path, b"")
+        else:
+            os.utime(self._host(path))
+
+    # -- files -----------------------------------------------------------------------------------------------
+
+    def _open(
+        self,
+        path: Any,
+        mode: str = "rb",
+        block_size: int | None = None,
+        autocommit: bool = True,
+        cache_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> SFFile:
+        return SFFile(
+            self, self._strip_protocol(path), mode, block_size, autocommit, cache_options=cache_options, **kwargs
+        )
+
+
+def _rmtree_depth(top: str, maxdepth: int, depth: int = 1) -> None:
+    """Remove what lies at most ``maxdepth`` levels below ``top``, and directories left empty (no symlinks)."""
+    with os.scandir(top) as it:
+        entries = list(it)
+    for de in entries:
+        if de.is_dir(follow_symlinks=False):
+            if depth < maxdepth:
+                _rmtree_depth(de.path, maxdepth, depth + 1)
+        else:
+            os.unlink(de.path)
+    with contextlib.suppress(OSError):
+        os.rmdir(top)
+
+
+class _EngineReadahead(BaseCache):  # type: ignore[misc]
+    """Sequential readahead through the engine: the block being read, and the next one already in flight.
+
+    A miss reads ``[start, start + blocksize)`` (at least up to the end asked for). When the reader goes on
+    from the end of the block it had — sequential reading — the following block is started at once with an
+    asynchronous engine read, so the next miss finds it done or nearly so. Random access starts no readahead.
+    The two blocks are page-aligned buffers reused for the life of the file, so O_DIRECT reads land in them
+    without a bounce copy; ``read()`` copies out of them once, as any cache does.
+    """
+
+    name = "sfreadahead"
+
+    def __init__(self, blocksize: int, fetcher: Any, size: int, fp: FilePath, full: str) -> None:
+        super().__init__(blocksize, fetcher, size)
+        self._fp, self._full = fp, full
+        self._blocks: list[mmap.mmap | None] = [None, None]
+        self._cur = 0  # the block holding the cached bytes; the other one takes the read ahead
+        self._cache: memoryview | None = None
+        self.start = 0
+        self.end = 0
+        self._ahead: tuple[int, memoryview, Any] | None = None
+
+    def _view(self, index: int, n: int) -> memoryview:
+        block = self._blocks[index]
+        if block is None or len(block) < n:
+            block = self._blocks[index] = _aligned_buffer(max(n, self.blocksize))
+        return memoryview(block)[:n]
+
+    def _set_cache(self, view: memoryview | None, start: int, got: int) -> None:
+        if self._cache is not None:
+            self._cache.release()
+        self._cache, self.start, self.end = view, start, start + got
+
+    def _start_ahead(self, pos: int) -> None:
+        n = min(self.blocksize, self.size - pos)
+        if n > 0:
+            view = self._view(1 - self._cur, n)
+            self._ahead = (pos, view, self._fp.read_into_async(self._full, view, pos, n))
+
+    def _take_ahead(self, start: int, end: int) -> bool:
+        """Make the block in flight current if it covers ``[start, end)``; drop it otherwise."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return False
+        pos, view, fut = ahead
+        try:
+            got = int(fut.get())
+        except Exception:  # the synchronous read that follows reports the error, if it persists
+            view.release()
+            return False
+        if pos != start or pos + got < end:
+            view.release()
+            return False
+        self._set_cache(view, pos, got)
+        self._cur = 1 - self._cur
+        return True
+
+    def _slice(self, start: int, end: int) -> bytes:
+        assert self._cache is not None
+        return bytes(self._cache[start - self.start: end - self.start])
+
+    def _fetch(self, start: int | None, end: int | None) -> bytes:
+        start = 0 if start is None else start
+        end = self.size if end is None else min(end, self.size)
+        if start >= end:
+            return b""
+        if self.start <= start and end <= self.end:
+            self.hit_count += 1
+            return self._slice(start, end)
+        self.miss_count += 1
+        part = b""
+        if self.start <= start < self.end:  # the head is cached: keep it, go on after it
+            part = self._slice(start, self.end)
+            start = self.end
+        sequential = start == self.end  # the reader goes on from where the current block ends
+        if not self._take_ahead(start, end):
+            stop = min(self.size, max(end, start + self.blocksize))
+            self.total_requested_bytes += stop - start
+            self._set_cache(None, 0, 0)
+            view = self._view(self._cur, stop - start)
+            got = self._fp.read_into(self._full, view, start, stop - start)
+            self._set_cache(view, start, got)
+        if sequential and self.end < self.size:
+            self._start_ahead(self.end)
+        return part + self._slice(start, min(end, self.end))
+
+    def close(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            with contextlib.suppress(Exception):
+                ahead[2].get()
+            ahead[1].release()
+        self._set_cache(None, 0, 0)
+        self._blocks = [None, None]
+
+
+class SFFile(AbstractBufferedFile):  # type: ignore[misc]
+    """A file of :class:`SFFileSystem`: buffered reads with engine readahead, or an atomic streaming write.
+
+    Modes: ``rb`` (reads through the engine; the default cache ``"sfreadahead"`` reads the next block while
+    the caller consumes this one; any fsspec ``cache_type`` works too), ``wb`` and ``xb`` (stream into an
+    :class:`~sfstore.paths.file.AtomicWriter`, published on :meth:`close`, discarded when a ``with`` block
+    raises, when the file is garbage-collected unclosed, or by :meth:`discard`; ``xb`` refuses an existing file
+    when opened and when published), ``ab`` (the same, after copying the existing bytes: atomic, at the cost of
+    a copy). In a transaction (``autocommit=False``) the file is published by :meth:`commit`. Text mode (``w``)
+    wraps the binary file in ``io.TextIOWrapper``, which closes — and so publishes — it even when a ``with``
+    block raises; use a binary mode where a failed write must leave the old content.
+    """
+
+    closed: bool  # a property of AbstractBufferedFile
+
+    def __init__(
+        self,
+        fs: SFFileSystem,
+        path: str,
+        mode: str = "rb",
+        block_size: int | str | None = None,
+        autocommit: bool = True,
+        cache_type: str = "sfreadahead",
+        cache_options: dict[str, Any] | None = None,
+        size: int | None = None,
+        fsync: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self._writer: AtomicWriter | None = None
+        self._full = fs._host(path)
+        bs = fs.blocksize if block_size in (None, "default") else block_size
+        if mode == "rb":
+            if size is None:
+                size = fs._file_size(self._full, path)
+            ours = cache_type == _EngineReadahead.name
+            super().__init__(
+                fs, path, mode, bs, autocommit, cache_type="none" if ours else cache_type,
+                cache_options=cache_options, size=size, **kwargs,
+            )
+            if ours:
+                self.cache = _EngineReadahead(self.blocksize, self._fetch_range, self.size, fs.file_path, self._full)
+            return
+        if mode not in ("wb", "xb", "ab"):
+            raise NotImplementedError(f"sf:// files support modes rb, wb, xb and ab, not {mode!r}")
+        super().__init__(fs, path, mode, bs, autocommit, cache_options=cache_options, **kwargs)
+        writer = fs.file_path.open_writer(self._full, overwrite=mode != "xb", fsync=fsync)
+        if mode == "ab" and os.path.isfile(self._full):
+            try:
+                size = fs._file_size(self._full, path)
+                fs._pump(fs._sf_source(self._full), size, writer.write)
+            except BaseException:
+                writer.discard()
+                raise
+            self.loc = size
+        self._writer = writer
+
+    # -- reading ---------------------------------------------------------------------------------------------
+
+    def _fetch_range(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` through the engine (parallel chunks), straight into the returned ``bytes``."""
+        fs: SFFileSystem = self.fs
+        return fs.file_path.read(self._full, start, max(0, end - start))
+
+    def readinto(self, b: Any) -> int:
+        """Read into ``b``; a read of a block or more goes from storage straight into ``b``."""
+        if self.mode != "rb":
+            raise ValueError("File not in read mode")
+        if self.closed:
+            raise ValueError("I/O operation on closed file.")
+        out = memoryview(b).cast("B")
+        n = min(out.nbytes, max(0, self.size - self.loc))
+        if n < self.blocksize:
+            return int(super().readinto(out))
+        fs: SFFileSystem = self.fs
+        got = fs.file_path.read_into(self._full, out[:n], self.loc, n)
+        self.loc += got
+        return got
+
+    # -- writing ---------------------------------------------------------------------------------------------
+
+    def write(self, data: Any) -> int:
+        """Accept ``data`` (bytes-like, numpy, CPU tensor); large writes go to storage without a copy."""
+        if not self.writable():
+            raise ValueError("File not in write mode")
+        assert self._writer is not None
+        n = self._writer.write(data)
+        self.loc += n
+        return n
+
+    def flush(self, force: bool = False) -> None:
+        """Nothing to do: data reaches storage as it is written, and the file is published on close."""
+        if self.closed:
+            raise ValueError("Flush on closed file")
+
+    def commit(self) -> None:
+        """Publish the file under its name (atomically)."""
+        if self._writer is not None and not self._writer.closed:
+            self._writer.close()
+
+    def discard(self) -> None:
+        """Drop what was written; any old content of the path stays."""
+        if self._writer is not None:
+            self._writer.discard()
+
+    def close(self) -> None:
+        """Publish the file (write modes, unless in a transaction) and release it."""
+        if self.closed:
+            return
+        if self.mode == "rb":
+            super().close()
+            return
+        try:
+            if self.autocommit:
+                self.commit()
+        finally:
+            self.closed = True
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is not None and self._writer is not None and not self.closed:
+            self.discard()
+            self.closed = True
+            return
+        self.close()
+
+    def __del__(self) -> None:
+        if self.closed:
+            return
+        if self._writer is not None:
+            self.discard()  # never closed: nothing is published
+            self.closed = True
+        else:
+            self.close()
+
