@@ -121,8 +121,9 @@ _SETTINGS_LIST = [
     Setting("bounce", "bool", True,
             "Let the engine move misaligned heads, tails and buffers of O_DIRECT requests through bounce "
             "buffers; when off, such a request raises `AlignmentError`."),
-    Setting("bounce_buffer_size", "size", 1 << 20,
-            "Size of each engine bounce buffer; misaligned buffers move in pieces of this size.", minimum=4096),
+    Setting("bounce_buffer_size", "size", 2 << 20,
+            "Size of each engine bounce buffer; misaligned buffers move in pieces of this size (multiples of 2 MiB "
+            "get huge pages).", minimum=4096),
     Setting("buffer_size", "size", 8 << 20, "Default size of a registered buffer in a pool.", minimum=4096),
     Setting("file_chunk_size", "size", 0,
             "Bytes per request when the file path moves a large file; 0: from the mount (a few NFS `rsize`, "
@@ -130,6 +131,9 @@ _SETTINGS_LIST = [
     Setting("file_parallelism", "int", 0,
             "Requests the file path keeps in flight; 0: from the mount (16, or 16 per NFS `nconnect`, at most "
             "64).", minimum=0),
+    Setting("file_small_parallelism", "int", 64,
+            "Files the file path reads at once when it reads many small files (through the page cache, on the "
+            "native thread pool when `engine` is `auto`).", minimum=1),
     Setting("huge_pages", "choice", "auto",
             "Back pool buffers of 2 MiB multiples with huge pages: `auto` (hugetlbfs pages if reserved, "
             "else transparent huge pages), `on` (fail without hugetlbfs pages) or `off`.",
@@ -140,6 +144,18 @@ _SETTINGS_LIST = [
     Setting("cuda_register", "choice", "auto",
             "Register pool buffers with CUDA (`cuMemHostRegister`): `auto` (where a driver is present, a "
             "reported no-op elsewhere), `on` (fail without a driver) or `off`.", choices=("auto", "on", "off")),
+    Setting("checkpoint_shard_bytes", "size", 1 << 30,
+            "Most tensor bytes per checkpoint shard file (`sfstore.checkpoint.save(max_shard_bytes=...)`); a "
+            "tensor larger than this gets a shard of its own.", minimum=1),
+    Setting("checkpoint_buffer_size", "size", 32 << 20,
+            "Size of each registered buffer a synchronous checkpoint save streams shards through (fill one "
+            "while the others are written).", minimum=4096),
+    Setting("checkpoint_buffers", "int", 6,
+            "Registered buffers a synchronous checkpoint save cycles through: its extra memory is "
+            "`checkpoint_buffers` x `checkpoint_buffer_size` (less for small shards).", minimum=2),
+    Setting("checkpoint_copy_threads", "int", 4,
+            "Threads `sfstore.checkpoint.save_async` copies tensors into its host buffers with, before it "
+            "returns.", minimum=1),
 ]
 
 SETTINGS: Mapping[str, Setting] = {s.name: s for s in _SETTINGS_LIST}

@@ -19,6 +19,7 @@ not); a misaligned buffer still works, through the engine's bounce buffers, at t
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import secrets
 import stat
@@ -157,6 +158,9 @@ class FilePath(StoragePath):
         self.chunk_size = int(chunk_size or defaults.get("file_chunk_size") or self.mount.default_chunk_size())
         self.parallelism = int(parallelism or defaults.get("file_parallelism") or self.mount.default_parallelism())
         self._engine = engine
+        self._small_engine: IOEngine | None = None
+        self._rootfd: int | None = None
+        self._rootfd_pid = 0
         self._direct_mode = defaults.SETTINGS["direct_io"].parse(direct, "FilePath") if direct else None
         self.direct = self._probe_direct()
         if self.mount.transport == "tcp":
@@ -182,6 +186,26 @@ class FilePath(StoragePath):
         if self._engine is None or self._engine.closed:
             self._engine = get_engine(queue_depth=self.parallelism)
         return self._engine
+
+    @property
+    def small_file_engine(self) -> IOEngine:
+        """The engine for batches of small files (:meth:`read_many`).
+
+        Small files are read through the page cache (they land in unaligned ``bytes``); io_uring hands such
+        reads that miss the cache to kernel worker threads one by one, and a native thread pool with many
+        requests in flight was measured faster (10,000 cold 64 KiB files: ~2.8x LocalFileSystem.cat against
+        ~1.6x). So with the ``engine`` setting on ``auto`` these batches use the ``threads`` engine with
+        ``file_small_parallelism`` workers; an explicit engine setting is respected.
+        """
+        if defaults.get("engine") != "auto":
+            return self.engine
+        if self._small_engine is None or self._small_engine.closed:
+            n = int(defaults.get("file_small_parallelism"))
+            try:
+                self._small_engine = get_engine("threads", threads=n, queue_depth=n)
+            except errors.EngineUnavailableError:
+                self._small_engine = self.engine
+        return self._small_engine
 
     def describe(self) -> dict[str, Any]:
         engines = describe_engines()
@@ -235,6 +259,45 @@ class FilePath(StoragePath):
         if real != self.root and not real.startswith(self.root + os.sep):
             raise errors.PathEscapeError(f"path {text!r} resolves to {real}, outside the root {self.root}")
         return real
+
+    def open_beneath(self, path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> tuple[int, str]:
+        """Open ``path`` (relative to the root, or absolute inside it) without leaving the root; return the
+        descriptor and the absolute path (for messages).
+
+        The kernel enforces the confinement (``openat2`` with ``RESOLVE_BENEATH``: ``..``, absolute symlinks and
+        symlinks that lead out are refused) in one system call, so this is the fast path for many small files;
+        where ``openat2`` is missing it falls back to :meth:`resolve` and ``open``. O_DIRECT is not set.
+        """
+        text = os.fspath(path)
+        if "\x00" in text:
+            raise errors.PathEscapeError(f"path {text!r} contains a NUL byte")
+        if os.path.isabs(text):
+            norm = os.path.normpath(text)
+            if norm != self.root and not norm.startswith(self.root + os.sep):
+                raise errors.PathEscapeError(f"path {text!r} is outside the root {self.root}")
+            text = os.path.relpath(norm, self.root)
+        full = os.path.join(self.root, text)
+        beneath = _open_beneath_fn()
+        if beneath is None:
+            real = self.resolve(text)
+            try:
+                return os.open(real, flags | os.O_CLOEXEC, mode), real
+            except OSError as exc:
+                self.counters.add(errors=1)
+                raise errors.os_error(exc.errno or errno.EIO, "open", real) from None
+        try:
+            return beneath(self._root_fd(), text, flags, mode), full
+        except OSError as exc:
+            self.counters.add(errors=1)
+            if exc.errno in (errno.EXDEV, errno.ELOOP):
+                raise errors.PathEscapeError(f"path {text!r} leads outside the root {self.root}") from None
+            raise errors.os_error(exc.errno or errno.EIO, "open", full) from None
+
+    def _root_fd(self) -> int:
+        if self._rootfd is None or self._rootfd_pid != os.getpid():
+            self._rootfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._rootfd_pid = os.getpid()
+        return self._rootfd
 
     def relative(self, full: str) -> str:
         """The root-relative name of an absolute path inside the root (``""`` for the root)."""
@@ -386,8 +449,7 @@ class FilePath(StoragePath):
             reqs: list[Request] = []
             for i in range(start, stop):
                 try:
-                    full = self.resolve(names[i])
-                    fd, _ = self._open(full, os.O_RDONLY)
+                    fd, full = self.open_beneath(names[i], os.O_RDONLY)
                 except errors.SfstoreError as exc:
                     if on_error == "raise":
                         raise
@@ -401,12 +463,16 @@ class FilePath(StoragePath):
                         raise
                     out[i] = exc
                     continue
+                if self.direct and size >= _DIRECT_MIN:
+                    # Large files go direct; small ones read through the page cache, since they land in
+                    # unaligned ``bytes`` and would be bounced (copied) under O_DIRECT anyway.
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
                 data, view = _bytes_for_filling(size)
                 chunk = self._chunks(fd, 0, size, view, 0, write=False)
                 group.items.append((i, data, view, len(reqs), len(chunk), size))
                 reqs.extend(chunk)
             group.requests = len(reqs)
-            group.future = self.engine.submit(reqs)
+            group.future = self.small_file_engine.submit(reqs)
         except BaseException:
             group.close()
             raise
@@ -494,7 +560,11 @@ class FilePath(StoragePath):
             raise errors.os_error(errno.EISDIR, "cannot write a file over a directory", full)
         if not overwrite and os.path.lexists(full):
             raise errors.os_error(errno.EEXIST, "refusing to overwrite", full)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+        except OSError as exc:  # a parent is a file (EEXIST / ENOTDIR), or no permission
+            err = errno.ENOTDIR if exc.errno == errno.EEXIST else (exc.errno or errno.EIO)
+            raise errors.os_error(err, "cannot create the parent directory", os.path.dirname(full)) from None
         return AtomicWriter(self, full, fsync=fsync, overwrite=overwrite)
 
     def _publish(self, tmp: str, full: str, fsync: bool, overwrite: bool) -> None:
@@ -662,6 +732,17 @@ class _DoneRead:
 
     def get(self, timeout: float | None = None) -> int:
         return self._total
+
+
+_DIRECT_MIN = 1 << 20  # read_many: files at least this large are read with O_DIRECT
+
+
+def _open_beneath_fn() -> Any:
+    try:
+        from sfstore import _native
+    except ImportError:
+        return None
+    return _native.open_beneath
 
 
 def _bytes_for_filling(n: int) -> tuple[bytes | bytearray, memoryview]:

@@ -220,6 +220,26 @@ class FilePathTests:
         assert np.array_equal(np.frombuffer(fp.read("a.bin"), dtype=np.int64), a)
 
 
+    def test_write_below_a_file_is_a_typed_error(self, fp: FilePath) -> None:
+        fp.write("plain", b"x")
+        with pytest.raises(errors.NotADirectoryPathError):
+            fp.write("plain/child.bin", b"y")
+
+    def test_open_beneath_refuses_escapes(self, fp: FilePath, outside: Path) -> None:
+        (outside / "o.txt").write_bytes(b"o")
+        os.symlink(outside / "o.txt", os.path.join(fp.root, "abs-link"))
+        os.symlink("../" + os.path.basename(outside) + "/o.txt", os.path.join(fp.root, "rel-link"))
+        for bad in ("../x", "abs-link", "rel-link", str(outside / "o.txt")):
+            with pytest.raises(errors.PathEscapeError):
+                fd, _ = fp.open_beneath(bad, os.O_RDONLY)
+                os.close(fd)
+        fp.write("in.txt", b"in")
+        fd, full = fp.open_beneath(os.path.join(fp.root, "in.txt"), os.O_RDONLY)
+        assert os.read(fd, 10) == b"in" and full == os.path.join(fp.root, "in.txt")
+        os.close(fd)
+        with pytest.raises(errors.PathNotFoundError):
+            fp.open_beneath("missing", os.O_RDONLY)
+
     def test_write_over_a_directory_is_refused(self, fp: FilePath) -> None:
         os.makedirs(os.path.join(fp.root, "dir"))
         with pytest.raises(errors.IsADirectoryPathError):
