@@ -43,11 +43,22 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     from sfstore.probe import format_table, probe
 
     report = probe(data_dir=args.data_dir)
+    # Where each data class goes (the router sits above the probe, so the command joins the two).
+    try:
+        router = sfstore.open(args.config)
+        report["routing"] = router.describe()
+        routing_text = router.format()
+    except SfstoreError as exc:
+        report["routing"] = {"status": "error", "reason": str(exc)}
+        routing_text = f"error: {exc}"
     if args.json:
         json.dump(report, sys.stdout, indent=2, sort_keys=False, default=str)
         sys.stdout.write("\n")
     else:
-        print(format_table(report))
+        print(format_table({k: v for k, v in report.items() if k != "routing"}))
+        print("routing")
+        for line in routing_text.splitlines():
+            print("    " + line)
     return 0
 
 
@@ -55,6 +66,8 @@ def _add_probe(sub: Subparsers) -> None:
     p = sub.add_parser("probe", help="report the I/O engine, memory, data directory, RDMA, NFS, NVMe-oF, GDS, GPUs",
                        description="Report what this host offers sfstore. Absent hardware is reported as absent.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="sfstore config file (default: SFSTORE_CONFIG, ./sfstore.toml, ~/.config/sfstore/)")
     p.add_argument("--data-dir", metavar="PATH", default=None,
                    help="data directory to check (default: the data_dir setting, SFSTORE_DATA_DIR)")
     p.set_defaults(func=_cmd_probe)

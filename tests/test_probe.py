@@ -235,7 +235,7 @@ def test_cli_probe_json(tmp_path: Path) -> None:
     result = _cli("probe", "--json", data_dir=tmp_path / "d")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == set(SECTIONS)
+    assert set(report) == {*SECTIONS, "routing"}
     assert all(report[s]["status"] in STATUSES for s in SECTIONS)
     assert report["data_dir"]["path"] == str(tmp_path / "d") and (tmp_path / "d").is_dir()
     if _no_rdma_here():
@@ -250,7 +250,7 @@ def test_cli_probe_table(tmp_path: Path) -> None:
     result = _cli("probe", data_dir=tmp_path)
     assert result.returncode == 0, result.stderr
     starts = [line.split()[0] for line in result.stdout.splitlines() if line and not line.startswith(" ")]
-    assert starts == list(SECTIONS)
+    assert starts == [*SECTIONS, "routing"]
 
 
 def test_cli_probe_data_dir_option(tmp_path: Path) -> None:
@@ -272,3 +272,21 @@ def test_cli_main_in_process(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 
     assert main(["probe", "--json", "--data-dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["data_dir"]["path"] == str(tmp_path)
+
+
+def test_probe_command_shows_routing_per_data_class(tmp_path: Path) -> None:
+    import json as _json
+    import subprocess as _sp
+    import sys as _sys
+
+    env = {**os.environ, "SFSTORE_DATA_DIR": str(tmp_path), "SFSTORE_ROOT": str(tmp_path / "root")}
+    out = _sp.run([_sys.executable, "-m", "sfstore.cli", "probe", "--json"], capture_output=True, text=True,
+                  env=env, timeout=60, check=True)
+    routing = _json.loads(out.stdout)["routing"]
+    assert routing["root"] == str(tmp_path / "root")
+    assert routing["classes"]["dataset"]["transport"] == "local"
+    assert routing["classes"]["dataset"]["fallbacks"]
+    assert routing["classes"]["hot"]["available"] is False
+    text = _sp.run([_sys.executable, "-m", "sfstore.cli", "probe"], capture_output=True, text=True, env=env,
+                   timeout=60, check=True).stdout
+    assert "routing" in text and "dataset     file   local" in text
