@@ -15,7 +15,9 @@ def test_demo_round_trip_verifies(tmp_path: Path) -> None:
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert "verified       yes" in out.stdout
+    assert out.stdout.count("verified       yes") == 2  # engine round trip and the sf:// dataset
+    assert "dataset through sf://" in out.stdout and "256 files at" in out.stdout
+    assert len(list((tmp_path / "demo-dataset").iterdir())) == 256
     assert "engine    ok" in out.stdout  # the probe table came first
     assert (tmp_path / "demo" / "roundtrip.bin").stat().st_size == 8 << 20
 
