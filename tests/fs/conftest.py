@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,8 +29,10 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
 
 @pytest.fixture
 def sf_root(tmp_path: Path) -> Path:
-    root = tmp_path / "sf-root"
-    root.mkdir()
+    """A fresh root; on ``$SFSTORE_TEST_FS_BASE`` when set (the testbed runs these tests on its NFS-RDMA mount)."""
+    base = os.environ.get("SFSTORE_TEST_FS_BASE")
+    root = Path(base) / f"sf-root-{uuid.uuid4().hex[:12]}" if base else tmp_path / "sf-root"
+    root.mkdir(parents=True)
     return root
 
 

@@ -1,0 +1,29 @@
+"""fsspec's abstract suite and the sf:// filesystem tests, run with their roots on the NFS-RDMA mount."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .endpoints import env
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def test_fsspec_abstract_suite_over_nfs_rdma() -> None:
+    base = Path(env("SFSTORE_TEST_NFS_MOUNT")) / "fsspec-suite"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+         str(TESTS / "fs" / "test_fsspec_abstract.py"), str(TESTS / "fs" / "test_sf_filesystem.py")],
+        env={**os.environ, "SFSTORE_TEST_FS_BASE": str(base)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    tail = run.stdout[-4000:] + run.stderr[-2000:]
+    assert run.returncode == 0, tail
+    assert " passed" in run.stdout and " failed" not in run.stdout, tail
+    # the roots really were on the NFS mount
+    assert any(p.name.startswith("sf-root-") for p in base.iterdir()), tail
