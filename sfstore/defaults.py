@@ -156,6 +156,10 @@ _SETTINGS_LIST = [
     Setting("checkpoint_copy_threads", "int", 4,
             "Threads `sfstore.checkpoint.save_async` copies tensors into its host buffers with, before it "
             "returns.", minimum=1),
+    Setting("checkpoint_reuse_buffers", "bool", True,
+            "Keep a checkpoint save's registered host buffers for the next save, so it does not allocate and pin "
+            "them again: `save`'s ring and `save_async`'s copy of the tensor bytes (held between saves); off: "
+            "free them when each save ends."),
 ]
 
 SETTINGS: Mapping[str, Setting] = {s.name: s for s in _SETTINGS_LIST}

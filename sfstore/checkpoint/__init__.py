@@ -1,0 +1,219 @@
+"""Checkpoints: parallel, atomic, checksummed, pickle-free saves and loads of nested state dicts.
+
+>>> from sfstore import checkpoint
+>>> info = checkpoint.save({"model": model.state_dict(), "step": 100}, "run1/step-100",
+...                        metadata={"step": 100})                       # doctest: +SKIP
+>>> state = checkpoint.load(checkpoint.latest("run1"))                     # doctest: +SKIP
+
+A checkpoint is a directory: shard files in the safetensors format (``safetensors.torch.load_file`` reads each
+one) and a JSON manifest, ``sfstore-manifest.json`` (which tensor lives in which shard, dtype, shape, xxh3-64
+checksums per tensor and per shard, the state dict's nesting, the caller's metadata). Nothing is pickled,
+nothing is unpickled.
+
+Urls: ``"sf://a/b"`` or ``"a/b"`` is the directory ``a/b`` under the checkpoint root
+(``sfstore.open().file_path("checkpoint")``: ``<root>/checkpoints`` unless configured); ``"/x/y/name"`` or
+``"file:///x/y/name"`` is that directory. ``list``/``latest`` take a directory holding checkpoints, in the
+same forms (``""``: the checkpoint root).
+
+Speed and memory: shards are written and read through sfstore's I/O engine with O_DIRECT from page-aligned
+registered buffers, many requests in flight (the file path's ``chunk_size``/``parallelism``, from the mount).
+``save`` streams through ``checkpoint_buffers`` x ``checkpoint_buffer_size`` bytes of buffers (192 MiB by
+default) whatever the shard size; ``save_async`` holds a copy of the state dict's tensor bytes; both keep these
+registered buffers for their next save (``checkpoint_reuse_buffers``, on by default: pinning memory again costs
+more than filling it). ``load`` returns views of buffers the size of the shards (about 1x the tensor bytes, no
+second copy).
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from sfstore.checkpoint import safetensors_format
+from sfstore.checkpoint.catalog import CheckpointInfo
+from sfstore.checkpoint.catalog import latest as _latest
+from sfstore.checkpoint.catalog import list_checkpoints as _list
+from sfstore.checkpoint.load import load as _load
+from sfstore.checkpoint.manifest import MANIFEST_NAME
+from sfstore.checkpoint.save import SaveFuture
+from sfstore.checkpoint.save import save as _save
+from sfstore.checkpoint.save import save_async as _save_async
+
+if TYPE_CHECKING:
+    import torch
+
+Url = str | os.PathLike[str] | CheckpointInfo
+
+__all__ = [
+    "save",
+    "save_async",
+    "load",
+    "list",
+    "latest",
+    "CheckpointInfo",
+    "SaveFuture",
+    "MANIFEST_NAME",
+    "safetensors_format",
+]
+
+
+def save(
+    state_dict: Any,
+    url: Url,
+    *,
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+) -> CheckpointInfo:
+    """Save ``state_dict`` as a checkpoint at ``url``, atomically.
+
+    Parameters
+    ----------
+    state_dict : object
+        Nested dicts (any keys that are None, bool, int, float, str, bytes or tuples of these), lists and
+        tuples of torch tensors (any dtype, any device, contiguous or not), numpy arrays and scalars,
+        None, bool, int, float, str, bytes, ``torch.dtype`` and ``torch.Size``. Everything round-trips
+        exactly (tuples stay tuples, ints stay ints, nan/inf/-0.0 stay as they are, ``OrderedDict`` stays
+        one). The same tensor object reached twice is stored once and loads as one tensor; distinct tensors
+        sharing memory are stored separately.
+    url : str, os.PathLike or CheckpointInfo
+        The checkpoint directory (see the module docs).
+    max_shard_bytes : int, optional
+        Most tensor bytes per shard (default: the ``checkpoint_shard_bytes`` setting, 1 GiB). A larger tensor
+        gets a shard of its own.
+    overwrite : bool
+        Replace an existing checkpoint at ``url`` (atomically: readers see the old one or the new one).
+        ``False`` raises :class:`~sfstore.errors.PathExistsError` when it exists. A directory that is not an
+        sfstore checkpoint is never replaced.
+    metadata : mapping, optional
+        Plain JSON (string keys, no nan/inf) stored in the manifest; ``metadata["step"]`` (an int) shows up
+        as :attr:`CheckpointInfo.step`.
+
+    Returns
+    -------
+    CheckpointInfo
+        The committed checkpoint.
+
+    Notes
+    -----
+    Crash safety: everything is written into ``.<name>.sfstore-staging-<host>-<pid>-<rand>`` next to the
+    checkpoint; every shard, then the manifest, then the staging directory are fsynced; the directory is
+    renamed into place (``renameat2`` NOREPLACE, or EXCHANGE when overwriting; a two-step fallback where the
+    filesystem refuses renameat2 flags, e.g. NFS) and the parent fsynced. A crash at any moment leaves the
+    previous checkpoint loadable and nothing half-written under the final name; the next save in the same
+    directory removes what dead savers left.
+
+    Memory and speed: the shards stream through ``checkpoint_buffers`` x ``checkpoint_buffer_size`` bytes
+    (192 MiB) of registered buffers, kept for the next save (``checkpoint_reuse_buffers``). GPU tensors are
+    copied to the host through them; strided tensors are made contiguous one at a time (a temporary of that
+    tensor's size). Tensor bytes are copied once and checksummed while still in cache; shard files are sized
+    first and written with O_DIRECT in parallel chunks while the next buffer is filled.
+
+    Raises
+    ------
+    sfstore.errors.InvalidRequestError
+        Something in ``state_dict`` cannot be saved without pickling (the message names its key path), a
+        quantized, sparse or meta tensor, or metadata that is not plain JSON.
+    sfstore.errors.PathExistsError
+        ``overwrite=False`` and the checkpoint exists.
+    sfstore.errors.SfstoreOSError
+        I/O errors (:class:`~sfstore.errors.NoSpaceError`, ...); nothing is published then.
+    """
+    return _save(state_dict, url, max_shard_bytes=max_shard_bytes, overwrite=overwrite, metadata=metadata)
+
+
+def save_async(
+    state_dict: Any,
+    url: Url,
+    *,
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+) -> SaveFuture:
+    """Copy ``state_dict``'s tensors to host buffers, return at once, and save in the background.
+
+    Same arguments as :func:`save`. When it returns, every tensor's bytes have been copied (training may
+    change the tensors right away); non-tensor values are captured as well. The copy runs on
+    ``checkpoint_copy_threads`` threads into registered (pinned) buffers laid out as the shard files; a
+    background thread then checksums and writes them and commits exactly as :func:`save` does.
+
+    Returns
+    -------
+    SaveFuture
+        ``get(timeout=None)`` returns the :class:`CheckpointInfo` or raises the save's error;
+        ``done()``; ``wait(timeout=None)``.
+
+    Notes
+    -----
+    Memory: a copy of the state dict's tensor bytes (rounded up per shard to 2 MiB). With
+    ``checkpoint_reuse_buffers`` (default) it is kept after the save for the next ``save_async`` (which then
+    only copies: no allocation, no page faults, no pinning), else freed when the save ends. The background
+    thread is not a daemon: the interpreter waits for it at exit. Saves run concurrently if started so; each
+    commits atomically on its own.
+    """
+    return _save_async(state_dict, url, max_shard_bytes=max_shard_bytes, overwrite=overwrite, metadata=metadata)
+
+
+def load(url: Url, *, device: str | torch.device = "cpu", into: Any = None, verify: bool = True) -> Any:
+    """Load the checkpoint at ``url`` (or a plain ``.safetensors`` file).
+
+    Parameters
+    ----------
+    url : str, os.PathLike or CheckpointInfo
+        A checkpoint directory (see the module docs), a :class:`CheckpointInfo` (from :func:`latest`), or the
+        path of a ``.safetensors`` file (any writer's; returns ``{name: tensor}`` as
+        ``safetensors.torch.load_file`` does, no checksums to check).
+    device : str or torch.device
+        ``"cpu"``: tensors are views of the buffers the shards were read into (no copy). ``"cuda..."``:
+        each shard is copied to the GPU from its pinned buffer, which is then dropped. numpy arrays always
+        come back as numpy arrays on the host.
+    into : state dict or torch.nn.Module, optional
+        Fill these tensors in place instead of allocating: each tensor's bytes are read straight into the
+        existing tensor (at the same key path; a module's ``state_dict()``). Every checkpoint tensor needs a
+        destination of the same dtype and shape and every destination a checkpoint tensor, else
+        :class:`~sfstore.errors.InvalidRequestError` naming the key. The returned structure holds these
+        tensors (and the checkpoint's non-tensor values; ``into``'s own are not changed). On an error the
+        destinations' contents are unspecified.
+    verify : bool
+        Check the xxh3-64 of every tensor and shard (one pass over the bytes, as they are read).
+
+    Returns
+    -------
+    object
+        The state dict as saved.
+
+    Raises
+    ------
+    sfstore.errors.PathNotFoundError
+        No such directory, or no manifest in it (not a checkpoint).
+    sfstore.errors.CorruptCheckpointError
+        A checksum mismatch (naming the shard and tensor), a missing or truncated shard, a manifest that does
+        not match its shards or is malformed, a safetensors header that is oversized, lies about sizes or
+        has offsets out of bounds or overlapping, a manifest path that escapes the checkpoint directory.
+        Nothing is read out of bounds and nothing is unpickled, whatever the files hold.
+    """
+    return _load(url, device=device, into=into, verify=verify)
+
+
+def list(prefix: str | os.PathLike[str] = "") -> builtins.list[CheckpointInfo]:
+    """The committed checkpoints directly inside the directory ``prefix``, oldest commit first.
+
+    ``prefix`` takes the url forms of :func:`save` (``""``: the checkpoint root). Directories without a valid
+    manifest (staging directories, anything else) are not listed. An interrupted replace (the two-step
+    fallback) is finished by bringing the previous checkpoint back. A missing ``prefix`` lists nothing.
+
+    Returns
+    -------
+    list of CheckpointInfo
+    """
+    return _list(prefix)
+
+
+def latest(prefix: str | os.PathLike[str] = "") -> CheckpointInfo | None:
+    """The most recently committed checkpoint in ``prefix`` (by the manifest's commit time), or ``None``.
+
+    ``load(latest(prefix))`` loads it.
+    """
+    return _latest(prefix)

@@ -1,0 +1,312 @@
+"""Where checkpoints live, and how they are published: staging directories, renameat2, cleanup, recovery.
+
+A checkpoint ``<parent>/<name>`` is written into ``<parent>/.<name>.sfstore-staging-<host>-<pid>-<rand>`` and
+published by a rename: ``renameat2(RENAME_NOREPLACE)`` for a new name, ``renameat2(RENAME_EXCHANGE)`` to
+replace an existing one (the old one then sits at the staging name and is removed). Filesystems without
+renameat2 flags (NFS refuses them with EINVAL) get a two-step replace: the old checkpoint is renamed to
+``.<name>.sfstore-old-<host>-<pid>-<rand>``, the new one into place. A crash between the two steps leaves no
+``<name>``; :func:`cleanup` (run by every save, list and load in that parent) renames such an old checkpoint
+back, so the previous checkpoint is what readers find. Staging and old directories of dead processes of this
+host are removed by the next save in the parent; other hosts' are left alone for :data:`FOREIGN_STALE_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import posixpath
+import re
+import secrets
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sfstore import errors
+from sfstore.paths.file import FilePath, fsync_dir
+
+__all__ = [
+    "Location",
+    "locate",
+    "staging_path",
+    "publish",
+    "cleanup",
+    "is_checkpoint_dir",
+    "FOREIGN_STALE_SECONDS",
+]
+
+FOREIGN_STALE_SECONDS = 24 * 3600
+"""Staging/old directories of other hosts are removed only when untouched this long."""
+
+_MARK = re.compile(
+    r"^\.(?P<name>.+)\.sfstore-(?P<kind>staging|old)-(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$"
+)
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347, "riscv64": 276}
+
+_fp_cache: dict[tuple[str, bool], FilePath] = {}
+_fp_lock = threading.Lock()
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:64] or "host"
+
+
+@dataclass(frozen=True)
+class Location:
+    """A checkpoint directory: the file path it lives on, its parent directory (absolute) and its name."""
+
+    fp: FilePath
+    parent: str
+    name: str
+    url: str
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.parent, self.name)
+
+
+def _file_path(root: str, create: bool) -> FilePath:
+    key = (os.path.abspath(root), create)
+    with _fp_lock:
+        fp = _fp_cache.get(key)
+        if fp is None or not os.path.isdir(fp.root):
+            fp = FilePath(root, create=create)
+            _fp_cache[key] = fp
+        return fp
+
+
+def _checkpoint_root() -> FilePath:
+    import sfstore
+
+    return sfstore.open().file_path("checkpoint")
+
+
+def split_url(url: str | os.PathLike[str]) -> tuple[bool, str]:
+    """``(absolute, path)`` of a checkpoint url: ``file:///x`` and ``/x`` are absolute, ``sf://a`` and ``a``
+    are relative to the checkpoint root."""
+    text = os.fspath(url)
+    if not isinstance(text, str):
+        raise errors.InvalidRequestError(f"a checkpoint url must be text, not {type(text).__name__}")
+    if "\x00" in text:
+        raise errors.PathEscapeError(f"checkpoint url {text!r} contains a NUL byte")
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+        if not text.startswith("/"):
+            raise errors.InvalidRequestError(f"file:// urls must be absolute: {os.fspath(url)!r}")
+        return True, posixpath.normpath(text)
+    if text.startswith("sf://"):
+        text = text[len("sf://") :].lstrip("/")
+    if os.path.isabs(text):
+        return True, posixpath.normpath(text)
+    return False, posixpath.normpath(text) if text else ""
+
+
+def locate(url: str | os.PathLike[str], *, create: bool) -> Location:
+    """Where the checkpoint ``url`` lives (see :func:`sfstore.checkpoint.save` for the url forms).
+
+    ``create`` makes the root directory if missing (saves); loads raise
+    :class:`~sfstore.errors.PathNotFoundError` instead.
+    """
+    absolute, text = split_url(url)
+    if absolute:
+        parent_abs, base = os.path.split(text.rstrip("/") or "/")
+        if not base:
+            raise errors.InvalidRequestError(f"checkpoint url {os.fspath(url)!r} names no directory")
+        fp = _file_path(parent_abs, create)
+        parent = fp.root
+    else:
+        if text in ("", "."):
+            raise errors.InvalidRequestError(f"checkpoint url {os.fspath(url)!r} names no directory")
+        fp = _checkpoint_root()
+        head, base = posixpath.split(text)
+        parent = fp.resolve(head or "")
+        if create:
+            os.makedirs(parent, exist_ok=True)
+    if base in ("", ".", "..") or base.startswith("."):
+        raise errors.InvalidRequestError(
+            f"checkpoint name {base!r} (from {os.fspath(url)!r}) must not be empty or start with '.'"
+        )
+    fp.resolve(os.path.join(parent, base))  # refuses escapes
+    return Location(fp, parent, base, os.fspath(url))
+
+
+def locate_dir(prefix: str | os.PathLike[str]) -> tuple[FilePath, str]:
+    """The file path and absolute directory of a ``list``/``latest`` prefix (a directory of checkpoints)."""
+    absolute, text = split_url(prefix)
+    if absolute:
+        fp = _file_path(text, False)
+        return fp, fp.root
+    fp = _checkpoint_root()
+    return fp, fp.resolve(text if text not in ("", ".") else "")
+
+
+# -- staging and publishing ------------------------------------------------------------------------------------
+
+
+def staging_path(loc: Location, kind: str = "staging") -> str:
+    """A fresh staging (or old) directory name next to ``loc``."""
+    return os.path.join(loc.parent, f".{loc.name}.sfstore-{kind}-{_host()}-{os.getpid()}-{secrets.token_hex(6)}")
+
+
+USE_RENAMEAT2 = True
+"""Publish with renameat2 flags where the filesystem takes them; ``False`` forces the two-step replace."""
+
+_libc: Any = None
+# renameat2 flags unsupported by the kernel (ENOSYS) or the filesystem (EINVAL: NFS, older FUSE, ...).
+_FLAGS_REFUSED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+def _renameat2(src: str, dst: str, flags: int) -> int:
+    """renameat2(2); returns 0 or the errno. ENOSYS when neither glibc nor the syscall table has it."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    s, d = os.fsencode(src), os.fsencode(dst)
+    fn = getattr(_libc, "renameat2", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        rc = fn(_AT_FDCWD, s, _AT_FDCWD, d, flags)
+    else:
+        nr = _SYS_RENAMEAT2.get(platform.machine())
+        if nr is None:
+            return errno.ENOSYS
+        rc = _libc.syscall(
+            ctypes.c_long(nr), ctypes.c_int(_AT_FDCWD), s, ctypes.c_int(_AT_FDCWD), d, ctypes.c_uint(flags)
+        )
+    return 0 if rc == 0 else ctypes.get_errno()
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """Whether ``path`` is a directory holding a manifest (or an empty directory)."""
+    from sfstore.checkpoint.manifest import MANIFEST_NAME
+
+    try:
+        with os.scandir(path) as it:
+            names = [e.name for e in it]
+    except OSError:
+        return False
+    return not names or MANIFEST_NAME in names
+
+
+def _os_err(exc: OSError, what: str, path: str) -> errors.SfstoreOSError:
+    return errors.os_error(exc.errno or errno.EIO, what, path)
+
+
+def publish(staging: str, loc: Location, *, overwrite: bool, exchange: bool | None = None) -> None:
+    """Move the (fsynced) ``staging`` directory to ``loc`` atomically and fsync the parent.
+
+    ``overwrite=False``: an existing ``loc`` raises :class:`~sfstore.errors.PathExistsError`. ``overwrite=True``
+    replaces it (RENAME_EXCHANGE, else the two-step fallback) and removes the old one; a ``loc`` that is not
+    an sfstore checkpoint directory is never replaced. ``exchange=False`` forces the fallback (default:
+    :data:`USE_RENAMEAT2`).
+    """
+    final = loc.path
+    flags_ok = USE_RENAMEAT2 if exchange is None else exchange
+    if flags_ok:
+        err = _renameat2(staging, final, RENAME_NOREPLACE)
+        if err == 0:
+            fsync_dir(loc.parent)
+            return
+        if err in _FLAGS_REFUSED:
+            flags_ok = False
+        elif err not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise errors.os_error(err, f"cannot publish checkpoint {staging} as", final)
+    if not flags_ok and not os.path.lexists(final):
+        try:
+            os.rename(staging, final)  # without NOREPLACE an empty directory made meanwhile is replaced
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise _os_err(exc, f"cannot publish checkpoint {staging} as", final) from None
+        else:
+            fsync_dir(loc.parent)
+            return
+    # `final` exists.
+    if not overwrite:
+        raise errors.os_error(errno.EEXIST, "checkpoint exists (pass overwrite=True to replace it)", final)
+    if os.path.islink(final) or not os.path.isdir(final) or not is_checkpoint_dir(final):
+        raise errors.os_error(
+            errno.EEXIST, "refusing to replace something that is not an sfstore checkpoint directory", final
+        )
+    if flags_ok:
+        err = _renameat2(staging, final, RENAME_EXCHANGE)
+        if err == 0:
+            fsync_dir(loc.parent)
+            shutil.rmtree(staging, ignore_errors=True)  # now the old checkpoint
+            return
+        if err not in _FLAGS_REFUSED:
+            raise errors.os_error(err, f"cannot exchange checkpoint {staging} with", final)
+    old = staging_path(loc, "old")
+    try:
+        os.rename(final, old)
+    except OSError as exc:
+        raise _os_err(exc, "cannot move the old checkpoint aside", final) from None
+    try:
+        os.rename(staging, final)
+    except OSError as exc:
+        os.rename(old, final)  # put the previous one back
+        raise _os_err(exc, f"cannot publish checkpoint {staging} as", final) from None
+    fsync_dir(loc.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# -- cleanup and recovery --------------------------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup(parent: str, *, remove: bool = True) -> int:
+    """Recover interrupted replaces and (``remove=True``) remove stale staging/old directories in ``parent``.
+
+    An ``old`` directory of a dead process whose checkpoint name is missing is renamed back to that name (the
+    replace never completed: the previous checkpoint is restored). Returns the number of entries handled.
+    Errors (permissions, races with other cleaners) are ignored: cleanup is best effort.
+    """
+    host = _host()
+    handled = 0
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return 0
+    now = time.time()
+    for e in sorted(entries, key=lambda e: e.name):
+        m = _MARK.match(e.name)
+        if m is None:
+            continue
+        try:
+            if not e.is_dir(follow_symlinks=False):
+                continue
+            if m["host"] == host:
+                if _pid_alive(int(m["pid"])):
+                    continue
+            elif now - e.stat(follow_symlinks=False).st_mtime < FOREIGN_STALE_SECONDS:
+                continue
+            final = os.path.join(parent, m["name"])
+            if m["kind"] == "old" and not os.path.lexists(final):
+                os.rename(e.path, final)
+                fsync_dir(parent)
+                handled += 1
+            elif remove:
+                shutil.rmtree(e.path, ignore_errors=True)
+                handled += 1
+        except OSError:
+            continue
+    return handled

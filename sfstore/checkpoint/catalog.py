@@ -1,0 +1,132 @@
+"""What checkpoints there are: :class:`CheckpointInfo`, reading manifests, ``list`` and ``latest``."""
+
+from __future__ import annotations
+
+import builtins
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from sfstore import errors
+from sfstore.checkpoint import _fs
+from sfstore.checkpoint.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from sfstore.paths.file import FilePath
+
+__all__ = ["CheckpointInfo", "info_for", "read_manifest", "list_checkpoints", "latest"]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint.
+
+    Attributes
+    ----------
+    url : str
+        What :func:`sfstore.checkpoint.load` takes (``load(info)`` works too).
+    path : str
+        The checkpoint directory (absolute).
+    name : str
+        The directory's name.
+    created_ns : int
+        When it was committed (``time.time_ns()``, from the manifest); ``created`` is the same in seconds.
+    step : int or None
+        ``metadata["step"]`` when that is an integer.
+    metadata : dict
+        The ``metadata`` given to ``save``.
+    num_tensors, tensor_bytes, num_shards : int
+        Tensors, their bytes, and shard files.
+    """
+
+    url: str
+    path: str
+    name: str
+    created_ns: int
+    step: int | None
+    metadata: dict[str, Any] = field(hash=False)
+    num_tensors: int = 0
+    tensor_bytes: int = 0
+    num_shards: int = 0
+
+    @property
+    def created(self) -> float:
+        """Commit time in seconds since the epoch."""
+        return self.created_ns / 1e9
+
+    def __fspath__(self) -> str:
+        return self.path
+
+
+def info_for(url: str, path: str, name: str, manifest: Manifest) -> CheckpointInfo:
+    """The :class:`CheckpointInfo` of a checkpoint whose manifest is ``manifest``."""
+    step = manifest.metadata.get("step")
+    return CheckpointInfo(
+        url=url,
+        path=path,
+        name=name,
+        created_ns=manifest.created_ns,
+        step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+        metadata=manifest.metadata,
+        num_tensors=len(manifest.tensors),
+        tensor_bytes=manifest.tensor_bytes,
+        num_shards=len(manifest.shards),
+    )
+
+
+def read_manifest(fp: FilePath, directory: str) -> Manifest:
+    """Read and validate the manifest of the checkpoint directory ``directory`` (absolute, inside ``fp``).
+
+    Raises :class:`~sfstore.errors.PathNotFoundError` when there is no such directory or it holds no manifest
+    (not a checkpoint), :class:`~sfstore.errors.CorruptCheckpointError` when the manifest is invalid.
+    """
+    path = os.path.join(directory, MANIFEST_NAME)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if not os.path.isdir(directory):
+            raise errors.os_error(2, "no checkpoint directory", directory) from None
+        raise errors.os_error(2, f"not an sfstore checkpoint: {MANIFEST_NAME} is missing", path) from None
+    except OSError as exc:
+        raise errors.os_error(exc.errno or 5, "cannot stat", path) from None
+    if st.st_size > MAX_MANIFEST_BYTES:
+        raise errors.CorruptCheckpointError(
+            f"{path}: manifest of {st.st_size} bytes exceeds the limit of {MAX_MANIFEST_BYTES} bytes"
+        )
+    return Manifest.from_json(fp.read(path))
+
+
+def _entry_url(prefix_absolute: bool, fp: FilePath, path: str) -> str:
+    return path if prefix_absolute else "sf://" + fp.relative(path)
+
+
+def list_checkpoints(prefix: str | os.PathLike[str] = "") -> builtins.list[CheckpointInfo]:
+    """The committed checkpoints directly inside ``prefix``, oldest first; see :func:`sfstore.checkpoint.list`."""
+    absolute, _ = _fs.split_url(prefix)
+    try:
+        fp, directory = _fs.locate_dir(prefix)
+    except errors.PathNotFoundError:
+        return []
+    if not os.path.isdir(directory):
+        return []
+    _fs.cleanup(directory, remove=False)  # finish interrupted replaces: the previous checkpoint comes back
+    out: builtins.list[CheckpointInfo] = []
+    with os.scandir(directory) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        if e.name.startswith("."):
+            continue
+        try:
+            if not e.is_dir():
+                continue
+            manifest = read_manifest(fp, e.path)
+        except (errors.SfstoreError, OSError):
+            continue  # not a checkpoint (or one being removed): not listed
+        out.append(info_for(_entry_url(absolute, fp, e.path), e.path, e.name, manifest))
+    out.sort(key=lambda i: (i.created_ns, i.name))
+    return out
+
+
+def latest(prefix: str | os.PathLike[str] = "") -> CheckpointInfo | None:
+    """The most recently committed checkpoint inside ``prefix``, or ``None``; see
+    :func:`sfstore.checkpoint.latest`."""
+    found = list_checkpoints(prefix)
+    return found[-1] if found else None

@@ -1,0 +1,454 @@
+"""Loading checkpoints: read shards whole into registered buffers, check them, hand back views.
+
+Each shard is read with :meth:`FilePath.read_into_async` (O_DIRECT, ``chunk_size`` requests in parallel, a few
+shards ahead) into a page-aligned registered buffer of the shard's size; its safetensors header is validated
+and matched against the manifest; with ``verify`` every tensor's and the shard's xxh3-64 is checked in one
+pass; and the tensors returned are views of that buffer (``torch.from_dlpack`` sliced and viewed as the
+dtype), so the memory is the shard's and nothing is copied. The buffer lives as long as any of its tensors.
+
+``into=``: each shard's header is read and checked, then every tensor's bytes are read straight into the
+existing tensor's memory (:meth:`FilePath.read_ranges_into`); tensors that are not CPU-contiguous (GPU
+tensors, strided views) go through a registered bounce buffer. ``device="cuda..."``: each shard's views are
+copied to the GPU from the pinned buffer, and the buffer is dropped before the next shards are read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from sfstore import errors
+from sfstore.checkpoint import _fs
+from sfstore.checkpoint import safetensors_format as stf
+from sfstore.checkpoint._host import HostBuffer
+from sfstore.checkpoint.catalog import CheckpointInfo, read_manifest
+from sfstore.checkpoint.manifest import Manifest, ShardRecord, TensorRecord
+from sfstore.checkpoint.structure import KeyPath, format_path, tensor_paths, unflatten
+from sfstore.paths.file import FilePath, ReadFuture
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["load"]
+
+HASH_STEP = 8 << 20
+READ_AHEAD = 4
+"""Shards read ahead of the one being checked."""
+
+
+def _corrupt(message: str, shard: str | None = None, tensor: str | None = None) -> errors.CorruptCheckpointError:
+    return errors.CorruptCheckpointError(message, shard=shard, tensor=tensor)
+
+
+def _itemsize(rec: TensorRecord) -> int:
+    try:
+        return int(stf.torch_dtype(rec.dtype).itemsize)
+    except errors.InvalidRequestError as exc:
+        raise _corrupt(f"tensor {rec.name!r}: {exc}", rec.shard, rec.name) from None
+
+
+def _check_header(header: stf.Header, shard: ShardRecord, records: list[TensorRecord]) -> None:
+    """The header describes exactly the manifest's tensors of this shard, as the manifest says."""
+    names = {r.name for r in records}
+    missing = sorted(names - set(header.entries))
+    extra = sorted(set(header.entries) - names)
+    if missing or extra:
+        raise _corrupt(
+            f"shard {shard.file} does not match the manifest: tensors missing from the shard {missing[:5]}, "
+            f"not in the manifest {extra[:5]}",
+            shard.file,
+            (missing or extra)[0],
+        )
+    for rec in records:
+        entry = header.entries[rec.name]
+        want = stf.stored_form(rec.dtype, rec.shape, _itemsize(rec))
+        if (entry.dtype, list(entry.shape)) != (want[0], want[1]) or entry.nbytes != rec.nbytes:
+            raise _corrupt(
+                f"shard {shard.file}: tensor {rec.name!r} is {entry.dtype}{list(entry.shape)} ({entry.nbytes} bytes) "
+                f"but the manifest says {rec.dtype}{list(rec.shape)} ({rec.nbytes} bytes)",
+                shard.file,
+                rec.name,
+            )
+
+
+def _verify(view: Any, header: stf.Header, shard: ShardRecord, records: dict[str, TensorRecord]) -> None:
+    """Check every tensor's and the whole shard's xxh3-64 in one pass over ``view`` (the shard's bytes)."""
+    whole = xxhash.xxh3_64()
+    with memoryview(view) as raw, raw.cast("B") as mv:
+        whole.update(mv[: header.data_start])
+        bad: str | None = None
+        for entry in header.entries.values():
+            h = xxhash.xxh3_64()
+            start = header.data_start + entry.begin
+            for a in range(start, header.data_start + entry.end, HASH_STEP):
+                piece = mv[a : min(a + HASH_STEP, header.data_start + entry.end)]
+                h.update(piece)
+                whole.update(piece)
+                piece.release()
+            if bad is None and h.hexdigest() != records[entry.name].xxh3_64:
+                bad = entry.name
+    if bad is not None:
+        raise _corrupt(f"checksum mismatch in tensor {bad!r} of shard {shard.file}", shard.file, bad)
+    if whole.hexdigest() != shard.xxh3_64:
+        raise _corrupt(f"checksum mismatch in shard {shard.file} (its header bytes differ)", shard.file)
+
+
+def _view(base: torch.Tensor, offset: int, nbytes: int, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """``base[offset:offset + nbytes]`` as a tensor of ``dtype_name``/``shape`` (a copy only if misaligned)."""
+    dtype = stf.torch_dtype(dtype_name)
+    piece = base[offset : offset + nbytes]
+    if offset % dtype.itemsize:
+        piece = piece.clone()  # a foreign file with a misaligned tensor: torch cannot view it in place
+    return piece.view(dtype).reshape(shape)
+
+
+def _shard_path(loc_dir: str, fp: FilePath, shard: ShardRecord) -> str:
+    path = os.path.join(loc_dir, shard.file)
+    real = fp.resolve(path)
+    if os.path.dirname(real) != os.path.realpath(loc_dir):
+        raise _corrupt(f"shard {shard.file} links out of the checkpoint directory (to {real})", shard.file)
+    try:
+        size = os.stat(real).st_size
+    except FileNotFoundError:
+        raise _corrupt(f"shard {shard.file} is missing", shard.file) from None
+    except OSError as exc:
+        raise errors.os_error(exc.errno or 5, "cannot stat shard", real) from None
+    if size != shard.size:
+        what = "truncated" if size < shard.size else "longer than recorded"
+        raise _corrupt(f"shard {shard.file} is {what}: {size} bytes, the manifest says {shard.size}", shard.file)
+    return real
+
+
+class _ShardReader:
+    """Reads shards whole into registered buffers, ``READ_AHEAD`` at a time, in order."""
+
+    def __init__(self, fp: FilePath, directory: str, shards: list[ShardRecord], ahead: int) -> None:
+        self.fp, self.directory, self.shards, self.ahead = fp, directory, shards, max(1, ahead)
+        self.queue: deque[tuple[ShardRecord, str, HostBuffer, ReadFuture]] = deque()
+        self.next = 0
+
+    def _fill(self) -> None:
+        while self.next < len(self.shards) and len(self.queue) < self.ahead:
+            shard = self.shards[self.next]
+            self.next += 1
+            path = _shard_path(self.directory, self.fp, shard)
+            hb = HostBuffer(shard.size)
+            fut = self.fp.read_into_async(path, hb.buf, 0, shard.size)
+            self.queue.append((shard, path, hb, fut))
+
+    def __iter__(self) -> _ShardReader:
+        return self
+
+    def __next__(self) -> tuple[ShardRecord, HostBuffer]:
+        self._fill()
+        if not self.queue:
+            raise StopIteration
+        shard, _path, hb, fut = self.queue.popleft()
+        got = fut.get()
+        self._fill()
+        if got != shard.size:
+            raise _corrupt(f"shard {shard.file} is truncated: read {got} of {shard.size} bytes", shard.file)
+        return shard, hb
+
+    def close(self) -> None:
+        for _shard, _path, _hb, fut in self.queue:
+            try:
+                fut.get()
+            except errors.SfstoreError:
+                pass
+        self.queue.clear()
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    return value  # numpy arrays stay on the host
+
+
+def _load_checkpoint(
+    fp: FilePath, directory: str, manifest: Manifest, device: torch.device, verify: bool
+) -> dict[str, Any]:
+    """Every tensor of the checkpoint, by name (views of the shard buffers on the CPU)."""
+    import torch
+
+    by_shard = manifest.by_shard()
+    out: dict[str, Any] = {}
+    on_cpu = device.type == "cpu"
+    reader = _ShardReader(fp, directory, manifest.shards, READ_AHEAD if on_cpu else 2)
+    try:
+        for shard, hb in reader:
+            records = by_shard[shard.file]
+            with memoryview(hb.buf) as raw:
+                header = stf.parse_header(raw, shard.size, shard=shard.file)
+            _check_header(header, shard, records)
+            if verify:
+                _verify(hb.buf, header, shard, {r.name: r for r in records})
+            base = hb.tensor()
+            for rec in records:
+                entry = header.entries[rec.name]
+                t = _view(base, header.data_start + entry.begin, rec.nbytes, rec.dtype, rec.shape)
+                out[rec.name] = t.numpy() if rec.kind == "numpy" else t if on_cpu else _to_device(t, device)
+            del base
+            if not on_cpu and device.type == "cuda":
+                torch.cuda.synchronize(device)
+    finally:
+        reader.close()
+    return out
+
+
+def _navigate(root: Any, path: KeyPath) -> Any:
+    node = root
+    for key in path:
+        if isinstance(node, Mapping):
+            if key not in node:
+                raise KeyError(key)
+            node = node[key]
+        elif isinstance(node, (list, tuple)) and isinstance(key, int):
+            node = node[key]
+        else:
+            raise KeyError(key)
+    return node
+
+
+def _leaf_paths(root: Any) -> set[KeyPath]:
+    """Key paths of the tensors and arrays inside ``root``."""
+    import torch
+
+    try:
+        import numpy as np
+
+        arrays: tuple[type, ...] = (torch.Tensor, np.ndarray)
+    except ImportError:  # pragma: no cover
+        arrays = (torch.Tensor,)
+    out: set[KeyPath] = set()
+    stack: list[tuple[Any, KeyPath]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, arrays):
+            out.add(path)
+        elif isinstance(node, Mapping):
+            stack.extend((v, (*path, k)) for k, v in node.items())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, (*path, i)) for i, v in enumerate(node))
+    return out
+
+
+def _targets(manifest: Manifest, into: Any) -> dict[KeyPath, Any]:
+    """For ``into=``: the existing tensor at each tensor node's key path, checked against the manifest."""
+    import numpy as np
+    import torch
+
+    root = into.state_dict() if isinstance(into, torch.nn.Module) else into
+    found: dict[KeyPath, Any] = {}
+    for path, tag, name in tensor_paths(manifest.structure):
+        if tag == "npscalar":
+            continue  # numpy scalars are immutable: they are loaded, not filled in
+        rec = manifest.tensors[name]
+        where = format_path(path)
+        try:
+            target = _navigate(root, path)
+        except (KeyError, IndexError, TypeError):
+            raise errors.InvalidRequestError(
+                f"load(into=...): nothing at {where} to load tensor {name!r} into"
+            ) from None
+        if rec.kind == "torch":
+            if not isinstance(target, torch.Tensor):
+                raise errors.InvalidRequestError(
+                    f"load(into=...): {where} is a {type(target).__name__}, not a torch tensor"
+                )
+            got_dtype, got_shape = stf.torch_dtype_name(target.dtype), tuple(target.shape)
+        else:
+            if not isinstance(target, np.ndarray) or not target.flags.writeable:
+                raise errors.InvalidRequestError(f"load(into=...): {where} is not a writable numpy array")
+            got_dtype, got_shape = target.dtype.name if target.dtype.isnative else "", tuple(target.shape)
+        if (got_dtype, got_shape) != (rec.dtype, rec.shape):
+            raise errors.InvalidRequestError(
+                f"load(into=...): {where} is {got_dtype}{list(got_shape)}, the checkpoint holds "
+                f"{rec.dtype}{list(rec.shape)}"
+            )
+        found[path] = target
+    extra = _leaf_paths(root) - set(found)
+    if extra:
+        names = sorted(format_path(p) for p in extra)
+        raise errors.InvalidRequestError(
+            f"load(into=...): the checkpoint has no tensors for {', '.join(names[:8])}"
+            + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        )
+    return found
+
+
+def _byte_view(target: Any) -> Any:
+    """A writable buffer over a CPU-contiguous tensor's/array's bytes, or ``None`` (GPU or strided)."""
+    import numpy as np
+    import torch
+
+    if isinstance(target, np.ndarray):
+        return target.reshape(-1).view(np.uint8) if target.flags.c_contiguous else None
+    if target.device.type != "cpu" or not target.is_contiguous():
+        return None
+    return target.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _read_header(fp: FilePath, path: str, shard: ShardRecord) -> tuple[stf.Header, bytes]:
+    first = fp.read(path, 0, min(shard.size, 64 << 10))
+    n = stf.header_length(first, shard.size, shard=shard.file)
+    raw = first if len(first) >= 8 + n else fp.read(path, 0, 8 + n)
+    if len(raw) < 8 + n:
+        raise _corrupt(f"shard {shard.file} is truncated inside its header", shard.file)
+    return stf.parse_header(raw, shard.size, shard=shard.file), raw[: 8 + n]
+
+
+def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, verify: bool) -> dict[str, Any]:
+    """Fill ``into``'s tensors in place; returns the filled target per tensor name (first path wins), and a
+    fresh copy of each tensor with no target (numpy scalars)."""
+    targets = _targets(manifest, into)
+    by_name: dict[str, list[Any]] = {}
+    for key, _tag, name in tensor_paths(manifest.structure):
+        if key in targets:
+            by_name.setdefault(name, []).append(targets[key])
+    by_shard = manifest.by_shard()
+    fresh: dict[str, Any] = {}
+    for shard in manifest.shards:
+        records = by_shard[shard.file]
+        path = _shard_path(directory, fp, shard)
+        header, head_bytes = _read_header(fp, path, shard)
+        _check_header(header, shard, records)
+        ordered = sorted(records, key=lambda r: header.entries[r.name].begin)
+        direct: dict[str, Any] = {}
+        bounce_at: dict[str, int] = {}
+        bounce_size = 0
+        for rec in ordered:
+            dests = by_name.get(rec.name)
+            view = _byte_view(dests[0]) if dests else None
+            if view is not None:
+                direct[rec.name] = view
+            else:
+                bounce_at[rec.name] = bounce_size
+                bounce_size += rec.nbytes
+        hb = HostBuffer(bounce_size) if bounce_size else None
+        ranges = []
+        for rec in ordered:
+            offset = header.data_start + header.entries[rec.name].begin
+            if rec.name in direct:
+                ranges.append((offset, rec.nbytes, direct[rec.name], 0))
+            else:
+                assert hb is not None
+                ranges.append((offset, rec.nbytes, hb.buf, bounce_at[rec.name]))
+        got = fp.read_ranges_into(path, ranges)
+        for rec, n in zip(ordered, got, strict=True):
+            if n != rec.nbytes:
+                raise _corrupt(
+                    f"shard {shard.file} is truncated: read {n} of {rec.nbytes} bytes of tensor {rec.name!r}",
+                    shard.file,
+                    rec.name,
+                )
+        bounce = hb.tensor() if hb is not None else None
+        if verify:
+            whole = xxhash.xxh3_64(head_bytes)
+            with memoryview(hb.buf if hb is not None else b"") as bmv:
+                bad: str | None = None
+                for rec in ordered:
+                    if rec.name in direct:
+                        piece = memoryview(direct[rec.name])
+                    else:
+                        piece = bmv[bounce_at[rec.name] : bounce_at[rec.name] + rec.nbytes]
+                    whole.update(piece)
+                    if bad is None and xxhash.xxh3_64(piece).hexdigest() != rec.xxh3_64:
+                        bad = rec.name
+                    piece.release()
+            if bad is not None:
+                raise _corrupt(f"checksum mismatch in tensor {bad!r} of shard {shard.file}", shard.file, bad)
+            if whole.hexdigest() != shard.xxh3_64:
+                raise _corrupt(f"checksum mismatch in shard {shard.file} (its header bytes differ)", shard.file)
+        for rec in ordered:
+            dests = by_name.get(rec.name, [])
+            if rec.name in bounce_at:
+                assert bounce is not None
+                src = _view(bounce, bounce_at[rec.name], rec.nbytes, rec.dtype, rec.shape)
+                if dests:
+                    _copy_into(dests[0], src)
+                else:  # no place to fill in: a copy that outlives the bounce buffer
+                    fresh[rec.name] = src.numpy().copy() if rec.kind == "numpy" else src.clone()
+            for extra in dests[1:]:
+                _copy_into(extra, dests[0])
+        del bounce
+        if hb is not None:
+            hb.release()
+    out: dict[str, Any] = {name: dests[0] for name, dests in by_name.items()}
+    out.update(fresh)
+    return out
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    import numpy as np
+    import torch
+
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src.numpy() if isinstance(src, torch.Tensor) else src)
+    else:
+        with torch.no_grad():
+            dst.copy_(src if isinstance(src, torch.Tensor) else torch.from_numpy(src))
+
+
+def _load_bare(fp: FilePath, path: str, device: torch.device) -> dict[str, Any]:
+    """A plain ``.safetensors`` file: every tensor by name, as ``safetensors.torch.load_file`` reads it."""
+    size = fp.size(path)
+    hb = HostBuffer(size)
+    got = fp.read_into(path, hb.buf, 0, size)
+    name = os.path.basename(path)
+    if got != size:
+        raise _corrupt(f"{name} is truncated: read {got} of {size} bytes", name)
+    with memoryview(hb.buf) as raw:
+        header = stf.parse_header(raw, size, shard=name)
+    base = hb.tensor()
+    out: dict[str, Any] = {}
+    for entry in header.entries.values():
+        try:
+            dtype, shape = stf.st_to_torch(entry)
+        except errors.CorruptCheckpointError as exc:
+            raise _corrupt(f"{name}: {exc}", name, entry.name) from None
+        t = _view(base, header.data_start + entry.begin, entry.nbytes, dtype, shape)
+        out[entry.name] = t if device.type == "cpu" else _to_device(t, device)
+    return out
+
+
+def load(
+    url: str | os.PathLike[str] | CheckpointInfo,
+    *,
+    device: str | torch.device = "cpu",
+    into: Any = None,
+    verify: bool = True,
+) -> Any:
+    """Load a checkpoint (or a plain ``.safetensors`` file); see :func:`sfstore.checkpoint.load`."""
+    import torch
+
+    dev = torch.device(device)
+    target = url.url if isinstance(url, CheckpointInfo) else url
+    loc = _fs.locate(target, create=False)
+    path = loc.path
+    if not os.path.lexists(path):
+        _fs.cleanup(loc.parent, remove=False)  # an interrupted replace: bring the previous checkpoint back
+    fp = loc.fp
+    if os.path.isfile(path):
+        if into is not None:
+            raise errors.InvalidRequestError("load(into=...) needs an sfstore checkpoint, not a .safetensors file")
+        return _load_bare(fp, fp.resolve(path), dev)
+    manifest = read_manifest(fp, path)
+    if into is not None:
+        if dev.type != "cpu":
+            raise errors.InvalidRequestError("load(into=...) fills the given tensors where they are; omit device=")
+        tensors = _load_into(fp, path, manifest, into, verify)
+    else:
+        tensors = _load_checkpoint(fp, path, manifest, dev, verify)
+
+    def resolve(tag: str, name: str, key: KeyPath) -> Any:
+        value = tensors[name]
+        return value[()] if tag == "npscalar" else value
+
+    return unflatten(manifest.structure, resolve)
