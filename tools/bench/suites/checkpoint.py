@@ -616,7 +616,8 @@ def _run_case(ctx: _Context, spec: CaseSpec, label: str, saved: set[str]) -> dic
             resident = None if any(c is None for c in counts) else sum(int(c or 0) for c in counts)
             if resident:
                 warn(f"{spec.name(label)}: {resident} bytes stay in the page cache after fsync + DONTNEED")
-    for _ in range(ctx.args.repeat):
+    warmup = max(0, int(getattr(ctx.args, "warmup", 0)))
+    for _ in range(warmup + ctx.args.repeat):
         if our_status == "ok":
             try:
                 ours.append(ours_fn(ctx))
@@ -641,7 +642,14 @@ def _run_case(ctx: _Context, spec: CaseSpec, label: str, saved: set[str]) -> dic
                     saved.add("save")
             except _NotBuilt as exc:
                 ref_status = str(exc)
+    # Warm-up pairs are discarded: on a VM the first touch of fresh guest memory costs seconds per GiB, and it
+    # would land on whichever side happens to allocate first.
+    if len(ours) > warmup:
+        ours = ours[warmup:]
+    if len(theirs) > warmup:
+        theirs = theirs[warmup:]
     params = {
+        "warmup_pairs": warmup,
         "op": spec.op, "sfstore_side": _OURS_LABEL[spec.ours], "tensor_bytes": ctx.tensor_bytes,
         "tensors": len(ctx.sd), "dtype": "bfloat16", "layout": "LLM-like (tools.bench.suites.checkpoint.llm_layout)",
         "max_shard_bytes": ctx.max_shard, "block_size": ctx.chunk_size, "chunk_size": ctx.chunk_size,
@@ -858,6 +866,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-shard", type=parse_size, default=None, metavar="SIZE",
                    help="max_shard_bytes for sfstore.checkpoint.save (default: its own default)")
     g.add_argument("--keep", action="store_true", help="keep the checkpoints written (default: remove them at the end)")
+    g.add_argument("--warmup", type=int, default=1, metavar="N",
+                   help="pairs run first and discarded per case (default 1): fresh guest memory is slow to touch")
     g.add_argument("--fio", metavar="PATH", help="fio executable (default: fio on PATH)")
 
 
