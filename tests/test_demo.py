@@ -15,9 +15,10 @@ def test_demo_round_trip_verifies(tmp_path: Path) -> None:
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("verified       yes") == 2  # engine round trip and the sf:// dataset
+    assert out.stdout.count("verified       yes") == 3  # engine round trip, the sf:// dataset, the checkpoint
     assert "dataset through sf://" in out.stdout and "256 files at" in out.stdout
     assert len(list((tmp_path / "demo-dataset").iterdir())) == 256
+    assert (tmp_path / "checkpoints" / "demo" / "step-1" / "sfstore-manifest.json").is_file()
     assert "engine    ok" in out.stdout  # the probe table came first
     assert (tmp_path / "demo" / "roundtrip.bin").stat().st_size == 8 << 20
 

@@ -3,7 +3,7 @@
 #
 #   tools/dev.sh demo [sfstore demo args]   set up (venv, native build) and run the demo on the embedded default
 #   tools/dev.sh test [pytest args]         set up (incl. test extras) and run ruff, mypy and pytest
-#   tools/dev.sh setup [test]               only set up
+#   tools/dev.sh setup [demo|test]          only set up
 #
 # Every install step is here: Debian packages (installed only if missing), the virtual environment (.venv,
 # or $SFSTORE_VENV), the build and the package. Re-running is cheap: nothing is reinstalled that is there.
@@ -38,8 +38,9 @@ apt_ensure() {  # install the Debian packages that are missing
   retry "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
-setup() {  # setup [test]
+setup() {  # setup [demo|test]
   local extras=""
+  [ "${1:-}" = demo ] && extras="[demo]"
   # liburing-dev: the io_uring backend of the native engine (without it the build still works, threads only)
   local pkgs=(liburing-dev)
   if [ "${1:-}" = test ]; then
@@ -65,7 +66,7 @@ case "$cmd" in
     setup "${1:-}"
     ;;
   demo)
-    setup
+    setup demo
     exec "$VENV/bin/sfstore" demo "$@"
     ;;
   test)
