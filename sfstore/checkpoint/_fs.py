@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfstore import errors
-from sfstore.paths.file import FilePath, fsync_dir
+from sfstore.paths.file import FilePath, fsync_dir, pid_alive
 
 __all__ = [
     "Location",
@@ -261,18 +261,6 @@ def publish(staging: str, loc: Location, *, overwrite: bool, exchange: bool | No
 # -- cleanup and recovery --------------------------------------------------------------------------------------
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup(parent: str, *, remove: bool = True) -> int:
     """Recover interrupted replaces and (``remove=True``) remove stale staging/old directories in ``parent``.
 
@@ -295,7 +283,7 @@ def cleanup(parent: str, *, remove: bool = True) -> int:
             if not e.is_dir(follow_symlinks=False):
                 continue
             if m["host"] == host:
-                if _pid_alive(int(m["pid"])):
+                if pid_alive(int(m["pid"])):
                     continue
             elif now - e.stat(follow_symlinks=False).st_mtime < FOREIGN_STALE_SECONDS:
                 continue

@@ -587,7 +587,7 @@ class FilePath(StoragePath):
         for entry in os.scandir(full):
             if _TMP_MARK in entry.name and entry.is_file(follow_symlinks=False):
                 pid = _tmp_pid(entry.name)
-                if pid is not None and pid != os.getpid() and _pid_alive(pid):
+                if pid is not None and pid != os.getpid() and pid_alive(pid):
                     continue
                 os.unlink(entry.path)
                 removed += 1
@@ -786,7 +786,10 @@ def _tmp_pid(name: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (ours included): owners of temporary files are checked before cleanup."""
+    if pid == os.getpid():
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
