@@ -130,6 +130,10 @@ private:
             }
             io_uring_sqe_set_data(sqe, op);
             ++inflight_;
+            // One io_uring_enter per request, as fio does: submitted together, requests are plugged and reach
+            // the device in bursts; one by one they keep its queue steadily full (4 KiB random reads at QD32:
+            // 0.75x -> 1.0x fio here; 1 MiB requests measured no worse). The call costs little next to the I/O.
+            io_uring_submit(&ring_);
         }
     }
 
