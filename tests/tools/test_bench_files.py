@@ -8,14 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tools.bench.common import BenchSetupError, check_bench_dir
+from tools.bench.common import BenchSetupError
 from tools.bench.suites.files import all_cases, prepare_dataset, quick_names, select_cases
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,31 +27,6 @@ def _bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "tools.bench", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
-
-
-@pytest.fixture
-def disk_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory on a disk filesystem (tmp_path, unless /tmp is tmpfs here)."""
-    try:
-        check_bench_dir(tmp_path)
-        yield tmp_path
-        return
-    except BenchSetupError:
-        pass
-    from sfstore import defaults
-
-    base = str(defaults.get("data_dir"))
-    os.makedirs(base, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="test-bench-files-", dir=base))
-    try:
-        check_bench_dir(path)
-    except BenchSetupError as exc:
-        shutil.rmtree(path, ignore_errors=True)
-        pytest.skip(f"no disk filesystem for benchmark files here: {exc}")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_case_plan() -> None:
