@@ -132,3 +132,13 @@ def test_tiny_run_json_shape(disk_dir: Path) -> None:
     # the checkpoints written are removed at the end (only fio's reusable file stays)
     work = disk_dir / "bench" / "checkpoint-32m"
     assert sorted(p.name for p in work.iterdir()) == ["engine-32m.dat"]
+
+
+def test_reliability_mode_reports_sigkill_trials(disk_dir: Path) -> None:
+    out = disk_dir / "rel.json"
+    proc = _bench("checkpoint", "--size", "32m", "--repeat", "1", "--warmup", "0", "--dir", str(disk_dir / "bench"),
+                  "--cases", "save-*-vs-torch.save", "--reliability", "3", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rel = json.loads(out.read_text())["reliability"]
+    assert rel["trials"] == 3 and rel["failures"] == []
+    assert "reliability: 3 trials" in proc.stdout

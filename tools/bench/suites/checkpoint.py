@@ -879,6 +879,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-shard", type=parse_size, default=None, metavar="SIZE",
                    help="max_shard_bytes for sfstore.checkpoint.save (default: its own default)")
     g.add_argument("--keep", action="store_true", help="keep the checkpoints written (default: remove them at the end)")
+    g.add_argument("--reliability", type=int, default=0, metavar="N",
+                   help="after the cases, N SIGKILL trials of a saving process (the issue asks for 300)")
     g.add_argument("--warmup", type=int, default=1, metavar="N",
                    help="pairs run first and discarded per case (default 1): fresh guest memory is slow to touch")
     g.add_argument("--fio", metavar="PATH", help="fio executable (default: fio on PATH)")
@@ -1006,8 +1008,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print()
     for g in goals:
         print(f"goal: {g['line']}", flush=True)
-    return {"bench": "checkpoint", "machine": machine, "date": utc_now(), "state_dict": state_info,
-            "max_shard_bytes": shard, "cases": results, "acceptance": goals}
+    doc: dict[str, Any] = {"bench": "checkpoint", "machine": machine, "date": utc_now(), "state_dict": state_info,
+                           "max_shard_bytes": shard, "cases": results, "acceptance": goals}
+    if args.reliability:
+        doc["reliability"] = _reliability(ctx.work, args.reliability)
+    return doc
+
+
+def _reliability(base: str, trials: int) -> dict[str, Any]:
+    """Reliability mode: ``trials`` SIGKILLs of a process saving in a loop (``sfstore.checkpoint.crashtest``);
+    after each, ``latest()`` must load bit-exactly and be a fully committed checkpoint."""
+    from sfstore.checkpoint.crashtest import run_trials
+
+    where = os.path.join(base, "reliability")
+    print(f"reliability: {trials} SIGKILL trials of a saving process in {where} ...", flush=True)
+    try:
+        report = run_trials(where, trials).as_dict()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    verdict = "no failures" if not report["failures"] else f"{len(report['failures'])} FAILURES"
+    print(f"reliability: {report['trials']} trials, {report['killed_mid_save']} killed mid-save, "
+          f"{report['committed_unacknowledged']} after commit before acknowledgement: {verdict} "
+          f"({report['seconds']:.0f} s)", flush=True)
+    return report
 
 
 register(Suite(name="checkpoint",
