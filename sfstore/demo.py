@@ -170,7 +170,13 @@ def run_demo(data_dir: str | None = None, size: int = 64 * MiB, show_probe: bool
     from sfstore.probe import format_table, probe
 
     if show_probe:
+        import sfstore
+
         print(format_table(probe(data_dir=data_dir)))
+        print("routing")
+        config = {"root": data_dir} if data_dir else None
+        for line in sfstore.open(config).format().splitlines():
+            print("    " + line)
         print()
     print(f"engine round trip: {size // MiB} MiB written from registered buffers, fsynced, dropped from the "
           "page cache, read back in one batch ...", flush=True)

@@ -20,6 +20,7 @@ def test_demo_round_trip_verifies(tmp_path: Path) -> None:
     assert len(list((tmp_path / "demo-dataset").iterdir())) == 256
     assert (tmp_path / "checkpoints" / "demo" / "step-1" / "sfstore-manifest.json").is_file()
     assert "engine    ok" in out.stdout  # the probe table came first
+    assert "routing" in out.stdout and "dataset     file" in out.stdout
     assert (tmp_path / "demo" / "roundtrip.bin").stat().st_size == 8 << 20
 
 
