@@ -38,6 +38,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sfstore.checkpoint.safetensors_format import no_duplicate_keys
 from sfstore.errors import CorruptCheckpointError, InvalidRequestError
 
 __all__ = [
@@ -182,7 +183,7 @@ class Manifest:
     def from_json(cls, raw: bytes) -> Manifest:
         """Parse and validate a manifest; every problem is a :class:`~sfstore.errors.CorruptCheckpointError`."""
         try:
-            obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+            obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise _bad(f"not valid JSON ({exc})") from None
         if not isinstance(obj, dict):
@@ -224,15 +225,6 @@ class Manifest:
         for _ in _walk(man.structure, tensors, 0):
             pass
         return man
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
 
 
 def _is_int(v: Any) -> bool:

@@ -175,7 +175,8 @@ def header_length(prefix: Any, file_size: int, *, shard: str, limit: int = MAX_H
     return int(n)
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` object hook: a JSON object that repeats a key is an error, not "last one wins"."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -233,7 +234,7 @@ def parse_header(data: Any, file_size: int, *, shard: str, limit: int = MAX_HEAD
     if not text.startswith("{"):
         raise CorruptCheckpointError(f"shard {shard}: safetensors header does not start with '{{'", shard=shard)
     try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        obj = json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(
             f"shard {shard}: safetensors header is not valid JSON ({exc})", shard=shard
