@@ -58,7 +58,7 @@ class Setting:
     """One tunable: its name, type, default, allowed values and documentation."""
 
     name: str
-    kind: str  # "int" | "size" | "bool" | "choice" | "path" | "str"
+    kind: str  # "int" | "size" | "sizes" | "bool" | "choice" | "path" | "str"
     default: Any
     doc: str
     choices: tuple[str, ...] = ()
@@ -89,6 +89,13 @@ class Setting:
             if self.minimum is not None and value < self.minimum:
                 raise ValueError(f"must be at least {self.minimum}")
             return value
+        if self.kind == "sizes":
+            items = raw.split(",") if isinstance(raw, str) else list(raw)
+            sizes = tuple(sorted({x if isinstance(x, int) and not isinstance(x, bool) else _parse_size(str(x))
+                                  for x in items}))
+            if not sizes or (self.minimum is not None and sizes[0] < self.minimum):
+                raise ValueError(f"expected one or more sizes, each at least {self.minimum}")
+            return sizes
         if self.kind == "choice":
             text = str(raw).strip().lower()
             if text not in self.choices:
@@ -160,6 +167,15 @@ _SETTINGS_LIST = [
             "Keep a checkpoint save's registered host buffers for the next save, so it does not allocate and pin "
             "them again: `save`'s ring and `save_async`'s copy of the tensor bytes (held between saves); off: "
             "free them when each save ends."),
+    Setting("block_image_size", "size", 256 << 20,
+            "Size of the block path's image file when no NVMe namespace or block device is configured (the "
+            "embedded default, `<data_dir>/hot/blocks.img`), preallocated when it is created.", minimum=1 << 20),
+    Setting("block_size_classes", "sizes", (64 << 10, 256 << 10, 2 << 20),
+            "Value size classes of a `BlockStore` (comma-separated sizes): a value goes to the smallest class "
+            "that holds it; each class gets an equal share of the device's bytes.", minimum=512),
+    Setting("block_max_key_bytes", "int", 256,
+            "Longest key a `BlockStore` accepts (bytes, or a str's UTF-8 bytes); keys live in slot headers.",
+            minimum=1),
 ]
 
 SETTINGS: Mapping[str, Setting] = {s.name: s for s in _SETTINGS_LIST}

@@ -35,6 +35,11 @@ __all__ = [
     "RegistrationError",
     "CorruptCheckpointError",
     "NotSupportedOnHostError",
+    "NvmeError",
+    "StoreInUseError",
+    "ValueTooLargeError",
+    "InvalidKeyError",
+    "CorruptStoreError",
     "native_error",
     "os_error",
 ]
@@ -139,6 +144,36 @@ class RegistrationError(SfstoreOSError):
 
 class NotSupportedOnHostError(SfstoreError, NotImplementedError):
     """The feature needs hardware or kernel support this host lacks (the message names what)."""
+
+
+class NvmeError(SfstoreOSError):
+    """Connecting, discovering or disconnecting an NVMe-over-Fabrics controller failed.
+
+    ``errno`` is the kernel's (or libnvme's) error where it is known (``ECONNREFUSED``, ``EALREADY``,
+    ``ETIMEDOUT``, ...), else ``EIO``; ``target`` is the :class:`sfstore.nvme.NvmeofTarget` (or controller
+    name) the operation was for.
+    """
+
+    def __init__(self, err: int, message: str, target: object = None) -> None:
+        super().__init__(err, message)
+        self.target = target
+
+
+class StoreInUseError(SfstoreOSError):
+    """The store (a block device or image file) is open in another process or object: opened exclusively."""
+
+
+class ValueTooLargeError(InvalidRequestError):
+    """A value is larger than the store's largest size class; raised before anything is written."""
+
+
+class InvalidKeyError(InvalidRequestError):
+    """A key is empty, too long, or neither ``bytes`` nor ``str``; raised before any I/O."""
+
+
+class CorruptStoreError(SfstoreError, ValueError):
+    """A store's on-disk metadata (superblock, state, index snapshot) is damaged, or the device holds data
+    that is not a store (it is never formatted over without being asked)."""
 
 
 _OS_CLASSES: dict[int, type[SfstoreOSError]] = {

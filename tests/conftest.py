@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# The reusable suites in sfstore.testing get pytest's assertion messages too.
+pytest.register_assert_rewrite("sfstore.testing")
+
 
 @dataclass(frozen=True)
 class LoopFS:
@@ -83,6 +86,24 @@ def loop_filesystem(workdir: Path, size: int, *, sector: int = 4096, direct_io: 
                 subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
         if device:
             subprocess.run(["losetup", "-d", device], capture_output=True, check=False)
+        image.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def loop_block_device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A raw 64 MiB loop device (no filesystem) with 4096-byte logical sectors, e.g. ``/dev/loop3``."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: makes a loop device")
+    if shutil.which("losetup") is None:
+        pytest.skip("needs losetup")
+    image = tmp_path_factory.mktemp("loop-block") / "device.img"
+    with open(image, "wb") as fh:
+        fh.truncate(64 << 20)
+    device = _step(["losetup", "--direct-io=on", "-b", "4096", "-f", "--show", str(image)], "losetup")
+    try:
+        yield device
+    finally:
+        subprocess.run(["losetup", "-d", device], capture_output=True, check=False)
         image.unlink(missing_ok=True)
 
 

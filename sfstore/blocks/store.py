@@ -1,0 +1,912 @@
+"""``BlockStore``: a key -> value store for hot blocks on a :class:`~sfstore.paths.block.BlockPath`.
+
+Values live in fixed slots of a few size classes; each slot starts with a header (key, length, xxh3-64 of
+the value, generation, checksum), so a put is one aligned O_DIRECT write and a get one aligned read, both
+batched through the I/O engine. The index lives in memory; on a clean close it is written as a snapshot, and
+after a crash it is rebuilt from the slot headers.
+
+Durability rules
+----------------
+* A put is durable once :meth:`BlockStore.flush` returns after it (or with ``durable=True``).
+* An overwrite never writes over the previous value: it goes to a free slot, and the old slot is wiped and
+  reused only after the next flush made the new value durable. So a crash returns, for every key, the last
+  flushed value or a newer one that was written whole, never a torn or an older one.
+* A torn slot (a crash in the middle of its write) fails its checksum: it is dropped, never returned.
+* Deletes and evictions are durable after the next flush too; before it, a crash may bring a deleted key
+  back with its last flushed value.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from sfstore import defaults, errors
+from sfstore.blocks.layout import (
+    Layout,
+    SlotHeader,
+    SnapshotEntry,
+    State,
+    plan_layout,
+    round_up,
+    value_sum,
+)
+from sfstore.buffers import RegisteredBufferPool, as_buffer
+from sfstore.counters import Counters
+from sfstore.paths.block import BlockFuture, BlockPath
+
+__all__ = ["BlockStore", "BlockStoreFuture", "Key"]
+
+Key = bytes | str
+T = TypeVar("T")
+
+_COUNTERS = ("puts", "gets", "hits", "misses", "deletes", "evictions", "corrupt_dropped", "flushes",
+             "bytes_put", "bytes_got", "evict_hook_errors")
+_META_IO = 1 << 20  # metadata I/O chunk (registered buffer size)
+_WAIT_SECONDS = 60.0  # how long a put waits for a slot held by other threads' reads and writes
+_WAVE = 16  # requests per engine batch: verifying/copying one wave overlaps the I/O of the next
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: bytes
+    cls: int
+    slot: int
+    gen: int
+    length: int
+    vsum: int
+    readers: int = 0
+    dead: bool = False
+
+
+class BlockStoreFuture(Generic[T]):
+    """The result of an ``*_async`` call: ``done()``, ``wait(timeout)``, ``get(timeout)``."""
+
+    def __init__(self, future: Future[T]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        try:
+            self._future.exception(timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def get(self, timeout: float | None = None) -> T:
+        try:
+            return self._future.result(timeout)
+        except TimeoutError:
+            if self._future.done():
+                raise
+            raise errors.IOTimeoutError(f"the block store operation had not finished after {timeout} s") from None
+
+
+class _Class:
+    """Runtime state of one size class: free slots, LRU of entries, registered staging buffers."""
+
+    def __init__(self, index: int, size: int, offset: int, stride: int, count: int, io_max: int) -> None:
+        self.index = index
+        self.size = size
+        self.offset = offset
+        self.stride = stride
+        self.count = count
+        self.io_max = io_max
+        self.free: list[int] = []
+        self.lru: OrderedDict[bytes, _Entry] = OrderedDict()
+        self.pool = RegisteredBufferPool(round_up(io_max, 4096))  # buffers are allocated on first use
+
+    def slot_offset(self, slot: int) -> int:
+        return self.offset + slot * self.stride
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class BlockStore:
+    """Keys (``bytes`` or ``str``) -> values up to the largest size class, on a block path.
+
+    Parameters
+    ----------
+    path : BlockPath, str, os.PathLike or Mapping, optional
+        Where the store lives: a :class:`BlockPath`, or what :class:`BlockPath` takes (an image file, a block
+        device, an NVMe-oF target). Default: the embedded image file ``<data_dir>/hot/blocks.img``.
+    size_classes : sequence of int, optional
+        Value size classes for a new store (default: the ``block_size_classes`` setting). An existing store
+        keeps the classes it was formatted with; asking for others raises :class:`~sfstore.errors.ConfigError`.
+    format : bool
+        Format the device even when it holds data that is not a block store (or a store with other classes).
+        Without it only an empty device (first 4 KiB zero) or a new image file is formatted.
+    capacity : int, optional
+        For a new store: use only the first ``capacity`` bytes of the device (default: all of it).
+    on_evict : callable, optional
+        ``on_evict(key, value)`` is called with the key and value (``bytes``) of each entry evicted to make
+        room, before its slot is reused: the hook to spill to a lower tier. Its errors are counted and
+        warned about, and the put goes on.
+
+    Notes
+    -----
+    Opening takes an exclusive lock (``flock``, plus ``O_EXCL`` on a block device): a second store on the
+    same device, in this or another process, raises :class:`~sfstore.errors.StoreInUseError`. Values are
+    staged in registered (page-aligned, pinned) buffers: each I/O is one header block plus the value rounded
+    up to the LBA size. The store is safe to use from several threads; batches (``put_many``, ``get_many``,
+    ``get_into``) are much faster than single calls.
+    """
+
+    def __init__(
+        self,
+        path: BlockPath | str | os.PathLike[str] | Mapping[str, Any] | None = None,
+        *,
+        size_classes: Sequence[int] | None = None,
+        format: bool = False,
+        capacity: int | None = None,
+        on_evict: Callable[[bytes, bytes], None] | None = None,
+    ) -> None:
+        if path is None:
+            path = os.path.join(defaults.get("data_dir"), "hot", "blocks.img")
+        self._owns_path = not isinstance(path, BlockPath)
+        self.path: BlockPath = path if isinstance(path, BlockPath) else BlockPath(path)
+        self.on_evict = on_evict
+        self._capacity_limit = capacity
+        self.counters = Counters(_COUNTERS)
+        self._lock = threading.RLock()
+        self._flush_lock = threading.Lock()
+        self._slot_freed = threading.Condition(self._lock)
+        self._closed = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._index: dict[bytes, _Entry] = {}
+        self._pending: list[tuple[int, int]] = []  # (class, slot) to wipe and free after the next flush
+        self._inflight: set[int] = set()  # generations being written
+        self._state = State(0, False, 0, 1)
+        self._next_gen = 1
+        self.recovered = ""  # how the index was loaded: "new", "snapshot", "scan"
+        self._classes: list[_Class] = []
+        self._meta_pool = RegisteredBufferPool(_META_IO)
+        try:
+            self._lock_device()
+            self.layout = self._open_layout(size_classes, format)
+            hdr = self.layout.header_bytes
+            self._hdr = hdr
+            self.max_key_bytes = min(int(defaults.get("block_max_key_bytes")), self.layout.max_key_bytes)
+            self._classes = [
+                _Class(i, c.size, c.offset, c.stride, c.count, c.stride) for i, c in enumerate(self.layout.classes)
+            ]
+            if self.recovered != "new":
+                self._load_index()
+            else:
+                for c in self._classes:
+                    c.free = list(range(c.count - 1, -1, -1))
+            self._write_state(clean=False)
+            self.path.flush()
+        except BaseException:
+            self._release()
+            raise
+
+    # -- open ------------------------------------------------------------------------------------------------
+    def _lock_device(self) -> None:
+        try:
+            fcntl.flock(self.path.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise errors.StoreInUseError(
+                    errno.EBUSY, f"block store {self.path.device} is open in another process or BlockStore",
+                    self.path.device,
+                ) from None
+            raise errors.os_error(exc.errno or errno.EIO, "cannot lock the block store", self.path.device) from None
+
+    def _read_meta(self, offset: int, length: int) -> bytes:
+        """Read LBA-aligned metadata (any length, in 1 MiB pieces)."""
+        out = bytearray()
+        buf = self._meta_pool.acquire()
+        try:
+            for pos in range(0, length, _META_IO):
+                n = min(_META_IO, length - pos)
+                self.path.read_into(offset + pos, buf, n)
+                out += memoryview(buf)[:n]
+        finally:
+            buf.release()
+        return bytes(out)
+
+    def _write_meta(self, offset: int, data: bytes) -> None:
+        """Write LBA-aligned metadata (any length, in 1 MiB pieces); not durable until a flush."""
+        buf = self._meta_pool.acquire()
+        try:
+            for pos in range(0, len(data), _META_IO):
+                piece = data[pos:pos + _META_IO]
+                memoryview(buf)[: len(piece)] = piece
+                self.path.write(offset + pos, buf, len(piece))
+        finally:
+            buf.release()
+
+    def _open_layout(self, size_classes: Sequence[int] | None, force: bool) -> Layout:
+        p = self.path
+        meta = max(p.lba_size, 4096)
+        where = f"block store {p.device}"
+        sizes = None
+        if size_classes is not None:
+            sizes = defaults.SETTINGS["block_size_classes"].parse(list(size_classes), "BlockStore size_classes")
+        head = self._read_meta(0, meta)
+        layout = None if force else Layout.decode(head, where)
+        if layout is not None:
+            if layout.lba != p.lba_size or layout.capacity > p.capacity:
+                raise errors.CorruptStoreError(
+                    f"{where}: formatted for LBA {layout.lba} and {layout.capacity} bytes, but the device has LBA "
+                    f"{p.lba_size} and {p.capacity} bytes"
+                )
+            have = tuple(c.size for c in layout.classes)
+            if sizes is not None and tuple(sizes) != have:
+                raise errors.ConfigError(
+                    f"{where} was formatted with size classes {list(have)}, not {list(sizes)}; open it without "
+                    "size_classes, or pass format=True to erase it"
+                )
+            self.recovered = "pending"
+            return layout
+        if not force and any(head):
+            raise errors.CorruptStoreError(
+                f"{where} holds data that is not an sfstore block store; pass format=True to erase it"
+            )
+        capacity = p.capacity
+        if self._capacity_limit is not None:
+            if self._capacity_limit <= 0:
+                raise errors.InvalidRequestError(f"BlockStore capacity must be positive, not {self._capacity_limit}")
+            capacity = min(capacity, self._capacity_limit - self._capacity_limit % p.lba_size)
+        layout = plan_layout(capacity, p.lba_size, tuple(sizes or defaults.get("block_size_classes")))
+        zero = bytes(layout.meta)
+        self._write_meta(layout.state_offset(0), zero)
+        self._write_meta(layout.state_offset(1), zero)
+        p.flush()
+        self._write_meta(0, layout.encode())
+        p.flush()
+        self.recovered = "new"
+        return layout
+
+    def _load_index(self) -> None:
+        lay = self.layout
+        states = [State.decode(self._read_meta(lay.state_offset(i), lay.meta), lay.uuid) for i in (0, 1)]
+        valid = [s for s in states if s is not None]
+        state = max(valid, key=lambda s: s.seq) if valid else State(0, False, 0, 1)
+        self._state = state
+        entries: list[SnapshotEntry] | None = None
+        if state.clean and 0 < state.snapshot_len <= lay.snapshot_bytes:
+            data = self._read_meta(lay.snapshot_offset, round_up(state.snapshot_len, lay.lba))[: state.snapshot_len]
+            if value_sum(data) == state.snapshot_sum:
+                try:
+                    entries = SnapshotEntry.decode_all(data, state.snapshot_entries)
+                except Exception:
+                    entries = None
+            if entries is not None and not all(
+                e.cls < len(self._classes) and e.slot < self._classes[e.cls].count for e in entries
+            ):
+                entries = None
+        elif state.clean and state.snapshot_len == 0 and state.snapshot_entries == 0:
+            entries = []
+        if entries is not None:
+            self.recovered = "snapshot"
+            self._next_gen = max([state.next_gen] + [e.gen + 1 for e in entries])
+            self._install(entries, [])
+        else:
+            self.recovered = "scan"
+            self._scan(state)
+
+    def _install(self, entries: Iterable[SnapshotEntry], stale: list[tuple[int, int]]) -> None:
+        used: set[tuple[int, int]] = set(stale)
+        for e in sorted(entries, key=lambda x: x.gen):
+            entry = _Entry(e.key, e.cls, e.slot, e.gen, e.length, e.value_sum)
+            self._index[e.key] = entry
+            self._classes[e.cls].lru[e.key] = entry
+            used.add((e.cls, e.slot))
+        self._pending = list(stale)
+        for c in self._classes:
+            c.free = [s for s in range(c.count - 1, -1, -1) if (c.index, s) not in used]
+
+    def _scan(self, state: State) -> None:
+        """Rebuild the index from every slot header; verify the values written after the last flush."""
+        hdr = self._hdr
+        per = max(1, (1 << 20) // hdr)
+        candidates: dict[bytes, list[SlotHeader]] = {}
+        max_gen = state.next_gen - 1
+        buf = self._meta_pool.acquire()
+        try:
+            view = memoryview(buf)
+            for c in self._classes:
+                for first in range(0, c.count, per):
+                    n = min(per, c.count - first)
+                    reqs = [("read", c.slot_offset(first + j), hdr, buf, j * hdr) for j in range(n)]
+                    self.path.submit(reqs).get()
+                    for j in range(n):
+                        h = SlotHeader.unpack(view[j * hdr:(j + 1) * hdr], self.layout.uuid, hdr)
+                        if h is None or h.slot != first + j or h.cls != c.index or h.length > c.size:
+                            continue
+                        candidates.setdefault(h.key, []).append(h)
+                        max_gen = max(max_gen, h.gen)
+            del view
+        finally:
+            buf.release()
+        self._next_gen = max_gen + 1
+        chosen: list[SnapshotEntry] = []
+        stale: list[tuple[int, int]] = []
+        torn = 0
+        for _key, hs in candidates.items():
+            hs.sort(key=lambda h: h.gen, reverse=True)
+            pick = None
+            for h in hs:
+                if pick is None and (h.gen <= state.flushed_gen or self._verify_slot(h)):
+                    pick = h
+                    continue
+                if pick is None:
+                    torn += 1
+                stale.append((h.cls, h.slot))
+            if pick is not None:
+                chosen.append(SnapshotEntry(pick.cls, pick.slot, pick.gen, pick.length, pick.value_sum, pick.key))
+        self.counters.add(corrupt_dropped=torn)
+        self._install(chosen, stale)
+
+    def _verify_slot(self, h: SlotHeader) -> bool:
+        c = self._classes[h.cls]
+        n = self._hdr + round_up(h.length, self.layout.lba)
+        buf = c.pool.acquire()
+        try:
+            self.path.submit([("read", c.slot_offset(h.slot), n, buf, 0)]).get()
+            view = memoryview(buf)
+            ok = value_sum(view[self._hdr:self._hdr + h.length]) == h.value_sum
+            del view
+            return ok
+        finally:
+            buf.release()
+
+    def _write_state(self, clean: bool, snapshot: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """Write the next state record (the other copy), not yet durable."""
+        with self._lock:
+            flushed = (min(self._inflight) - 1) if self._inflight else self._next_gen - 1
+            nxt = self._next_gen
+        seq = self._state.seq + 1
+        st = State(seq, clean, flushed, nxt, *snapshot)
+        self._write_meta(self.layout.state_offset(seq % 2), st.encode(self.layout.uuid, self.layout.meta))
+        self._state = st
+
+    # -- keys and values -----------------------------------------------------------------------------------------
+    def _key(self, key: Any) -> bytes:
+        if isinstance(key, str):
+            k = key.encode()
+        elif isinstance(key, (bytes, bytearray, memoryview)):
+            k = bytes(key)
+        else:
+            raise errors.InvalidKeyError(f"a block store key must be bytes or str, not {type(key).__name__}")
+        if not k:
+            raise errors.InvalidKeyError("a block store key must not be empty")
+        if len(k) > self.max_key_bytes:
+            raise errors.InvalidKeyError(f"a block store key is at most {self.max_key_bytes} bytes, not {len(k)}")
+        return k
+
+    @staticmethod
+    def _view(obj: Any, writable: bool, what: str) -> memoryview:
+        try:
+            mv = memoryview(as_buffer(obj))
+        except TypeError as exc:
+            raise errors.InvalidRequestError(f"{what}: {exc}") from None
+        if not mv.c_contiguous:
+            raise errors.InvalidRequestError(f"{what}: the buffer is not contiguous")
+        if writable and mv.readonly:
+            raise errors.ReadOnlyBufferError(f"{what}: the buffer is read-only")
+        return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.InvalidRequestError("the block store is closed")
+
+    @property
+    def max_value_bytes(self) -> int:
+        """The largest value the store holds (its largest size class)."""
+        return self._classes[-1].size
+
+    # -- put -------------------------------------------------------------------------------------------------------
+    def put(self, key: Key, value: Any, *, durable: bool = False) -> None:
+        """Store one value; see :meth:`put_many`."""
+        self.put_many([(key, value)], durable=durable)
+
+    def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]], *, durable: bool = False) -> None:
+        """Store values (anything with the buffer protocol, or CPU torch tensors), replacing existing keys.
+
+        The values are copied (into registered staging buffers) before this returns. With ``durable`` the
+        puts are flushed before returning; otherwise they are durable after the next :meth:`flush`. When a
+        size class is full, its least recently used entries are evicted (``on_evict`` sees them first).
+
+        Raises
+        ------
+        sfstore.errors.InvalidKeyError, sfstore.errors.ValueTooLargeError
+            A key is empty or too long, a value does not fit the largest class; raised before any write.
+        sfstore.errors.NoSpaceError
+            Every slot of every class that fits is being read or written right now.
+        """
+        self._check_open()
+        pairs = items.items() if isinstance(items, Mapping) else items
+        batch: dict[bytes, memoryview] = {}
+        for key, value in pairs:
+            k = self._key(key)
+            mv = self._view(value, False, f"value of key {k!r}")
+            if mv.nbytes > self.max_value_bytes:
+                raise errors.ValueTooLargeError(
+                    f"value of key {k!r} is {mv.nbytes} bytes; the largest size class holds {self.max_value_bytes}"
+                )
+            batch[k] = mv
+        if not batch:
+            return
+        remaining = list(batch.items())
+        deadline = time.monotonic() + _WAIT_SECONDS
+        while remaining:
+            reserved, remaining = self._reserve(remaining)
+            if not reserved:
+                # Every slot that fits is being written or read by other threads: wait for one of them.
+                if time.monotonic() > deadline:
+                    raise errors.NoSpaceError(
+                        errno.ENOSPC, f"block store {self.path.device}: no slot for a {remaining[0][1].nbytes}-"
+                        f"byte value came free within {_WAIT_SECONDS} s (all are being read or written)",
+                    )
+                with self._slot_freed:
+                    self._slot_freed.wait(0.05)  # short: a release between _reserve and here is not missed long
+                continue
+            try:
+                self._write_slots(reserved)
+            except BaseException:
+                with self._lock:
+                    for _k, _mv, cls, slot, gen, _sum in reserved:
+                        self._inflight.discard(gen)
+                        self._pending.append((cls, slot))
+                    self._slot_freed.notify_all()
+                raise
+            self._publish(reserved)
+        if durable:
+            self.flush()
+
+    def put_many_async(
+        self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]], *, durable: bool = False
+    ) -> BlockStoreFuture[None]:
+        """:meth:`put_many` in a background thread. The values must stay unchanged until the future is done."""
+        self._check_open()
+        listed = list(items.items() if isinstance(items, Mapping) else items)
+        return BlockStoreFuture(self._pool_executor().submit(self.put_many, listed, durable=durable))
+
+    def _reserve(
+        self, items: list[tuple[bytes, memoryview]]
+    ) -> tuple[list[list[Any]], list[tuple[bytes, memoryview]]]:
+        """Take a slot and a generation for as many values as possible, in order (evicting where a class is
+        full); return them and the values left for which no slot is free right now.
+
+        Stopping early lets the caller write and publish what it has, which makes those slots evictable: so
+        threads whose batches together need more slots than exist never wait on each other forever.
+        """
+        reserved: list[list[Any]] = []
+        victims: list[tuple[_Entry, int]] = []
+        done = 0
+        try:
+            for k, mv in items:
+                while True:
+                    with self._lock:
+                        got = self._allocate(mv.nbytes)
+                        if isinstance(got, tuple):
+                            cls, slot, victim = got
+                            gen = self._next_gen
+                            self._next_gen += 1
+                            self._inflight.add(gen)
+                            reserved.append([k, mv, cls, slot, gen, 0])
+                            if victim is not None:
+                                victims.append((victim, cls))
+                            break
+                    if got == "blocked":
+                        break
+                    self.flush()  # only slots waiting for a flush are left: recycle them
+                if got == "blocked":
+                    break
+                done += 1
+            if victims and self.on_evict is not None:
+                self._spill(victims)
+        except BaseException:
+            with self._lock:
+                for _k, _mv, cls, slot, gen, _s in reserved:
+                    self._inflight.discard(gen)
+                    self._classes[cls].free.append(slot)
+                self._slot_freed.notify_all()
+            raise
+        return reserved, items[done:]
+
+    def _allocate(self, size: int) -> tuple[int, int, _Entry | None] | str:
+        """A slot for ``size`` bytes: a free one, else (``"flush"``) one a flush would recycle, else the least
+        recently used entry's; ``"blocked"`` when every fitting slot is being read or written."""
+        fits = [c for c in self._classes if c.size >= size]
+        for c in fits:
+            if c.free:
+                return c.index, c.free.pop(), None
+        indexes = {c.index for c in fits}
+        if any(cls in indexes for cls, _slot in self._pending):
+            return "flush"
+        for c in fits:
+            for entry in c.lru.values():
+                if entry.readers == 0:
+                    del c.lru[entry.key]
+                    del self._index[entry.key]
+                    self.counters.add(evictions=1)
+                    return c.index, entry.slot, entry
+        return "blocked"
+
+    def _spill(self, victims: list[tuple[_Entry, int]]) -> None:
+        hook = self.on_evict
+        assert hook is not None
+        values = self._read_entries([v for v, _ in victims], None, pinned=False)
+        for (victim, _cls), value in zip(victims, values, strict=True):
+            if value is None:
+                continue
+            try:
+                hook(victim.key, value if isinstance(value, bytes) else b"")
+            except Exception as exc:
+                self.counters.add(evict_hook_errors=1)
+                warnings.warn(f"sfstore BlockStore on_evict failed for key {victim.key!r}: {exc!r}", stacklevel=3)
+
+    def _write_slots(self, reserved: list[list[Any]]) -> None:
+        hdr = self._hdr
+        lba = self.layout.lba
+        uid = self.layout.uuid
+        pending: list[tuple[BlockFuture, list[Any]]] = []
+        try:
+            for first in range(0, len(reserved), _WAVE):
+                wave = reserved[first:first + _WAVE]
+                bufs: list[Any] = []
+                reqs = []
+                try:
+                    for item in wave:
+                        k, mv, cls, slot, gen, _ = item
+                        c = self._classes[cls]
+                        buf = c.pool.acquire()
+                        bufs.append(buf)
+                        view = memoryview(buf)
+                        n = mv.nbytes
+                        view[hdr:hdr + n] = mv
+                        io = hdr + round_up(n, lba)
+                        if io > hdr + n:
+                            view[hdr + n:io] = bytes(io - hdr - n)
+                        item[5] = value_sum(view[hdr:hdr + n])
+                        SlotHeader(slot, gen, n, item[5], cls, k).pack_into(view, uid)
+                        del view
+                        reqs.append(("write", c.slot_offset(slot), io, buf, 0))
+                    pending.append((self.path.submit(reqs), bufs))
+                except BaseException:
+                    for b in bufs:
+                        b.release()
+                    raise
+            for fut, _bufs in pending:
+                fut.get()
+        finally:
+            for fut, bufs in pending:
+                fut.wait()
+                for b in bufs:
+                    b.release()
+        self.counters.add(puts=len(reserved), bytes_put=sum(item[1].nbytes for item in reserved))
+
+    def _publish(self, reserved: list[list[Any]]) -> None:
+        with self._lock:
+            for k, mv, cls, slot, gen, vsum in reserved:
+                self._inflight.discard(gen)
+                old = self._index.get(k)
+                if old is not None and old.gen > gen:  # a concurrent put of the same key won
+                    self._pending.append((cls, slot))
+                    continue
+                if old is not None:
+                    self._classes[old.cls].lru.pop(k, None)
+                    self._retire(old)
+                entry = _Entry(k, cls, slot, gen, mv.nbytes, vsum)
+                self._index[k] = entry
+                self._classes[cls].lru[k] = entry
+            self._slot_freed.notify_all()
+
+    def _retire(self, entry: _Entry) -> None:
+        """The entry left the index: wipe and free its slot after the next flush (once no reader holds it)."""
+        entry.dead = True
+        if entry.readers == 0:
+            self._pending.append((entry.cls, entry.slot))
+
+    # -- get -------------------------------------------------------------------------------------------------------
+    def get(self, key: Key) -> bytes | None:
+        """The value of ``key`` (a copy), or ``None``."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[Key]) -> list[bytes | None]:
+        """The values of ``keys`` (copies; ``None`` for a missing key), read in one batch."""
+        self._check_open()
+        ks = [self._key(k) for k in keys]
+        entries = self._acquire(ks)
+        out = self._read_entries(entries, None, pinned=True)
+        return [v if isinstance(v, bytes) else None for v in out]
+
+    def get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int | None]:
+        """Read the values of ``keys`` into ``buffers`` (registered buffers, numpy arrays, CPU torch tensors,
+        anything writable with the buffer protocol); return each value's length, ``None`` for a miss.
+
+        Raises
+        ------
+        sfstore.errors.BufferTooSmallError
+            A buffer is smaller than its value (checked before any I/O; nothing is read).
+        sfstore.errors.InvalidRequestError
+            ``keys`` and ``buffers`` differ in length, or a buffer is not contiguous.
+        """
+        self._check_open()
+        if len(keys) != len(buffers):
+            raise errors.InvalidRequestError(f"get_into: {len(keys)} keys but {len(buffers)} buffers")
+        ks = [self._key(k) for k in keys]
+        views = [self._view(b, True, f"buffer for key {k!r}") for k, b in zip(ks, buffers, strict=True)]
+        entries = self._acquire(ks)
+        for e, v, k in zip(entries, views, ks, strict=True):
+            if e is not None and e.length > v.nbytes:
+                self._unpin(entries)
+                raise errors.BufferTooSmallError(
+                    f"get_into: the value of key {k!r} is {e.length} bytes; its buffer holds {v.nbytes}"
+                )
+        got = self._read_entries(entries, views, pinned=True)
+        return [v if isinstance(v, int) else None for v in got]
+
+    def get_into_async(self, keys: Sequence[Key], buffers: Sequence[Any]) -> BlockStoreFuture[list[int | None]]:
+        """:meth:`get_into` in a background thread; the buffers are filled when the future is done."""
+        self._check_open()
+        return BlockStoreFuture(self._pool_executor().submit(self.get_into, list(keys), list(buffers)))
+
+    def _acquire(self, keys: list[bytes]) -> list[_Entry | None]:
+        with self._lock:
+            out: list[_Entry | None] = []
+            for k in keys:
+                e = self._index.get(k)
+                if e is not None:
+                    e.readers += 1
+                    self._classes[e.cls].lru.move_to_end(k)
+                out.append(e)
+            return out
+
+    def _unpin(self, entries: Iterable[_Entry | None]) -> None:
+        with self._lock:
+            for e in entries:
+                if e is None:
+                    continue
+                e.readers -= 1
+                if e.dead and e.readers == 0:
+                    self._pending.append((e.cls, e.slot))
+            self._slot_freed.notify_all()
+
+    def _read_entries(
+        self, entries: list[_Entry | None], dests: list[memoryview] | None, pinned: bool
+    ) -> list[bytes | int | None]:
+        """Read, verify and deliver each entry (to ``dests`` or as bytes); drop the ones that fail their checks.
+
+        Looked-up entries are ``pinned`` (``readers``) by the caller and unpinned here; evicted victims are not
+        in the index and their slots are reserved, so they need no pin.
+        """
+        hdr = self._hdr
+        lba = self.layout.lba
+        out: list[bytes | int | None] = [None] * len(entries)
+        live = [i for i, e in enumerate(entries) if e is not None]
+        waves: list[tuple[BlockFuture, list[tuple[int, Any]]]] = []
+        hits = misses = nbytes = 0
+        try:
+            for first in range(0, len(live), _WAVE):
+                part = live[first:first + _WAVE]
+                bufs: list[tuple[int, Any]] = []
+                reqs = []
+                try:
+                    for i in part:
+                        e = entries[i]
+                        assert e is not None
+                        c = self._classes[e.cls]
+                        buf = c.pool.acquire()
+                        bufs.append((i, buf))
+                        reqs.append(("read", c.slot_offset(e.slot), hdr + round_up(e.length, lba), buf, 0))
+                    waves.append((self.path.submit(reqs), bufs))
+                except BaseException:
+                    for _i, b in bufs:
+                        b.release()
+                    raise
+            for fut, bufs in waves:
+                fut.get()
+                for i, buf in bufs:
+                    e = entries[i]
+                    assert e is not None
+                    view = memoryview(buf)
+                    h = SlotHeader.unpack(view[:hdr], self.layout.uuid, hdr)
+                    value = view[hdr:hdr + e.length]
+                    if (h is None or h.key != e.key or h.gen != e.gen or h.slot != e.slot or h.length != e.length
+                            or value_sum(value) != e.vsum):
+                        del value, view
+                        self._drop_corrupt(e)
+                        misses += 1
+                        continue
+                    if dests is None:
+                        out[i] = bytes(value)
+                    else:
+                        dests[i][: e.length] = value
+                        out[i] = e.length
+                    hits += 1
+                    nbytes += e.length
+                    del value, view
+        finally:
+            for fut, bufs in waves:
+                fut.wait()
+                for _i, b in bufs:
+                    b.release()
+            if pinned:
+                self._unpin(entries)
+        misses += len(entries) - len(live)
+        self.counters.add(gets=len(entries), hits=hits, misses=misses, bytes_got=nbytes)
+        return out
+
+    def _drop_corrupt(self, e: _Entry) -> None:
+        with self._lock:
+            if self._index.get(e.key) is e:
+                del self._index[e.key]
+                self._classes[e.cls].lru.pop(e.key, None)
+                e.dead = True  # the slot is freed (wiped at the next flush) when its last reader is done
+        self.counters.add(corrupt_dropped=1)
+
+    # -- other operations --------------------------------------------------------------------------------------------
+    def contains(self, key: Key) -> bool:
+        """Whether ``key`` has a value (no I/O; a torn value written before a crash was dropped at open)."""
+        k = self._key(key)
+        with self._lock:
+            return k in self._index
+
+    __contains__ = contains
+
+    def delete(self, key: Key) -> bool:
+        """Remove ``key``; return whether it was there. Durable after the next :meth:`flush`."""
+        self._check_open()
+        k = self._key(key)
+        with self._lock:
+            e = self._index.pop(k, None)
+            if e is None:
+                return False
+            self._classes[e.cls].lru.pop(k, None)
+            self._retire(e)
+        self.counters.add(deletes=1)
+        return True
+
+    def locate(self, key: Key) -> tuple[int, int] | None:
+        """Where ``key``'s slot is on the device: ``(offset, bytes)`` of its header and value (for tools)."""
+        k = self._key(key)
+        with self._lock:
+            e = self._index.get(k)
+            if e is None:
+                return None
+            return self._classes[e.cls].slot_offset(e.slot), self._hdr + round_up(e.length, self.layout.lba)
+
+    def keys(self) -> list[bytes]:
+        """Every key, least recently used first."""
+        with self._lock:
+            return [k for c in self._classes for k in c.lru]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.keys())
+
+    def flush(self) -> None:
+        """Make every put that returned so far durable, and recycle the slots that overwrites and deletes freed.
+
+        One ``fdatasync``; when overwrites or deletes freed slots, their headers are then wiped and a second
+        ``fdatasync`` makes the wipes durable before the slots are reused.
+        """
+        self._check_open()
+        with self._flush_lock:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            self.path.flush()
+            # The state record's watermark (every generation up to it is durable) needs no flush of its own:
+            # a stale or torn record only makes the next scan verify more values.
+            self._write_state(clean=False)
+            if pending:
+                self._wipe(pending)
+                self.path.flush()  # the wipes are durable before a slot is reused
+            with self._lock:
+                for cls, slot in pending:
+                    self._classes[cls].free.append(slot)
+                self._slot_freed.notify_all()
+        self.counters.add(flushes=1)
+
+    def _wipe(self, slots: list[tuple[int, int]]) -> None:
+        hdr = self._hdr
+        buf = self._meta_pool.acquire()
+        try:
+            memoryview(buf)[:hdr] = bytes(hdr)
+            for first in range(0, len(slots), 256):
+                reqs = [("write", self._classes[c].slot_offset(s), hdr, buf, 0) for c, s in slots[first:first + 256]]
+                self.path.submit(reqs).get()
+        finally:
+            buf.release()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (puts, gets, hits, misses, evictions, corrupt_dropped, bytes, ...) and occupancy per class."""
+        with self._lock:
+            classes = [
+                {"size": c.size, "slots": c.count, "used": len(c.lru), "free": len(c.free)} for c in self._classes
+            ]
+            entries = len(self._index)
+            pending = len(self._pending)
+        return {
+            **self.counters.snapshot(),
+            "entries": entries,
+            "awaiting_flush": pending,
+            "classes": classes,
+            "recovered": self.recovered,
+            "device": self.path.device,
+            "transport": self.path.transport,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        """The block path's description plus this store's layout and stats."""
+        return {**self.path.describe(), "store": self.stats()}
+
+    def _pool_executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sfstore-blocks")
+            return self._executor
+
+    def close(self) -> None:
+        """Flush, write the index snapshot, mark the store clean, unlock and close."""
+        if self._closed:
+            return
+        try:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            self.flush()
+            self._write_snapshot()
+            self.path.flush()
+        finally:
+            self._closed = True
+            self._release()
+
+    def _write_snapshot(self) -> None:
+        lay = self.layout
+        with self._lock:
+            entries = [SnapshotEntry(e.cls, e.slot, e.gen, e.length, e.vsum, e.key) for e in self._index.values()]
+        data = b"".join(e.encode() for e in entries)
+        if len(data) > lay.snapshot_bytes:
+            self._write_state(clean=False)  # too many long keys for the snapshot area: the next open scans
+            return
+        start = time.monotonic()
+        padded = data + bytes(round_up(len(data), lay.lba) - len(data))
+        step = 1 << 20
+        for pos in range(0, len(padded), step):
+            self._write_meta(lay.snapshot_offset + pos, padded[pos:pos + step])
+        self.path.flush()
+        self._write_state(clean=True, snapshot=(len(data), value_sum(data), len(entries)))
+        self._snapshot_seconds = time.monotonic() - start
+
+    def _release(self) -> None:
+        for c in getattr(self, "_classes", []):
+            c.close()
+        pool = getattr(self, "_meta_pool", None)
+        if pool is not None:
+            pool.close()
+        if self._owns_path:
+            self.path.close()
+        else:
+            try:
+                fcntl.flock(self.path.fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
+
+    def __enter__(self) -> BlockStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"BlockStore({self.path.device!r}, entries={len(self)}, classes={[c.size for c in self._classes]})"
