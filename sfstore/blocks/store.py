@@ -130,6 +130,10 @@ class BlockStore:
         Without it only an empty device (first 4 KiB zero) or a new image file is formatted.
     capacity : int, optional
         For a new store: use only the first ``capacity`` bytes of the device (default: all of it).
+    lock_timeout : float
+        Seconds to wait for the exclusive lock when another opener holds it (default: fail at once). A process
+        killed with I/O in flight holds its lock a little after it died, until the kernel has reaped its
+        io_uring.
     on_evict : callable, optional
         ``on_evict(key, value)`` is called with the key and value (``bytes``) of each entry evicted to make
         room, before its slot is reused: the hook to spill to a lower tier. Its errors are counted and
@@ -151,6 +155,7 @@ class BlockStore:
         size_classes: Sequence[int] | None = None,
         format: bool = False,
         capacity: int | None = None,
+        lock_timeout: float = 0.0,
         on_evict: Callable[[bytes, bytes], None] | None = None,
     ) -> None:
         if path is None:
@@ -174,7 +179,7 @@ class BlockStore:
         self._classes: list[_Class] = []
         self._meta_pool = RegisteredBufferPool(_META_IO)
         try:
-            self._lock_device()
+            self._lock_device(lock_timeout)
             self.layout = self._open_layout(size_classes, format)
             hdr = self.layout.header_bytes
             self._hdr = hdr
@@ -194,16 +199,22 @@ class BlockStore:
             raise
 
     # -- open ------------------------------------------------------------------------------------------------
-    def _lock_device(self) -> None:
-        try:
-            fcntl.flock(self.path.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+    def _lock_device(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(self.path.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    dev = self.path.device
+                    raise errors.os_error(exc.errno or errno.EIO, "cannot lock the block store", dev) from None
+            if time.monotonic() >= deadline:
                 raise errors.StoreInUseError(
                     errno.EBUSY, f"block store {self.path.device} is open in another process or BlockStore",
                     self.path.device,
-                ) from None
-            raise errors.os_error(exc.errno or errno.EIO, "cannot lock the block store", self.path.device) from None
+                )
+            time.sleep(0.01)
 
     def _read_meta(self, offset: int, length: int) -> bytes:
         """Read LBA-aligned metadata (any length, in 1 MiB pieces)."""
