@@ -8,6 +8,9 @@ flushes. Before each operation it appends the intent to a log (``P key version``
 survives the kill. Once the child has flushed in this trial it is killed after a random delay. Then the parent
 opens the store (rebuilding the index from the slot headers) and, for every key:
 
+(what the parent finds, and makes durable by closing the store, is logged as the state of each key for the
+next trial: ``O key version`` lines and an ``F``)
+
 * the *flushed* state is the last operation on it before the last ``F``; the *possible* states are that one
   plus every operation on it after the last ``F`` (unflushed: they may or may not have landed);
 * a value returned must be bit-exactly the value of one possible put (never a torn value, never an older
@@ -113,6 +116,11 @@ def _states(log: str) -> tuple[dict[str, Any], dict[str, list[Any]], int, int, i
         parts = line.split()
         if not parts:
             continue
+        if parts[0] == "T":  # a trial began (written by the parent)
+            continue
+        if parts[0] == "O" and len(parts) == 3:  # what the parent found after a kill (then closed: durable)
+            after.setdefault(parts[1], []).append(None if parts[2] == "-" else int(parts[2]))
+            continue
         if parts[0] == "F":
             flushes += 1
             for k, states in after.items():
@@ -128,11 +136,13 @@ def _states(log: str) -> tuple[dict[str, Any], dict[str, list[Any]], int, int, i
     return flushed, after, ops, flushes, top
 
 
-def _check(target: dict[str, Any], log: str, report: CrashReport, trial: int) -> None:
+def _check(target: dict[str, Any], log: str, report: CrashReport, trial: int) -> dict[str, int | None]:
+    """Verify the store against the log; return the version found for each key (``None``: absent)."""
     from sfstore.blocks import BlockStore
 
     flushed, after, ops, flushes, _top = _states(log)
     report.operations, report.flushes = ops, flushes
+    found: dict[str, int | None] = {}
     with BlockStore(target, size_classes=CLASSES, lock_timeout=30) as store:
         report.torn_dropped += int(store.stats()["corrupt_dropped"])
         if store.recovered != "scan":
@@ -142,6 +152,7 @@ def _check(target: dict[str, Any], log: str, report: CrashReport, trial: int) ->
             maybe = after.get(key, [])
             got = store.get(key)
             allowed = [done, *maybe]
+            found[key] = None
             if got is None:
                 if None not in allowed:
                     report.failures.append(f"trial {trial}: {key} lost (flushed version {done}, then {maybe})")
@@ -151,8 +162,11 @@ def _check(target: dict[str, Any], log: str, report: CrashReport, trial: int) ->
                 report.failures.append(
                     f"trial {trial}: {key} returned {len(got)} bytes matching none of versions {allowed}"
                 )
-            elif match[-1] != done:
-                report.unflushed_seen += 1
+            else:
+                found[key] = match[-1]
+                if match[-1] != done:
+                    report.unflushed_seen += 1
+    return found
 
 
 def run_trials(
@@ -184,6 +198,8 @@ def run_trials(
     version = 1
     for trial in range(trials):
         before = _states(log)[3]
+        with open(log, "a") as f:
+            f.write(f"T {trial}\n")
         proc = ctx.Process(target=_child, args=(tgt, log, rng.randrange(1 << 30), version), daemon=True)
         proc.start()
         deadline = time.monotonic() + start_timeout
@@ -200,7 +216,10 @@ def run_trials(
         assert proc.pid is not None
         os.kill(proc.pid, signal.SIGKILL)
         proc.join()
-        _check(tgt, log, report, trial)
+        found = _check(tgt, log, report, trial)
+        # The parent's clean close made what it found durable: that is every key's state for the next trial.
+        with open(log, "a") as f:
+            f.write("".join(f"O {k} {'-' if v is None else v}\n" for k, v in found.items()) + "F\n")
         version = _states(log)[4] + 1
         report.trials = trial + 1
     report.seconds = time.monotonic() - began
