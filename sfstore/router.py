@@ -21,8 +21,16 @@ file, the defaults. The config file is ``config`` when it is a path, else ``$SFS
     path = "file"
     subdir = "checkpoints"             # optional: a directory under `root`
 
+    [classes.hot]
+    path = "block"                     # NVMe over RDMA: a namespace connected through libnvme
+    target = { kind = "nvmeof", transport = "rdma", traddr = "10.0.0.5", trsvcid = "4420",
+               subsysnqn = "nqn.2024-01.io.example:hot" }
+    # or target = { kind = "device", device = "/dev/nvme1n1" }
+    # or target = { kind = "image", path = "/scratch/hot.img", size = "64G" }
+
 Without any configuration the root is the embedded default data directory (``SFSTORE_DATA_DIR``): datasets
-live at the root itself (what ``sf://`` shows), checkpoints under ``<root>/checkpoints``.
+live at the root itself (what ``sf://`` shows), checkpoints under ``<root>/checkpoints``, hot blocks in the
+image file ``<data_dir>/hot/blocks.img`` (``block_image_size``; local even when ``root`` is a mount).
 """
 
 from __future__ import annotations
@@ -51,13 +59,13 @@ DATA_CLASSES = ("dataset", "checkpoint", "hot", "kvcache")
 _DEFAULT_PATH = {"dataset": "file", "checkpoint": "file", "hot": "block", "kvcache": "device"}
 _ALLOWED = {"dataset": ("file",), "checkpoint": ("file",), "hot": ("block", "file"), "kvcache": ("device", "file")}
 _DEFAULT_SUBDIR = {"dataset": "", "checkpoint": "checkpoints", "hot": "hot", "kvcache": "kvcache"}
-_BUILT = {"file"}  # paths that exist in this version
+_BUILT = {"file", "block"}  # paths that exist in this version
 _PENDING = {
-    "block": "the block path (NVMe over RDMA) is not built yet",
     "device": "the device path (GPU-direct storage) is not built yet",
 }
 _TOP_KEYS = {"root", "data_dir", "settings", "classes"}
-_CLASS_KEYS = {"path", "root", "subdir"}
+_CLASS_KEYS = {"path", "root", "subdir", "target"}
+IMAGE_NAME = os.path.join("hot", "blocks.img")  # the block path's embedded default, under data_dir
 
 
 def find_config(config: str | os.PathLike[str] | None = None) -> str | None:
@@ -152,8 +160,13 @@ class Router:
             for key in ("root", "subdir"):
                 if key in table:
                     _expect(source, f"classes.{name}.{key}", table[key], str, "a directory path")
+            if "target" in table:
+                if path != "block":
+                    raise errors.ConfigError(f"{source}: [classes.{name}] 'target' is for path = 'block' only")
+                _expect(source, f"classes.{name}.target", table["target"], dict, "a table (kind = ...)")
             self._classes[name] = table
         self._paths: dict[str, StoragePath] = {}
+        self._stores: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def _apply_settings(self, settings: Any) -> None:
@@ -181,6 +194,12 @@ class Router:
         kind = wanted
         if wanted not in _BUILT:
             return wanted, None, [_PENDING[wanted]]
+        if wanted == "block":
+            if "target" in table:
+                t = table["target"]
+                return kind, f"{t.get('kind', '?')} target", [f"target from [classes.{data_class}] in {self._source}"]
+            image = os.path.join(defaults.get("data_dir"), IMAGE_NAME)
+            return kind, image, ["no block target configured: the embedded default image file in data_dir"]
         if "root" in table:
             root = os.path.abspath(os.path.expanduser(table["root"]))
             reasons.append(f"root from [classes.{data_class}] in {self._source}")
@@ -196,12 +215,47 @@ class Router:
             got = self._paths.get(data_class)
             if got is not None:
                 return got
-            _, root, reasons = self._plan(data_class)
+            kind, root, reasons = self._plan(data_class)
             if root is None:
                 raise errors.NotSupportedOnHostError(f"data class {data_class!r}: {reasons[0]}")
-            fp = FilePath(root)
-            self._paths[data_class] = fp
-            return fp
+            made: StoragePath
+            if kind == "block":
+                from sfstore.paths.block import BlockPath
+
+                table = self._classes.get(data_class, {})
+                made = BlockPath(table["target"] if "target" in table else root)
+            else:
+                made = FilePath(root)
+            self._paths[data_class] = made
+            return made
+
+    def block_store(self, data_class: str = "hot", **kwargs: Any) -> Any:
+        """A :class:`~sfstore.blocks.BlockStore` on the block path serving ``data_class`` (made once per router;
+        ``kwargs`` go to its constructor the first time)."""
+        with self._lock:
+            store = self._stores.get(data_class)
+        if store is not None and not store._closed:
+            return store
+        from sfstore.blocks import BlockStore
+        from sfstore.paths.block import BlockPath
+
+        p = self.path(data_class)
+        if not isinstance(p, BlockPath):
+            raise errors.ConfigError(f"data class {data_class!r} is served by the {p.kind} path, not the block path")
+        store = BlockStore(p, **kwargs)
+        with self._lock:
+            self._stores[data_class] = store
+        return store
+
+    def close(self) -> None:
+        """Close the block stores and paths this router made."""
+        with self._lock:
+            stores, self._stores = list(self._stores.values()), {}
+            paths, self._paths = list(self._paths.values()), {}
+        for st in stores:
+            st.close()
+        for p in paths:
+            p.close()
 
     def file_path(self, data_class: str = "dataset") -> FilePath:
         """The :class:`FilePath` serving ``data_class`` (``dataset`` by default)."""
@@ -218,12 +272,25 @@ class Router:
             if root is None:
                 out["classes"][name] = {"path": kind, "available": False, "why": reasons}
                 continue
+            with self._lock:
+                made = name in self._paths
+            if kind == "block" and not made:
+                # Not opened yet: describing must not create an image file or connect to a target.
+                target = self._classes.get(name, {}).get("target")
+                t = (target or {}).get("transport", "local")
+                out["classes"][name] = {
+                    "path": "block", "available": True, "root": root if target is None else target,
+                    "transport": t if t in ("rdma", "tcp") else "local", "direct_io": None, "why": reasons,
+                    "fallbacks": ["block target is an image file (no NVMe namespace configured)"] if target is None
+                    else [], "counters": {}, "opened": False,
+                }
+                continue
             p = self.path(name)
             d = p.describe()
             out["classes"][name] = {
                 "path": d["kind"],
                 "available": True,
-                "root": d.get("root"),
+                "root": d.get("root") or d.get("device"),
                 "transport": d["transport"],
                 "direct_io": d.get("direct_io"),
                 "why": reasons,
@@ -245,8 +312,9 @@ class Router:
             if not c["available"]:
                 lines.append(f"{name:<11} {c['path']:<6} unavailable: {'; '.join(c['why'])}")
                 continue
-            io = "O_DIRECT" if c["direct_io"] else "page cache"
-            lines.append(f"{name:<11} {c['path']:<6} {c['transport']:<6} {io:<10} {c['root']}")
+            io = "not open" if c["direct_io"] is None else "O_DIRECT" if c["direct_io"] else "page cache"
+            where = c["root"] if isinstance(c["root"], str) else ", ".join(f"{k}={v}" for k, v in c["root"].items())
+            lines.append(f"{name:<11} {c['path']:<6} {c['transport']:<6} {io:<10} {where}")
             for f in c["fallbacks"]:
                 lines.append(f"{'':<11} fallback: {f}")
         return "\n".join(lines)

@@ -15,7 +15,9 @@ def test_demo_round_trip_verifies(tmp_path: Path) -> None:
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("verified       yes") == 3  # engine round trip, the sf:// dataset, the checkpoint
+    assert out.stdout.count("verified       yes") == 4  # engine round trip, sf:// dataset, hot blocks, checkpoint
+    assert "hot blocks (block path)" in out.stdout and "index recovered from the snapshot" in out.stdout
+    assert (tmp_path / "hot" / "blocks.img").is_file()
     assert "dataset through sf://" in out.stdout and "256 files at" in out.stdout
     assert len(list((tmp_path / "demo-dataset").iterdir())) == 256
     assert (tmp_path / "checkpoints" / "demo" / "step-1" / "sfstore-manifest.json").is_file()

@@ -35,7 +35,10 @@ def test_defaults_route_to_the_data_dir(tmp_path: Path) -> None:
     d = r.describe()
     assert d["classes"]["dataset"]["transport"] == "local"
     assert any("embedded default" in w for w in d["classes"]["dataset"]["why"])
-    assert d["classes"]["hot"]["available"] is False and "not built" in d["classes"]["hot"]["why"][0]
+    hot = d["classes"]["hot"]
+    assert hot["available"] and hot["path"] == "block" and hot["transport"] == "local"
+    assert hot["root"] == str(tmp_path / "data" / "hot" / "blocks.img")
+    assert any("image file" in f for f in hot["fallbacks"])
     with pytest.raises(errors.NotSupportedOnHostError):
         r.path("kvcache")
     text = r.format()
@@ -112,3 +115,41 @@ def test_counters_per_class(tmp_path: Path) -> None:
     assert fp.read("x.bin") == b"hello"
     c = r.counters()["dataset"]
     assert c["bytes_read"] == 5 and c["bytes_written"] == 5 and c["files"] >= 2
+
+
+def test_hot_blocks_go_to_a_configured_block_target(tmp_path: Path) -> None:
+    image = tmp_path / "scratch" / "hot.img"
+    r = sfstore.open({"classes": {"hot": {"path": "block",
+                                          "target": {"kind": "image", "path": str(image), "size": "8M"}}}})
+    store = r.block_store(size_classes=(4096, 65536))
+    try:
+        store.put("k", b"v" * 5000)
+        assert store.get("k") == b"v" * 5000
+        assert r.block_store() is store
+        assert image.stat().st_size == 8 << 20
+        hot = r.describe()["classes"]["hot"]
+        assert hot["root"] == str(image) and any("[classes.hot]" in w for w in hot["why"])
+        assert r.counters()["hot"]["bytes_written"] >= 5000
+        with pytest.raises(errors.ConfigError, match="not the block path"):
+            r.block_store("dataset")
+    finally:
+        r.close()
+
+
+def test_block_target_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(errors.ConfigError, match="for path = 'block' only"):
+        sfstore.open({"classes": {"dataset": {"path": "file", "target": {"kind": "image"}}}})
+    r = sfstore.open({"classes": {"hot": {"target": {"kind": "disk"}}}})
+    with pytest.raises(errors.ConfigError, match="'kind' must be one of"):
+        r.path("hot")
+    r = sfstore.open({"classes": {"hot": {"target": {"kind": "device", "device": str(tmp_path)}}}})
+    with pytest.raises(errors.ConfigError, match="not a block device"):
+        r.path("hot")
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvme-fabrics"), reason="this host has NVMe over Fabrics")
+def test_nvmeof_target_says_not_supported_on_this_host() -> None:
+    r = sfstore.open({"classes": {"hot": {"target": {"kind": "nvmeof", "transport": "rdma", "traddr": "10.0.0.1",
+                                                     "trsvcid": "4420", "subsysnqn": "nqn.2026-01.io.x:hot"}}}})
+    with pytest.raises(errors.NotSupportedOnHostError, match="not supported on this host"):
+        r.path("hot")
