@@ -173,6 +173,9 @@ _SETTINGS_LIST = [
     Setting("block_size_classes", "sizes", (64 << 10, 256 << 10, 2 << 20),
             "Value size classes of a `BlockStore` (comma-separated sizes): a value goes to the smallest class "
             "that holds it; each class gets an equal share of the device's bytes.", minimum=512),
+    Setting("kvcache_pinned_bytes", "size", 512 << 20,
+            "Budget of a `KVCacheStore`'s pinned host tier (registered memory; least recently used blocks leave "
+            "it first).", minimum=0),
     Setting("block_max_key_bytes", "int", 256,
             "Longest key a `BlockStore` accepts (bytes, or a str's UTF-8 bytes); keys live in slot headers.",
             minimum=1),

@@ -1,0 +1,499 @@
+"""``KVCacheStore``: offload KV-cache blocks to pinned memory, the hot block store and a shared directory.
+
+Keys are chained prefix hashes of token blocks (:meth:`KVCacheStore.keys_for`). A put copies each block once
+into a pinned slot (the only copy the caller waits for with :meth:`~KVCacheStore.put_async`) and writes it
+through to the lower tiers: the block store (NVMe over RDMA on a cluster) and the shared directory (NFS over
+RDMA: other processes and nodes, e.g. prefill and decode servers, read what one wrote). A get takes each block
+from the highest tier that has it and promotes it to the tiers above.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import xxhash
+
+from sfstore import defaults, errors
+from sfstore.blocks import BlockStore
+from sfstore.blocks.store import BlockStoreFuture
+from sfstore.buffers import as_buffer, is_device_buffer
+from sfstore.counters import Counters
+from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
+from sfstore.kvcache.tiers import PinnedTier, SharedTier, Slot
+
+__all__ = ["KVCacheStore", "TIERS"]
+
+TIERS = ("pinned", "block", "shared")
+_COUNTERS = (
+    "puts", "gets", "misses", "hits_pinned", "hits_block", "hits_shared", "promotions", "evictions",
+    "bytes_put", "bytes_got", "bytes_device_staged", "corrupt_dropped", "lower_tier_errors",
+)
+_LATENCY_SAMPLES = 4096
+
+
+def _percentile(samples: Sequence[float], q: float) -> float | None:
+    if not samples:
+        return None
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class KVCacheStore:
+    """A tiered store of KV-cache blocks for one model geometry.
+
+    Parameters
+    ----------
+    geometry : KVGeometry
+        The model's KV geometry: every block is ``geometry.block_bytes`` laid out ``[layer][kv][token][head][dim]``.
+    model_id : str
+        Names the model (and anything else that changes the KV values: weights revision, dtype policy); part
+        of every key, so two models never share blocks.
+    pinned_bytes : int, optional
+        Budget of the pinned host tier (default: the ``kvcache_pinned_bytes`` setting).
+    block_store : BlockStore, "default" or None
+        The hot tier: a :class:`~sfstore.blocks.BlockStore` whose largest class holds a block, ``"default"``
+        for one on the router's ``hot`` path with a single class of the block's size, or ``None`` (no tier).
+    shared_dir : str or os.PathLike, optional
+        The shared tier's directory (``None``: no shared tier).
+    fsync_shared : bool
+        fsync each shared file before publishing it (durable across a node crash, slower).
+
+    Notes
+    -----
+    Blocks are accepted as CPU or CUDA torch tensors, numpy arrays, or anything with the buffer protocol, of
+    exactly ``block_bytes`` (tensors and arrays must also have the geometry's dtype and element count). GPU
+    blocks go through the pinned slot (counted in ``bytes_device_staged``); the device path (GDS) is used for
+    slab files, not here. Safe to use from several threads.
+    """
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        *,
+        model_id: str = "",
+        pinned_bytes: int | None = None,
+        block_store: BlockStore | str | None = None,
+        shared_dir: str | Any = None,
+        fsync_shared: bool = False,
+    ) -> None:
+        self.geometry = geometry
+        self.model_id = model_id
+        budget = defaults.get("kvcache_pinned_bytes") if pinned_bytes is None else int(pinned_bytes)
+        self.pinned = PinnedTier(geometry, budget)
+        self._own_block_store = block_store == "default"
+        if block_store == "default":
+            import sfstore
+
+            block_store = sfstore.open().block_store("hot", size_classes=(geometry.block_bytes,))
+        if isinstance(block_store, str):
+            raise errors.ConfigError(f"block_store must be a BlockStore, 'default' or None, not {block_store!r}")
+        if block_store is not None and block_store.max_value_bytes < geometry.block_bytes:
+            raise errors.ConfigError(
+                f"the block store's largest size class ({block_store.max_value_bytes} bytes) cannot hold a KV block "
+                f"of {geometry.block_bytes} bytes; open it with size_classes including {geometry.block_bytes}"
+            )
+        self.block: BlockStore | None = block_store
+        self.shared = SharedTier(geometry, shared_dir, fsync=fsync_shared) if shared_dir is not None else None
+        self.namespace = model_id.encode() + b"\0" + geometry.fingerprint()
+        self.counters = Counters(_COUNTERS)
+        self._lat: dict[str, deque[float]] = {op: deque(maxlen=_LATENCY_SAMPLES) for op in ("put", "get")}
+        self._lock = threading.Lock()
+        self._partial: dict[bytes, tuple[Slot, set[int]]] = {}
+        self._writes: list[Future[None]] = []
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sfstore-kvcache")
+        self._closed = False
+
+    # -- keys -------------------------------------------------------------------------------------------------
+    def keys_for(self, token_ids: Sequence[int] | Any, extra: Iterable[Any] = ()) -> list[bytes]:
+        """One chained key per full block of ``token_ids`` (see :func:`~sfstore.kvcache.geometry.chained_keys`)."""
+        return chained_keys(token_ids, self.geometry.block_tokens, self.namespace, extra)
+
+    def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        out = []
+        for k in keys:
+            if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
+                raise errors.InvalidKeyError(
+                    f"a KV block key is {KEY_BYTES} bytes (from keys_for), not {type(k).__name__} "
+                    f"of length {len(k) if hasattr(k, '__len__') else '?'}"
+                )
+            out.append(bytes(k))
+        return out
+
+    def contains(self, key: bytes) -> bool:
+        """Whether any tier has the block."""
+        k = self._check_keys([key])[0]
+        if k in self.pinned:
+            return True
+        if self.block is not None and self.block.contains(k):
+            return True
+        return self.shared is not None and self.shared.contains(k)
+
+    def lookup(self, token_ids: Sequence[int] | Any, extra: Iterable[Any] = ()) -> int:
+        """How many leading tokens of ``token_ids`` have their KV blocks in some tier (a multiple of
+        ``block_tokens``): the prefix an engine can load instead of computing."""
+        n = 0
+        for k in self.keys_for(token_ids, extra):
+            if not self.contains(k):
+                break
+            n += 1
+        return n * self.geometry.block_tokens
+
+    # -- blocks in and out --------------------------------------------------------------------------------------
+    def _source(self, block: Any, what: str) -> tuple[Any, bool]:
+        """``(object to copy from, is on a GPU)`` after checking size, dtype and element count."""
+        g = self.geometry
+        mod = type(block).__module__ or ""
+        if mod.startswith("torch") or hasattr(block, "__cuda_array_interface__"):
+            dtype = str(getattr(block, "dtype", "")).replace("torch.", "")
+            if dtype != g.dtype:
+                raise errors.InvalidRequestError(f"{what}: dtype {dtype}, but the geometry's is {g.dtype}")
+        elif mod.startswith("numpy"):
+            if block.dtype.itemsize != g.itemsize:
+                raise errors.InvalidRequestError(f"{what}: dtype {block.dtype}, but the geometry's is {g.dtype}")
+        device = is_device_buffer(block)
+        nbytes = (block.numel() * block.element_size()) if mod.startswith("torch") else None
+        if nbytes is None:
+            nbytes = int(getattr(block, "nbytes", 0)) if device else memoryview(as_buffer(block)).nbytes
+        if nbytes != g.block_bytes:
+            raise errors.InvalidRequestError(
+                f"{what}: {nbytes} bytes, but a block of {g.block_shape} {g.dtype} is {g.block_bytes} bytes"
+            )
+        return block, device
+
+    def _copy_in(self, slot: Slot, block: Any, device: bool, offset: int = 0, nbytes: int | None = None) -> None:
+        n = self.geometry.block_bytes if nbytes is None else nbytes
+        dst = slot.data(self.geometry.block_bytes)[offset:offset + n]
+        mod = type(block).__module__ or ""
+        if mod.startswith("torch"):
+            import torch
+
+            flat = torch.frombuffer(dst, dtype=torch.uint8, count=n)
+            src = block.detach()
+            if not src.is_contiguous():
+                src = src.contiguous()
+            flat.copy_(src.reshape(-1).view(torch.uint8))
+            if device:
+                self.counters.add(bytes_device_staged=n)
+            return
+        if device:  # cupy or another CUDA array
+            import cupy
+            import numpy as np
+
+            cupy.asarray(block).reshape(-1).view(cupy.uint8).get(out=np.frombuffer(dst, np.uint8))
+            self.counters.add(bytes_device_staged=n)
+            return
+        dst[:] = memoryview(as_buffer(block)).cast("B")
+
+    def _copy_out(self, slot: Slot, block: Any, offset: int = 0, nbytes: int | None = None) -> None:
+        n = self.geometry.block_bytes if nbytes is None else nbytes
+        src = slot.data(self.geometry.block_bytes)[offset:offset + n]
+        mod = type(block).__module__ or ""
+        if mod.startswith("torch"):
+            import torch
+
+            flat = torch.frombuffer(src, dtype=torch.uint8, count=n)
+            if block.is_contiguous():
+                block.reshape(-1).view(torch.uint8).copy_(flat)
+            else:
+                block.copy_(flat.view(block.dtype).view(block.shape))
+            if block.device.type != "cpu":
+                self.counters.add(bytes_device_staged=n)
+            return
+        if is_device_buffer(block):
+            import cupy
+            import numpy as np
+
+            cupy.asarray(block).reshape(-1).view(cupy.uint8).set(np.frombuffer(src, np.uint8))
+            self.counters.add(bytes_device_staged=n)
+            return
+        mv = memoryview(as_buffer(block))
+        if mv.readonly:
+            raise errors.ReadOnlyBufferError("get_into: a destination block is read-only")
+        mv.cast("B")[:] = src
+
+    # -- put --------------------------------------------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> None:
+        """Store ``blocks`` under ``keys`` in every tier (pinned, then written through to the lower ones)."""
+        self.put_async(keys, blocks).get()
+
+    def put_async(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> BlockStoreFuture[None]:
+        """Copy ``blocks`` into pinned slots, return, and write them to the lower tiers in the background.
+
+        The caller may reuse the blocks' memory as soon as this returns; ``.get()`` on the result waits until
+        every lower tier has them (and raises the first error).
+        """
+        self._check_open()
+        ks = self._check_keys(keys)
+        if len(ks) != len(blocks):
+            raise errors.InvalidRequestError(f"put: {len(ks)} keys but {len(blocks)} blocks")
+        sources = [self._source(b, f"block {i}") for i, b in enumerate(blocks)]
+        t0 = time.perf_counter()
+        slots: list[tuple[bytes, Slot]] = []
+        try:
+            for k, (src, device) in zip(ks, sources, strict=True):
+                slot = self.pinned.take()
+                slots.append((k, slot))
+                self._copy_in(slot, src, device)
+        except BaseException:
+            for _k, s in slots:
+                self.pinned.drop(s)
+            raise
+        return self._commit(slots, t0)
+
+    def _commit(self, slots: list[tuple[bytes, Slot]], t0: float) -> BlockStoreFuture[None]:
+        n = self.geometry.block_bytes
+        for k, slot in slots:
+            checksum = xxhash.xxh3_64_intdigest(slot.data(n))
+            self.pinned.insert(k, slot, checksum)  # still pinned by take(): the lower-tier writes read it
+        self.counters.add(puts=len(slots), bytes_put=n * len(slots))
+        fut = self._executor.submit(self._write_lower, slots, t0)
+        with self._lock:
+            self._writes = [w for w in self._writes if not w.done()] + [fut]
+        return BlockStoreFuture(fut)
+
+    def _write_lower(self, slots: list[tuple[bytes, Slot]], t0: float) -> None:
+        n = self.geometry.block_bytes
+        try:
+            if self.block is not None:
+                self.block.put_many([(k, s.data(n)) for k, s in slots])
+            if self.shared is not None:
+                for k, s in slots:
+                    self.shared.write(k, s)
+        except BaseException:
+            self.counters.add(lower_tier_errors=1)
+            raise
+        finally:
+            for _k, s in slots:
+                self.pinned.unpin(s)
+            self._lat["put"].append(time.perf_counter() - t0)
+
+    def wait_for_puts(self, timeout: float | None = None) -> None:
+        """Wait until every block put so far reached its lower tiers; raise the first error."""
+        with self._lock:
+            pending, self._writes = self._writes, []
+        for f in pending:
+            f.result(timeout)
+
+    # -- per layer --------------------------------------------------------------------------------------------
+    def put_layer(self, keys: Sequence[bytes], layer: int, tensors: Sequence[Any]) -> None:
+        """Store layer ``layer`` of each block (tensors of ``geometry.layer_shape``, CPU or CUDA, any strides).
+
+        A block is committed (pinned, then written to the lower tiers in the background) once all its layers
+        are in; :meth:`wait_for_puts` waits for those writes.
+        """
+        self._check_open()
+        g = self.geometry
+        if not 0 <= layer < g.num_layers:
+            raise errors.InvalidRequestError(f"put_layer: layer {layer} is not in [0, {g.num_layers})")
+        ks = self._check_keys(keys)
+        if len(ks) != len(tensors):
+            raise errors.InvalidRequestError(f"put_layer: {len(ks)} keys but {len(tensors)} tensors")
+        for i, t in enumerate(tensors):
+            self._check_layer(t, f"put_layer: tensor {i}")
+        done: list[tuple[bytes, Slot]] = []
+        for k, t in zip(ks, tensors, strict=True):
+            with self._lock:
+                slot, layers = self._partial.get(k) or (None, set())
+                if slot is None:
+                    slot = self.pinned.take()
+                    self._partial[k] = (slot, layers)
+            self._copy_in(slot, t, is_device_buffer(t), layer * g.layer_bytes, g.layer_bytes)
+            with self._lock:
+                layers.add(layer)
+                if len(layers) == g.num_layers:
+                    del self._partial[k]
+                    done.append((k, slot))
+        if done:
+            self._commit(done, time.perf_counter())
+
+    def _check_layer(self, t: Any, what: str) -> None:
+        g = self.geometry
+        mod = type(t).__module__ or ""
+        if not mod.startswith("torch"):
+            raise errors.InvalidRequestError(f"{what}: per-layer transfers take torch tensors, not {type(t).__name__}")
+        dtype = str(t.dtype).replace("torch.", "")
+        if dtype != g.dtype or t.numel() != g.layer_elements:
+            raise errors.InvalidRequestError(
+                f"{what}: {tuple(t.shape)} {dtype}, but a layer of a block is {g.layer_shape} {g.dtype}"
+            )
+
+    def get_layer_into(self, keys: Sequence[bytes], layer: int, tensors: Sequence[Any]) -> list[str | None]:
+        """Copy layer ``layer`` of each block into ``tensors`` (``geometry.layer_shape``, any strides, CPU or
+        CUDA); blocks not in the pinned tier are fetched first (call :meth:`prefetch` early to overlap)."""
+        self._check_open()
+        g = self.geometry
+        if not 0 <= layer < g.num_layers:
+            raise errors.InvalidRequestError(f"get_layer_into: layer {layer} is not in [0, {g.num_layers})")
+        ks = self._check_keys(keys)
+        if len(ks) != len(tensors):
+            raise errors.InvalidRequestError(f"get_layer_into: {len(ks)} keys but {len(tensors)} tensors")
+        for i, t in enumerate(tensors):
+            self._check_layer(t, f"get_layer_into: tensor {i}")
+        slots, tiers = self._fetch(ks, count=False)
+        try:
+            for slot, t in zip(slots, tensors, strict=True):
+                if slot is not None:
+                    self._copy_out(slot, t, layer * g.layer_bytes, g.layer_bytes)
+        finally:
+            for s in slots:
+                if s is not None:
+                    self.pinned.unpin(s)
+        return tiers
+
+    # -- get --------------------------------------------------------------------------------------------------
+    def get_into(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[str | None]:
+        """Copy each block into ``blocks`` (caller-owned, ``block_bytes`` each, CPU or CUDA); return for each key
+        the tier it came from (``"pinned"``, ``"block"``, ``"shared"``) or ``None`` for a miss (left as is)."""
+        self._check_open()
+        ks = self._check_keys(keys)
+        if len(ks) != len(blocks):
+            raise errors.InvalidRequestError(f"get_into: {len(ks)} keys but {len(blocks)} blocks")
+        for i, b in enumerate(blocks):
+            self._source(b, f"destination block {i}")
+        t0 = time.perf_counter()
+        slots, tiers = self._fetch(ks, count=True)
+        try:
+            for slot, b in zip(slots, blocks, strict=True):
+                if slot is not None:
+                    self._copy_out(slot, b)
+        finally:
+            for s in slots:
+                if s is not None:
+                    self.pinned.unpin(s)
+        self.counters.add(bytes_got=self.geometry.block_bytes * sum(1 for s in slots if s is not None))
+        self._lat["get"].append(time.perf_counter() - t0)
+        return tiers
+
+    def prefetch(self, keys: Sequence[bytes]) -> BlockStoreFuture[list[str | None]]:
+        """Bring the blocks into the pinned tier in the background; ``.get()`` gives the tier of each."""
+        self._check_open()
+        ks = self._check_keys(keys)
+
+        def run() -> list[str | None]:
+            slots, tiers = self._fetch(ks, count=False)
+            for s in slots:
+                if s is not None:
+                    self.pinned.unpin(s)
+            return tiers
+
+        return BlockStoreFuture(self._executor.submit(run))
+
+    def _fetch(self, keys: list[bytes], count: bool) -> tuple[list[Slot | None], list[str | None]]:
+        """Pinned slots (pinned for the caller) holding each block, promoting from the lower tiers."""
+        n = self.geometry.block_bytes
+        slots: list[Slot | None] = [self.pinned.get(k) for k in keys]
+        tiers: list[str | None] = ["pinned" if s is not None else None for s in slots]
+        missing = [i for i, s in enumerate(slots) if s is None]
+        if missing and self.block is not None:
+            present = [i for i in missing if self.block.contains(keys[i])]
+            if present:
+                fresh = [self.pinned.take() for _ in present]
+                got = self.block.get_into([keys[i] for i in present], [s.data(n) for s in fresh])
+                for i, s, length in zip(present, fresh, got, strict=True):
+                    if length == n:
+                        self.pinned.insert(keys[i], s, xxhash.xxh3_64_intdigest(s.data(n)))
+                        slots[i], tiers[i] = s, "block"
+                    else:
+                        self.pinned.drop(s)
+        missing = [i for i, s in enumerate(slots) if s is None]
+        if missing and self.shared is not None:
+            promote: list[tuple[bytes, Slot]] = []
+            for i in missing:
+                s = self.pinned.take()
+                if self.shared.read_into(keys[i], s):
+                    self.pinned.insert(keys[i], s, s.checksum)
+                    slots[i], tiers[i] = s, "shared"
+                    promote.append((keys[i], s))
+                else:
+                    self.pinned.drop(s)
+            if promote and self.block is not None:
+                for _k, s in promote:
+                    s.readers += 1  # released by the background write
+                self._executor.submit(self._promote_to_block, promote)
+        if count:
+            self.counters.add(
+                gets=len(keys), misses=sum(1 for t in tiers if t is None),
+                hits_pinned=tiers.count("pinned"), hits_block=tiers.count("block"), hits_shared=tiers.count("shared"),
+            )
+        return slots, tiers
+
+    def _promote_to_block(self, items: list[tuple[bytes, Slot]]) -> None:
+        n = self.geometry.block_bytes
+        try:
+            assert self.block is not None
+            self.block.put_many([(k, s.data(n)) for k, s in items])
+            self.counters.add(promotions=len(items))
+        except Exception:
+            self.counters.add(lower_tier_errors=1)
+        finally:
+            for _k, s in items:
+                self.pinned.unpin(s)
+
+    # -- housekeeping ---------------------------------------------------------------------------------------------
+    def evict(self, keys: Sequence[bytes], tiers: Iterable[str] = TIERS) -> int:
+        """Remove the blocks from ``tiers``; return how many (block, tier) copies were removed."""
+        ks = self._check_keys(keys)
+        chosen = set(tiers)
+        bad = chosen - set(TIERS)
+        if bad:
+            raise errors.InvalidRequestError(f"evict: unknown tier(s) {sorted(bad)}; tiers are {TIERS}")
+        removed = 0
+        for k in ks:
+            if "pinned" in chosen:
+                removed += self.pinned.remove(k)
+            if "block" in chosen and self.block is not None:
+                removed += self.block.delete(k)
+            if "shared" in chosen and self.shared is not None:
+                removed += self.shared.remove(k)
+        self.counters.add(evictions=removed)
+        return removed
+
+    def stats(self) -> dict[str, Any]:
+        """Hits per tier, misses, bytes, blocks resident per tier, and put/get latency percentiles (seconds)."""
+        c = self.counters.snapshot()
+        out: dict[str, Any] = dict(c)
+        out["resident"] = {
+            "pinned": len(self.pinned.entries),
+            "block": len(self.block) if self.block is not None else None,
+            "shared": self.shared.count() if self.shared is not None else None,
+        }
+        out["pinned_capacity_blocks"] = self.pinned.capacity
+        for op, samples in self._lat.items():
+            data = list(samples)
+            out[f"{op}_p50_s"] = _percentile(data, 0.5)
+            out[f"{op}_p99_s"] = _percentile(data, 0.99)
+        out["tiers"] = [t for t, on in zip(TIERS, (True, self.block is not None, self.shared is not None),
+                                          strict=True) if on]
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.InvalidRequestError("the KV-cache store is closed")
+
+    def close(self) -> None:
+        """Wait for the background writes, then release the pinned tier (and the block store it opened)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait_for_puts()
+        finally:
+            self._executor.shutdown(wait=True)
+            with self._lock:
+                partial, self._partial = list(self._partial.values()), {}
+            for slot, _layers in partial:
+                self.pinned.drop(slot)
+            self.pinned.close()
+            if self._own_block_store and self.block is not None:
+                self.block.close()
+
+    def __enter__(self) -> KVCacheStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,216 @@
+"""The tiers of the KV cache: pinned host memory, the hot block store (NVMe), a shared directory (NFS).
+
+Every tier holds whole blocks. The pinned tier's slots are registered buffers laid out as the shared tier's
+files (a 4096-byte header, then the block), so a block read from a shared file lands in a slot with one
+aligned read and is used in place.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from sfstore import errors
+from sfstore.buffers import RegisteredBufferPool
+from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
+from sfstore.paths.file import FilePath
+
+__all__ = ["HEADER", "Slot", "PinnedTier", "SharedTier"]
+
+HEADER = 4096  # bytes before the block in a slot and in a shared file
+_MAGIC = b"SFKVBLK1"
+_HDR = struct.Struct("<8sH6x16s32sQQ")  # magic, version, geometry fingerprint, key, length, xxh3-64 of the block
+_SUM = struct.Struct("<Q")
+
+
+@dataclass(eq=False)
+class Slot:
+    """One registered buffer holding a block at ``HEADER``; ``readers`` pin it against eviction."""
+
+    buffer: Any
+    key: bytes = b""
+    readers: int = 0
+    checksum: int = 0
+
+    def data(self, nbytes: int) -> memoryview:
+        return memoryview(self.buffer)[HEADER:HEADER + nbytes]
+
+
+def encode_header(geom: KVGeometry, key: bytes, checksum: int) -> bytes:
+    body = _HDR.pack(_MAGIC, 1, geom.fingerprint(), key, geom.block_bytes, checksum)
+    return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def check_header(view: memoryview, geom: KVGeometry, key: bytes) -> int | None:
+    """The block checksum in a slot's header when the header is intact and names ``key`` and ``geom``."""
+    end = _HDR.size
+    if view[:8] != _MAGIC or _SUM.unpack_from(view, end)[0] != xxhash.xxh3_64_intdigest(view[:end]):
+        return None
+    _m, version, fp, k, length, checksum = _HDR.unpack_from(view)
+    if version != 1 or fp != geom.fingerprint() or k != key or length != geom.block_bytes:
+        return None
+    return int(checksum)
+
+
+class PinnedTier:
+    """Blocks in registered (pinned) host memory, LRU within a byte budget.
+
+    Slots come from a :class:`~sfstore.buffers.RegisteredBufferPool`; a slot pinned by a reader or an
+    in-flight write is never evicted (the budget may be exceeded while many are in flight).
+    """
+
+    def __init__(self, geom: KVGeometry, budget_bytes: int) -> None:
+        self.geom = geom
+        self.slot_bytes = HEADER + -(-geom.block_bytes // 4096) * 4096
+        self.capacity = max(0, budget_bytes // self.slot_bytes)
+        self._pool = RegisteredBufferPool(self.slot_bytes)
+        self._free: list[Slot] = []
+        self.entries: OrderedDict[bytes, Slot] = OrderedDict()
+        self.lock = threading.RLock()
+
+    def take(self) -> Slot:
+        """A slot to fill (a free one, else a new buffer); give it back with :meth:`insert` or :meth:`drop`."""
+        with self.lock:
+            if self._free:
+                slot = self._free.pop()
+                slot.key, slot.readers, slot.checksum = b"", 1, 0
+                return slot
+        return Slot(self._pool.acquire(), readers=1)
+
+    def insert(self, key: bytes, slot: Slot, checksum: int) -> None:
+        """Make ``slot`` (filled, still pinned by the caller) the resident copy of ``key``; evict beyond budget."""
+        with self.lock:
+            slot.key, slot.checksum = key, checksum
+            old = self.entries.pop(key, None)
+            if old is not None and old is not slot:
+                self._retire(old)
+            self.entries[key] = slot
+            self._trim()
+
+    def drop(self, slot: Slot) -> None:
+        """Give back a slot taken with :meth:`take` that was not inserted."""
+        with self.lock:
+            slot.readers = max(0, slot.readers - 1)
+            if slot.readers == 0 and self.entries.get(slot.key) is not slot:
+                self._free.append(slot)
+
+    def get(self, key: bytes) -> Slot | None:
+        """The resident slot of ``key``, pinned (call :meth:`unpin`), and made most recently used."""
+        with self.lock:
+            slot = self.entries.get(key)
+            if slot is not None:
+                slot.readers += 1
+                self.entries.move_to_end(key)
+            return slot
+
+    def unpin(self, slot: Slot) -> None:
+        with self.lock:
+            slot.readers -= 1
+            if slot.readers == 0 and self.entries.get(slot.key) is not slot:
+                self._free.append(slot)
+            self._trim()
+
+    def remove(self, key: bytes) -> bool:
+        with self.lock:
+            slot = self.entries.pop(key, None)
+            if slot is None:
+                return False
+            self._retire(slot)
+            return True
+
+    def _retire(self, slot: Slot) -> None:
+        if slot.readers == 0:
+            self._free.append(slot)
+
+    def _trim(self) -> None:
+        while len(self.entries) > self.capacity:
+            victim = next((s for s in self.entries.values() if s.readers == 0), None)
+            if victim is None:
+                return
+            del self.entries[victim.key]
+            self._free.append(victim)
+
+    def __contains__(self, key: bytes) -> bool:
+        with self.lock:
+            return key in self.entries
+
+    def close(self) -> None:
+        with self.lock:
+            slots = list(self.entries.values()) + self._free
+            self.entries.clear()
+            self._free = []
+        for s in slots:
+            if s.readers == 0:
+                s.buffer.release()
+        self._pool.close()
+
+
+class SharedTier:
+    """Blocks as files in a shared directory (NFS over RDMA on a cluster), content-addressed by key.
+
+    ``<dir>/<key[0:1] hex>/<key hex>.kvb``: a 4096-byte header (magic, geometry, key, length, xxh3-64) and the
+    block. Files are published atomically (temporary name, then rename): a reader in any process or node sees
+    a whole block or none, and a killed writer leaves only a temporary file, which listings ignore.
+    """
+
+    def __init__(self, geom: KVGeometry, directory: str | os.PathLike[str], *, fsync: bool = False) -> None:
+        self.geom = geom
+        self.fp = FilePath(directory)
+        self.fsync = fsync
+
+    @staticmethod
+    def name(key: bytes) -> str:
+        h = key.hex()
+        return f"{h[:2]}/{h}.kvb"
+
+    def contains(self, key: bytes) -> bool:
+        return os.path.isfile(self.fp.resolve(self.name(key)))
+
+    def write(self, key: bytes, slot: Slot) -> bool:
+        """Publish the block in ``slot`` (its header is filled here); ``False`` when it is already there."""
+        if self.contains(key):
+            return False
+        n = self.geom.block_bytes
+        view = memoryview(slot.buffer)
+        hdr = encode_header(self.geom, key, slot.checksum)
+        view[:len(hdr)] = hdr
+        view[len(hdr):HEADER] = bytes(HEADER - len(hdr))
+        self.fp.write(self.name(key), view[:HEADER + n], fsync=self.fsync)
+        return True
+
+    def read_into(self, key: bytes, slot: Slot) -> bool:
+        """Read the block into ``slot``; ``False`` for a missing, foreign or corrupt file (never returned)."""
+        n = self.geom.block_bytes
+        try:
+            got = self.fp.read_into(self.name(key), memoryview(slot.buffer)[:HEADER + n])
+        except errors.PathNotFoundError:
+            return False
+        view = memoryview(slot.buffer)
+        checksum = check_header(view, self.geom, key)
+        if got != HEADER + n or checksum is None or xxhash.xxh3_64_intdigest(view[HEADER:HEADER + n]) != checksum:
+            return False
+        slot.checksum = checksum
+        return True
+
+    def remove(self, key: bytes) -> bool:
+        try:
+            os.unlink(self.fp.resolve(self.name(key)))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def count(self) -> int:
+        root = self.fp.resolve("")
+        n = 0
+        for _dirpath, _dirs, files in os.walk(root):
+            n += sum(1 for f in files if f.endswith(".kvb") and not self.fp.is_temporary(f))
+        return n
+
+
+__all__ += ["encode_header", "check_header", "KEY_BYTES"]
