@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import sfstore
-from sfstore import defaults
+from sfstore import defaults, nvme
 from sfstore.mounts import MountInfo, mount_for, read_mountinfo
 
 __all__ = [
@@ -325,7 +325,9 @@ def probe_nvmeof(sys_class: str = SYS_NVME, fabrics_dev: str = DEV_NVME_FABRICS,
     """NVMe controllers (fabrics or local) with transport, address, subsystem NQN, state and namespaces.
 
     ``fabrics_available`` is whether ``/dev/nvme-fabrics`` exists (the ``nvme-fabrics`` module is loaded, so
-    new NVMe-oF connections can be made).
+    new NVMe-oF connections can be made), ``fabrics_reason`` says so or what to load; ``libnvme`` is whether
+    libnvme's Python binding (what ``sfstore nvme connect`` and the block path connect with) imports, with
+    its version or why not (:func:`sfstore.nvme.libnvme_status`). Sysfs reads and an import: nothing connects.
     """
     controllers = []
     for ctrl_dir in sorted(glob.glob(os.path.join(sys_class, "nvme*"))):
@@ -354,8 +356,11 @@ def probe_nvmeof(sys_class: str = SYS_NVME, fabrics_dev: str = DEV_NVME_FABRICS,
             "model": _read(os.path.join(ctrl_dir, "model")),
             "namespaces": namespaces,
         })
-    fabrics = os.path.exists(fabrics_dev)
-    result: dict[str, Any] = {"fabrics_available": fabrics, "controllers": controllers}
+    fabrics, fabrics_reason = nvme.fabrics_supported(fabrics_dev)
+    libnvme_ok, libnvme_reason = nvme.libnvme_status()
+    result: dict[str, Any] = {"fabrics_available": fabrics, "fabrics_reason": fabrics_reason,
+                              "libnvme": {"available": libnvme_ok, "reason": libnvme_reason},
+                              "controllers": controllers}
     if controllers or fabrics:
         return {"status": "ok", **result}
     return _absent(f"no NVMe controllers in {sys_class} and no {fabrics_dev} (nvme-fabrics module not loaded)",
@@ -551,8 +556,11 @@ def _section_rows(name: str, section: dict[str, Any]) -> list[str]:
                            rows)
         return lines
     if name == "nvmeof":
-        lines += _pairs([("fabrics", "available (/dev/nvme-fabrics)" if section.get("fabrics_available")
-                          else "not loaded")])
+        libnvme = section.get("libnvme") or {}
+        lines += _pairs([("fabrics", ("available: " if section.get("fabrics_available") else "not loaded: ")
+                          + str(section.get("fabrics_reason") or DEV_NVME_FABRICS)),
+                         ("libnvme", ("" if libnvme.get("available") else "not available: ")
+                          + str(libnvme.get("reason") or "-"))])
         rows = [[c["name"], c["transport"], c["address"], c["subsysnqn"], c["state"],
                  [n["device"] for n in c.get("namespaces", [])]] for c in section.get("controllers", [])]
         if rows:

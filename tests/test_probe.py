@@ -158,7 +158,9 @@ def test_nvmeof_from_sysfs(tmp_path: Path) -> None:
 def test_nvmeof_fabrics_without_controllers(tmp_path: Path) -> None:
     (tmp_path / "nvme-fabrics").write_text("")
     section = probe_nvmeof(sys_class=str(tmp_path / "none"), fabrics_dev=str(tmp_path / "nvme-fabrics"))
-    assert section == {"status": "ok", "fabrics_available": True, "controllers": []}
+    assert section["status"] == "ok" and section["fabrics_available"] is True and section["controllers"] == []
+    assert "nvme-fabrics" in section["fabrics_reason"]
+    assert isinstance(section["libnvme"]["available"], bool) and section["libnvme"]["reason"]
 
 
 def test_nvmeof_absent(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ The guest's ``guest-init`` brings the endpoints up and hands them over in enviro
                                    target with one loop-backed namespace (``BACKING`` is the loop device,
                                    ``SIZE_BYTES`` its size);
                                    it is NOT connected: tests connect (fixture ``nvme_cli_controller`` with
-                                   nvme-cli, or sfstore's BlockPath through libnvme)
+                                   nvme-cli, ``nvmeof_namespace`` with sfstore.nvme through libnvme)
 ``SFSTORE_TESTBED_SETUP_FAILED``   setup stages that failed (empty when all came up)
 =================================  ===========================================================================
 """
@@ -77,6 +77,23 @@ def nvme_cli_controller(nvmeof_target: NvmeofTarget) -> Iterator[dict[str, Any]]
         yield found
     finally:
         subprocess.run(["nvme", "disconnect", "-n", t.subsysnqn], capture_output=True, timeout=120, check=False)
+
+
+@pytest.fixture(scope="module")
+def nvmeof_namespace(nvmeof_target: NvmeofTarget) -> Iterator[Any]:
+    """Connect to the testbed target with :func:`sfstore.nvme.connect` (libnvme) for the module; yield its first
+    :class:`sfstore.nvme.Namespace` (the block device is there); disconnect afterwards."""
+    from sfstore import nvme
+
+    t = nvmeof_target
+    target = nvme.NvmeofTarget(t.transport, t.traddr, t.trsvcid, t.subsysnqn)
+    try:
+        ctrl = nvme.connect(target, timeout=60)
+        if not ctrl.namespaces:
+            pytest.fail(f"sfstore.nvme.connect returned {ctrl.name} without a namespace")
+        yield ctrl.namespaces[0]
+    finally:
+        nvme.disconnect(target)
 
 
 @pytest.fixture(scope="session")
