@@ -59,10 +59,8 @@ DATA_CLASSES = ("dataset", "checkpoint", "hot", "kvcache")
 _DEFAULT_PATH = {"dataset": "file", "checkpoint": "file", "hot": "block", "kvcache": "device"}
 _ALLOWED = {"dataset": ("file",), "checkpoint": ("file",), "hot": ("block", "file"), "kvcache": ("device", "file")}
 _DEFAULT_SUBDIR = {"dataset": "", "checkpoint": "checkpoints", "hot": "hot", "kvcache": "kvcache"}
-_BUILT = {"file", "block"}  # paths that exist in this version
-_PENDING = {
-    "device": "the device path (GPU-direct storage) is not built yet",
-}
+_BUILT = {"file", "block", "device"}  # paths that exist in this version
+_PENDING: dict[str, str] = {}  # path kind -> why it is not available in this version
 _TOP_KEYS = {"root", "data_dir", "settings", "classes"}
 _CLASS_KEYS = {"path", "root", "subdir", "target"}
 IMAGE_NAME = os.path.join("hot", "blocks.img")  # the block path's embedded default, under data_dir
@@ -166,7 +164,7 @@ class Router:
                 _expect(source, f"classes.{name}.target", table["target"], dict, "a table (kind = ...)")
             self._classes[name] = table
         self._paths: dict[str, StoragePath] = {}
-        self._stores: dict[str, Any] = {}
+        self._attached: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def _apply_settings(self, settings: Any) -> None:
@@ -224,33 +222,34 @@ class Router:
 
                 table = self._classes.get(data_class, {})
                 made = BlockPath(table["target"] if "target" in table else root)
+            elif kind == "device":
+                from sfstore.paths.device import DevicePath
+
+                made = DevicePath(root)
             else:
                 made = FilePath(root)
             self._paths[data_class] = made
             return made
 
-    def block_store(self, data_class: str = "hot", **kwargs: Any) -> Any:
-        """A :class:`~sfstore.blocks.BlockStore` on the block path serving ``data_class`` (made once per router;
-        ``kwargs`` go to its constructor the first time)."""
-        with self._lock:
-            store = self._stores.get(data_class)
-        if store is not None and not store._closed:
-            return store
-        from sfstore.blocks import BlockStore
-        from sfstore.paths.block import BlockPath
+    def attach(self, key: str, make: Any) -> Any:
+        """The object the faces keep under ``key`` for this router, made by ``make()`` on first use.
 
-        p = self.path(data_class)
-        if not isinstance(p, BlockPath):
-            raise errors.ConfigError(f"data class {data_class!r} is served by the {p.kind} path, not the block path")
-        store = BlockStore(p, **kwargs)
+        Faces built on a path (a block store holding its device exclusively, ...) keep one instance per router
+        here; :meth:`close` closes them. The router itself never imports a face.
+        """
         with self._lock:
-            self._stores[data_class] = store
-        return store
+            got = self._attached.get(key)
+            if got is not None and not getattr(got, "_closed", False):
+                return got
+        made = make()
+        with self._lock:
+            self._attached[key] = made
+        return made
 
     def close(self) -> None:
-        """Close the block stores and paths this router made."""
+        """Close what the faces attached (block stores, ...) and the paths this router made."""
         with self._lock:
-            stores, self._stores = list(self._stores.values()), {}
+            stores, self._attached = list(self._attached.values()), {}
             paths, self._paths = list(self._paths.values()), {}
         for st in stores:
             st.close()

@@ -290,7 +290,7 @@ def test_probe_command_shows_routing_per_data_class(tmp_path: Path) -> None:
     assert routing["classes"]["dataset"]["fallbacks"]
     hot = routing["classes"]["hot"]
     assert hot["available"] and hot["path"] == "block" and hot["opened"] is False  # probing creates nothing
-    assert routing["classes"]["kvcache"]["available"] is False
+    assert routing["classes"]["kvcache"]["path"] == "device"
     text = _sp.run([_sys.executable, "-m", "sfstore.cli", "probe"], capture_output=True, text=True, env=env,
                    timeout=60, check=True).stdout
     assert "routing" in text and "dataset     file   local" in text

@@ -9,6 +9,7 @@ import pytest
 
 import sfstore
 from sfstore import defaults, errors
+from sfstore.blocks import BlockStore
 from sfstore.paths.file import FilePath
 from sfstore.router import find_config
 
@@ -39,8 +40,9 @@ def test_defaults_route_to_the_data_dir(tmp_path: Path) -> None:
     assert hot["available"] and hot["path"] == "block" and hot["transport"] == "local"
     assert hot["root"] == str(tmp_path / "data" / "hot" / "blocks.img")
     assert any("image file" in f for f in hot["fallbacks"])
-    with pytest.raises(errors.NotSupportedOnHostError):
-        r.path("kvcache")
+    kv = d["classes"]["kvcache"]
+    assert kv["available"] and kv["path"] == "device" and kv["root"] == str(tmp_path / "data" / "kvcache")
+    assert any("device path host" in f for f in kv["fallbacks"])  # no GPU here: reported, not silent
     text = r.format()
     assert "dataset" in text and "fallback: local" in text
 
@@ -121,17 +123,17 @@ def test_hot_blocks_go_to_a_configured_block_target(tmp_path: Path) -> None:
     image = tmp_path / "scratch" / "hot.img"
     r = sfstore.open({"classes": {"hot": {"path": "block",
                                           "target": {"kind": "image", "path": str(image), "size": "8M"}}}})
-    store = r.block_store(size_classes=(4096, 65536))
+    store = BlockStore.from_router(r, size_classes=(4096, 65536))
     try:
         store.put("k", b"v" * 5000)
         assert store.get("k") == b"v" * 5000
-        assert r.block_store() is store
+        assert BlockStore.from_router(r) is store
         assert image.stat().st_size == 8 << 20
         hot = r.describe()["classes"]["hot"]
         assert hot["root"] == str(image) and any("[classes.hot]" in w for w in hot["why"])
         assert r.counters()["hot"]["bytes_written"] >= 5000
         with pytest.raises(errors.ConfigError, match="not the block path"):
-            r.block_store("dataset")
+            BlockStore.from_router(r, "dataset")
     finally:
         r.close()
 

@@ -198,6 +198,20 @@ class BlockStore:
             self._release()
             raise
 
+    @classmethod
+    def from_router(cls, router: Any = None, data_class: str = "hot", **kwargs: Any) -> BlockStore:
+        """The store on the block path serving ``data_class`` (``sfstore.open()``'s router by default): one per
+        router, made with ``kwargs`` the first time and closed by ``router.close()``."""
+        if router is None:
+            import sfstore
+
+            router = sfstore.open()
+        path = router.path(data_class)
+        if not isinstance(path, BlockPath):
+            raise errors.ConfigError(f"data class {data_class!r} is served by the {path.kind} path, not the block path")
+        store: BlockStore = router.attach(f"blocks:{data_class}", lambda: cls(path, **kwargs))
+        return store
+
     # -- open ------------------------------------------------------------------------------------------------
     def _lock_device(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -9,6 +9,7 @@ from the highest tier that has it and promotes it to the tiers above.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -55,9 +56,9 @@ class KVCacheStore:
         of every key, so two models never share blocks.
     pinned_bytes : int, optional
         Budget of the pinned host tier (default: the ``kvcache_pinned_bytes`` setting).
-    block_store : BlockStore, "default" or None
-        The hot tier: a :class:`~sfstore.blocks.BlockStore` whose largest class holds a block, ``"default"``
-        for one on the router's ``hot`` path with a single class of the block's size, or ``None`` (no tier).
+    block_store : BlockStore or None
+        The hot tier: a :class:`~sfstore.blocks.BlockStore` whose largest class holds a block, or ``None``.
+        :meth:`from_router` takes the router's.
     shared_dir : str or os.PathLike, optional
         The shared tier's directory (``None``: no shared tier).
     fsync_shared : bool
@@ -85,13 +86,8 @@ class KVCacheStore:
         self.model_id = model_id
         budget = defaults.get("kvcache_pinned_bytes") if pinned_bytes is None else int(pinned_bytes)
         self.pinned = PinnedTier(geometry, budget)
-        self._own_block_store = block_store == "default"
-        if block_store == "default":
-            import sfstore
-
-            block_store = sfstore.open().block_store("hot", size_classes=(geometry.block_bytes,))
         if isinstance(block_store, str):
-            raise errors.ConfigError(f"block_store must be a BlockStore, 'default' or None, not {block_store!r}")
+            raise errors.ConfigError(f"block_store must be a BlockStore or None, not {block_store!r}")
         if block_store is not None and block_store.max_value_bytes < geometry.block_bytes:
             raise errors.ConfigError(
                 f"the block store's largest size class ({block_store.max_value_bytes} bytes) cannot hold a KV block "
@@ -107,6 +103,28 @@ class KVCacheStore:
         self._writes: list[Future[None]] = []
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sfstore-kvcache")
         self._closed = False
+
+    @classmethod
+    def from_router(
+        cls, geometry: KVGeometry, router: Any = None, *, model_id: str = "", **kwargs: Any
+    ) -> KVCacheStore:
+        """A store over the tiers ``sfstore.open()`` (or ``router``) routes to: the ``hot`` class's block store
+        (when its largest size class holds a block; a new image-file store gets one class of the block's size)
+        and a ``shared`` directory under the ``kvcache`` class's root. ``kwargs`` go to the constructor."""
+        from sfstore.paths.block import BlockPath
+
+        if router is None:
+            import sfstore
+
+            router = sfstore.open()
+        block: BlockStore | None = None
+        if isinstance(router.path("hot"), BlockPath):
+            block = BlockStore.from_router(router, "hot", size_classes=(geometry.block_bytes,))
+            if block.max_value_bytes < geometry.block_bytes:
+                block = None  # an existing store with smaller classes: the tier is skipped (stats() shows it)
+        kv_root = router.path("kvcache")
+        root = getattr(kv_root, "fp", kv_root).root
+        return cls(geometry, model_id=model_id, block_store=block, shared_dir=os.path.join(root, "shared"), **kwargs)
 
     # -- keys -------------------------------------------------------------------------------------------------
     def keys_for(self, token_ids: Sequence[int] | Any, extra: Iterable[Any] = ()) -> list[bytes]:
@@ -489,8 +507,6 @@ class KVCacheStore:
             for slot, _layers in partial:
                 self.pinned.drop(slot)
             self.pinned.close()
-            if self._own_block_store and self.block is not None:
-                self.block.close()
 
     def __enter__(self) -> KVCacheStore:
         return self
