@@ -18,7 +18,8 @@ from sfstore import defaults
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.engine import Request, get_engine, open_fd
 
-__all__ = ["engine_round_trip", "dataset_through_sf", "checkpoint_round_trip", "hot_blocks", "run_demo"]
+__all__ = ["engine_round_trip", "dataset_through_sf", "checkpoint_round_trip", "hot_blocks", "kv_cache_reuse",
+           "run_demo"]
 
 MiB = 1 << 20
 
@@ -210,6 +211,56 @@ def hot_blocks(data_dir: str | None = None, blocks: int = 256, block_size: int =
             "blocks": blocks, "block_size": block_size, "recovered": recovered, "verified": ok}
 
 
+def kv_cache_reuse(data_dir: str | None = None, prompt_tokens: int = 256) -> dict[str, Any]:
+    """Serve three "requests" that share a prompt prefix through a :class:`~sfstore.kvcache.KVCacheStore` on the
+    routed tiers: the first misses and offloads its KV blocks; the second finds them in pinned memory; after
+    the pinned tier is emptied the third loads them from the block store (NVMe tier); a second store (another
+    process or node) loads them from the shared directory. Every block read back is compared bit for bit."""
+    import numpy as np
+
+    import sfstore
+    from sfstore.kvcache import KVCacheStore, KVGeometry
+
+    geom = KVGeometry(num_layers=8, block_tokens=16, num_kv_heads=4, head_dim=64, dtype="bfloat16")  # 128 KiB
+    router = sfstore.open({"root": data_dir} if data_dir else None)
+    prefix = list(range(1000, 1000 + prompt_tokens))
+    rng = np.random.default_rng(0)
+    steps: list[dict[str, Any]] = []
+    ok = True
+    try:
+        kv = KVCacheStore.from_router(geom, router, model_id="demo-model")
+        with kv:
+            for i, action in enumerate(("first request", "same prefix again", "pinned tier emptied first")):
+                tokens = prefix + [7 + i] * 5  # a shared prefix and a question of its own
+                if action == "pinned tier emptied first":
+                    kv.evict(kv.keys_for(prefix), tiers=("pinned",))
+                hit = kv.lookup(tokens)
+                keys = kv.keys_for(tokens)
+                out = [np.zeros(geom.block_bytes // 2, np.uint16) for _ in keys]
+                tiers = kv.get_into(keys[: hit // geom.block_tokens], out[: hit // geom.block_tokens]) if hit else []
+                if hit < len(keys) * geom.block_tokens:  # "compute" the missing blocks, then offload them
+                    fresh = [rng.integers(0, 2**16, geom.block_bytes // 2, dtype=np.uint16)
+                             for _ in keys[hit // geom.block_tokens:]]
+                    kv.put(keys[hit // geom.block_tokens:], fresh)
+                    expected = fresh
+                steps.append({"request": action, "prompt_tokens": len(tokens), "hit_tokens": hit,
+                              "tiers": sorted(set(t for t in tiers if t))})
+            ok = ok and all(np.array_equal(a, b) for a, b in zip(out, expected, strict=False))
+            stats = kv.stats()
+        other = KVCacheStore(geom, model_id="demo-model", shared_dir=kv.shared.fp.root if kv.shared else None)
+        with other:
+            hit = other.lookup(prefix)
+            out = [np.zeros(geom.block_bytes // 2, np.uint16) for _ in range(hit // geom.block_tokens)]
+            tiers = other.get_into(other.keys_for(prefix)[: len(out)], out)
+            ok = ok and all(np.array_equal(a, b) for a, b in zip(out, expected, strict=False))
+            steps.append({"request": "another process, shared tier only", "prompt_tokens": len(prefix),
+                          "hit_tokens": hit, "tiers": sorted(set(t for t in tiers if t))})
+    finally:
+        router.close()
+    ok = ok and steps[0]["hit_tokens"] == 0 and all(st["hit_tokens"] == prompt_tokens for st in steps[1:])
+    return {"block_bytes": geom.block_bytes, "steps": steps, "stats": stats, "verified": ok}
+
+
 def run_demo(data_dir: str | None = None, size: int = 64 * MiB, show_probe: bool = True) -> int:
     """Print the probe table, the routing and every step with its counters; return 0 when all data verified.
 
@@ -277,7 +328,18 @@ def _run_demo(data_dir: str | None, size: int, show_probe: bool) -> int:
         print(f"  fallback       {f}")
     print(f"  reopened       index recovered from the {h['recovered']} written at close")
     print(f"  verified       {'yes' if h['verified'] else 'NO: the blocks read back differ'}")
-    ok = r["verified"] and d["verified"] and h["verified"]
+    print()
+    print("KV cache: requests sharing a 256-token prompt prefix, blocks of 16 tokens (128 KiB) offloaded to pinned "
+          "memory, the block store and a shared directory ...", flush=True)
+    k = kv_cache_reuse(data_dir)
+    for st in k["steps"]:
+        where = ", ".join(st["tiers"]) or "-"
+        print(f"  {st['request']:<34} {st['hit_tokens']:>3} of {st['prompt_tokens']} tokens found (from: {where})")
+    ks = k["stats"]
+    print(f"  hits           pinned {ks['hits_pinned']}, block {ks['hits_block']}, shared {ks['hits_shared']}; "
+          f"misses {ks['misses']}; {ks['bytes_put'] / MiB:.1f} MiB offloaded")
+    print(f"  verified       {'yes' if k['verified'] else 'NO: the KV blocks read back differ'}")
+    ok = r["verified"] and d["verified"] and h["verified"] and k["verified"]
     print()
     try:
         import torch  # noqa: F401

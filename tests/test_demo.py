@@ -15,9 +15,12 @@ def test_demo_round_trip_verifies(tmp_path: Path) -> None:
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("verified       yes") == 4  # engine round trip, sf:// dataset, hot blocks, checkpoint
+    assert out.stdout.count("verified       yes") == 5  # engine, sf:// dataset, hot blocks, KV cache, checkpoint
     assert "hot blocks (block path)" in out.stdout and "index recovered from the snapshot" in out.stdout
     assert (tmp_path / "hot" / "blocks.img").is_file()
+    assert "same prefix again                  256 of 261 tokens found (from: pinned)" in out.stdout
+    assert "pinned tier emptied first          256 of 261 tokens found (from: block)" in out.stdout
+    assert "another process, shared tier only  256 of 256 tokens found (from: shared)" in out.stdout
     assert "dataset through sf://" in out.stdout and "256 files at" in out.stdout
     assert len(list((tmp_path / "demo-dataset").iterdir())) == 256
     assert (tmp_path / "checkpoints" / "demo" / "step-1" / "sfstore-manifest.json").is_file()

@@ -119,7 +119,10 @@ class KVCacheStore:
             router = sfstore.open()
         block: BlockStore | None = None
         if isinstance(router.path("hot"), BlockPath):
-            block = BlockStore.from_router(router, "hot", size_classes=(geometry.block_bytes,))
+            try:
+                block = BlockStore.from_router(router, "hot", size_classes=(geometry.block_bytes,))
+            except errors.ConfigError:  # an existing store formatted with other classes: use it as it is
+                block = BlockStore.from_router(router, "hot")
             if block.max_value_bytes < geometry.block_bytes:
                 block = None  # an existing store with smaller classes: the tier is skipped (stats() shows it)
         kv_root = router.path("kvcache")
