@@ -154,8 +154,10 @@ class FilePathTests:
         assert out[2000:2500] == payload[-500:]
 
 
+    many_files = 300  # files of the read_many test (a slow emulated mount may take fewer)
+
     def test_read_many_keeps_order_and_contents(self, fp: FilePath) -> None:
-        names = [f"d/{i:04d}.bin" for i in range(300)]
+        names = [f"d/{i:04d}.bin" for i in range(self.many_files)]
         want = {n: data(random.Random(i).randrange(0, 70_000), i) for i, n in enumerate(names)}
         for n, d in want.items():
             fp.write(n, d)
@@ -163,7 +165,7 @@ class FilePathTests:
         assert got == [want[n] for n in names]
         assert all(type(g) is bytes for g in got)
         c = fp.counters.snapshot()
-        assert c["files"] >= 600 and c["bytes_read"] >= sum(len(d) for d in want.values())
+        assert c["files"] >= 2 * self.many_files and c["bytes_read"] >= sum(len(d) for d in want.values())
 
 
     def test_read_many_errors_raise_or_return(self, fp: FilePath) -> None:

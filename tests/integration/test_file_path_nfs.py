@@ -15,6 +15,8 @@ from .endpoints import env
 
 
 class TestNfsRdmaFilePath(FilePathTests):
+    many_files = 100  # each file is a create + rename + fsync round trip over the emulated NFS-RDMA mount
+
     @pytest.fixture
     def fp_root(self) -> Path:
         return Path(env("SFSTORE_TEST_NFS_MOUNT")) / f"fp-{uuid.uuid4().hex[:8]}" / "root"
