@@ -1,46 +1,501 @@
-"""GPU checks for a machine with a CUDA GPU (the device tool's H200), run once per task that has one.
+"""GPU checks and device-path timings for a machine with a CUDA GPU (the device tool's H200), run once per task.
 
-    python tools/gpu_check.py [--json OUT]
+    python tools/gpu_check.py [--blocks 512] [--block-mib 2] [--budget 270] [--dir DIR] [--json OUT]
 
-Checks what CPU-only CI cannot: the CUDA driver is found through dlopen, registered buffers are
-CUDA-registered (cuMemHostRegister) and torch sees them as pinned, a file is read into a CUDA tensor through
-FilePath (pinned bounce path) bit-exactly, and the probe reports the GPUs (and GDS where present). Each check
-prints PASS/FAIL/SKIP with the reason; the exit status is 1 when any check failed.
+Checks what CPU-only CI cannot, each printing PASS/FAIL/SKIP with the reason; a failing check never stops the
+others, and the exit status is 1 when any check failed (0 when all passed or were skipped: on a machine without
+a GPU every GPU check is a SKIP saying why, and what to install where a package is missing).
+
+Functional checks (kept from the first version):
+  probe              the probe reports the GPUs (and GDS where present);
+  cuda_registration  registered buffers are CUDA-registered (cuMemHostRegister) and copy to the GPU;
+  read_into_cuda     FilePath.read_into a CUDA tensor (pinned bounce path) is bit-exact;
+  checkpoint_cuda    sfstore.checkpoint.save of a state dict of CUDA tensors, load(device="cuda"): bit-exact.
+
+Routes: ``--blocks`` blocks of ``--block-mib`` MiB (default 512 x 2 MiB = 1 GiB per route) are put (written,
+then fsynced) and got back (read into preallocated GPU arrays) through every route available here, checked
+bit-exact, and timed; between put and get the file is dropped from the page cache (posix_fadvise DONTNEED after
+fsync) so the get reads storage, not memory. Slab and baseline files are preallocated before the clock starts.
+  <lib>_baseline           t.cpu() (cupy: .get()) + os.pwrite per block + fsync; np.fromfile + .cuda() (cupy:
+                           .set()) per block: what code without sfstore does, the reference for every ratio;
+  <lib>_devicepath_gds     DevicePath(mode="gds"): kvikio/cuFile GPU-direct (the arrays registered with cuFile);
+  <lib>_devicepath_compat  DevicePath(mode="compat"): kvikio compat mode (its own host bounce buffers);
+  <lib>_devicepath_host    DevicePath(mode="host"): sfstore's pinned staging buffers and I/O engine;
+  kvcache_torch            KVCacheStore (bfloat16 blocks of the given size) over a BlockStore image file: put
+                           (pinned tier + write-through, waited for and flushed), get after evicting the pinned
+                           tier (from the block tier: storage), get again (from the pinned tier);
+with <lib> torch (CUDA tensors) and cupy (arrays). Each route reports put and get GiB/s, the ratio to its
+library's baseline and whether the bytes came back bit-exact; a table is printed and ``--json`` writes it all.
+
+Time: a global budget (``--budget``, default 270 s) is checked before each route; the routes left when it runs out
+are SKIPped, saying so. A watchdog stops the script ``--grace`` seconds after the budget (a hung transfer is a
+FAIL, the JSON is still written), so it fits a 5-minute slot on the device machine.
+
+``--device cpu`` runs the same routes with CPU torch tensors (no GPU needed): it exercises this script (routes,
+timing, verification, table, JSON) where no GPU is; its numbers say nothing about GPUs.
+
+JSON (``--json OUT``): ``checks`` (every check in order: ``check``, ``status``, ``detail``, ``seconds``, ``metrics``
+where measured, ``trace`` on a failure), ``table`` (one row per measured route: ``put_gib_s``, ``get_gib_s``,
+``put_vs_baseline``, ``get_vs_baseline``, ``bit_exact``, ``cold_get``, seconds and bytes), ``summary`` (counts),
+``environment`` (torch/cupy/kvikio versions, GPU, device_mode(), engine, scratch filesystem), ``stopped``.
+
+Needs sfstore importable (installed, or this checkout: the script then adds it to ``sys.path``) with its native
+helper built (``tools/dev.sh setup``; else the registered-buffer checks SKIP saying so), torch with CUDA, and for
+the kvikio and cupy routes ``pip install 'sfstore[gpu]'``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import importlib
+import importlib.util
 import json
 import os
+import platform
+import shutil
+import statistics
 import sys
 import tempfile
+import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+KV_LAYER_BYTES = 2 * 16 * 8 * 128 * 2  # one layer of a KV block: K and V x 16 tokens x 8 heads x 128 dims, bf16
+PIP = {
+    "torch": "pip install torch (a CUDA build: see https://pytorch.org/get-started/locally/)",
+    "cupy": "pip install cupy-cuda12x (or pip install 'sfstore[gpu]')",
+    "kvikio": "pip install kvikio-cu12 (or pip install 'sfstore[gpu]')",
+    "numpy": "pip install numpy",
+}
+SLAB = "blocks.slab"
 
 Result = dict[str, Any]
 
 
-def _check_probe() -> str:
+class Skip(Exception):
+    """The check cannot run here; the message says why (and what to install)."""
+
+
+@dataclass
+class Outcome:
+    """What a check found: ``ok`` False makes it a FAIL (the metrics are kept)."""
+
+    detail: str
+    ok: bool = True
+    metrics: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+
+
+def _gib_s(nbytes: int, seconds: float) -> float:
+    return nbytes / GiB / seconds if seconds > 0 else float("inf")
+
+
+def _ratio(x: float | None, base: float | None) -> float | None:
+    return round(x / base, 2) if x is not None and base else None
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _drop_cache(path: str) -> bool:
+    """fsync ``path`` and drop its pages from the page cache (so the next read comes from storage)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def _drop_tree(root: str) -> bool:
+    ok = True
+    for d, _dirs, files in os.walk(root):
+        for f in files:
+            ok = _drop_cache(os.path.join(d, f)) and ok
+    return ok
+
+
+def _preallocate(path: str, size: int) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError:
+            os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < data.nbytes:
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes")
+        done += n
+
+
+def _mount_of(path: str) -> dict[str, str]:
+    """The mount under ``path`` (mount point, filesystem type, source) from /proc/self/mounts."""
+    real = os.path.realpath(path)
+    best = {"mountpoint": "", "fstype": "?", "source": "?"}
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mp = parts[1].replace("\\040", " ")
+                inside = real == mp or real.startswith(mp.rstrip("/") + "/")
+                if inside and len(mp) >= len(best["mountpoint"]):  # the last of equal mount points wins
+                    best = {"mountpoint": mp, "fstype": parts[2], "source": parts[0]}
+    except OSError:
+        pass
+    return best
+
+
+def _driver_present() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def _no_gpu_reason() -> str:
+    if not _driver_present():
+        return "no CUDA GPU here (no NVIDIA driver: libcuda.so.1 cannot be loaded)"
+    return "no usable CUDA GPU (the NVIDIA driver loads, but no device is visible)"
+
+
+def _kvikio() -> Any:
+    """kvikio, or Skip with the pip command."""
+    try:
+        return importlib.import_module("kvikio")
+    except Exception as exc:  # ImportError, or kvikio failing to load its libraries
+        raise Skip(f"kvikio is not usable ({type(exc).__name__}: {exc}): {PIP['kvikio']}") from None
+
+
+def _kvikio_setting(kvikio: Any, name: str) -> Any:
+    """A kvikio setting (``compat_mode``, ``num_threads``) through whichever API this kvikio has."""
+    d = kvikio.defaults
+    getters = {"num_threads": ("get_num_threads", "num_threads")}.get(name, (name,))
+    try:
+        if callable(getattr(d, "get", None)):  # kvikio >= 25.04
+            value = d.get(name)
+        else:
+            value = next(getattr(d, g) for g in getters if callable(getattr(d, g, None)))()
+        return getattr(value, "name", value)
+    except Exception as exc:
+        return f"? ({type(exc).__name__}: {exc})"
+
+
+@contextlib.contextmanager
+def _kvikio_compat_on(kvikio: Any) -> Iterator[None]:
+    """kvikio in compat mode (POSIX I/O through its host bounce buffers) for CuFiles opened inside."""
+    d = kvikio.defaults
+    enum = getattr(kvikio, "CompatMode", None)
+    value: Any = enum.ON if enum is not None else True
+    if callable(getattr(d, "set", None)):  # kvikio >= 25.04
+        with d.set("compat_mode", value):
+            yield
+    elif callable(getattr(d, "set_compat_mode", None)):  # older: a context manager
+        with d.set_compat_mode(value):
+            yield
+    else:
+        raise Skip("this kvikio cannot switch to compat mode at run time (no kvikio.defaults.set)")
+
+
+# -- array libraries -------------------------------------------------------------------------------------------
+
+
+class Lib:
+    """One array library on one device: allocate, slice into blocks, compare, move to and from the host."""
+
+    name = "?"
+    device = "cuda"
+
+    def alloc(self, nbytes: int, random: bool = False) -> Any:
+        raise NotImplementedError
+
+    def blocks(self, arr: Any, count: int, size: int) -> list[Any]:
+        return [arr[i * size:(i + 1) * size] for i in range(count)]
+
+    def zero(self, arr: Any) -> None:
+        raise NotImplementedError
+
+    def equal(self, a: Any, b: Any) -> bool:
+        raise NotImplementedError
+
+    def to_host(self, blk: Any) -> Any:
+        raise NotImplementedError
+
+    def from_host(self, host: Any, dst: Any) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def first_mismatch(self, a: Any, b: Any, count: int, size: int) -> int | None:
+        """``None`` when ``a`` and ``b`` are equal, else the first block that differs."""
+        if self.equal(a, b):
+            return None
+        for i in range(count):
+            if not self.equal(a[i * size:(i + 1) * size], b[i * size:(i + 1) * size]):
+                return i
+        return -1
+
+
+class TorchLib(Lib):
+    name = "torch"
+
+    def __init__(self, device: str) -> None:
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            raise Skip(f"numpy is not installed: {PIP['numpy']}") from None
+        try:
+            import torch
+        except ImportError as exc:
+            raise Skip(f"torch is not installed ({exc}): {PIP['torch']}") from None
+        self.torch = torch
+        self.device = device
+        if device == "cuda":
+            if getattr(torch.version, "cuda", None) is None:
+                if _driver_present():
+                    raise Skip(f"torch {torch.__version__} is a CPU-only build though an NVIDIA driver is here: "
+                               f"{PIP['torch']}")
+                raise Skip(f"{_no_gpu_reason()}; torch {torch.__version__} is a CPU-only build")
+            if not torch.cuda.is_available():
+                raise Skip(f"{_no_gpu_reason()}: torch.cuda.is_available() is False (torch {torch.__version__}, "
+                           f"CUDA {torch.version.cuda}, CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})")
+
+    def alloc(self, nbytes: int, random: bool = False) -> Any:
+        t = self.torch
+        if random:
+            return t.randint(0, 256, (nbytes,), dtype=t.uint8, device=self.device)
+        return t.zeros(nbytes, dtype=t.uint8, device=self.device)
+
+    def zero(self, arr: Any) -> None:
+        arr.zero_()
+
+    def equal(self, a: Any, b: Any) -> bool:
+        return bool(self.torch.equal(a, b))
+
+    def to_host(self, blk: Any) -> Any:
+        return blk.cpu().numpy()
+
+    def from_host(self, host: Any, dst: Any) -> None:
+        src = self.torch.from_numpy(host)
+        dst.copy_(src.cuda() if self.device == "cuda" else src)
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def release(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.empty_cache()
+
+
+class CupyLib(Lib):
+    name = "cupy"
+
+    def __init__(self, device: str) -> None:
+        if device != "cuda":
+            raise Skip("cupy arrays live on a GPU (--device cpu runs CPU torch tensors only)")
+        try:
+            import numpy as np
+        except ImportError:
+            raise Skip(f"numpy is not installed: {PIP['numpy']}") from None
+        try:
+            import cupy
+        except Exception as exc:
+            raise Skip(f"cupy is not usable ({type(exc).__name__}: {exc}): {PIP['cupy']}") from None
+        try:
+            count = int(cupy.cuda.runtime.getDeviceCount())
+        except Exception as exc:
+            raise Skip(f"{_no_gpu_reason()}: cupy finds no device ({type(exc).__name__}: {exc})") from None
+        if count < 1:
+            raise Skip(f"{_no_gpu_reason()}: cupy finds no device")
+        self.cupy = cupy
+        self.np = np
+
+    def alloc(self, nbytes: int, random: bool = False) -> Any:
+        if random:
+            host = self.np.frombuffer(self.np.random.default_rng(1).bytes(nbytes), dtype=self.np.uint8)
+            return self.cupy.asarray(host)
+        return self.cupy.zeros(nbytes, dtype=self.cupy.uint8)
+
+    def zero(self, arr: Any) -> None:
+        arr.fill(0)
+
+    def equal(self, a: Any, b: Any) -> bool:
+        return bool(self.cupy.array_equal(a, b))
+
+    def to_host(self, blk: Any) -> Any:
+        return blk.get()
+
+    def from_host(self, host: Any, dst: Any) -> None:
+        dst.set(host)
+
+    def sync(self) -> None:
+        self.cupy.cuda.runtime.deviceSynchronize()
+
+    def release(self) -> None:
+        self.cupy.get_default_memory_pool().free_all_blocks()
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+
+
+class Run:
+    """Settings, the scratch directory, the budget, the source data of each library and the baselines."""
+
+    def __init__(self, args: argparse.Namespace, scratch: str) -> None:
+        self.args = args
+        self.device: str = args.device
+        self.nblocks: int = args.blocks
+        self.block_bytes: int = int(args.block_mib * MiB)
+        self.total = self.nblocks * self.block_bytes
+        self.scratch = scratch
+        self.budget: float = args.budget
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + self.budget
+        self.durations: list[float] = []
+        self.baselines: dict[str, tuple[float, float]] = {}
+        self._libs: dict[str, Lib | str] = {}
+        self._src: dict[str, Any] = {}
+
+    def lib(self, name: str) -> Lib:
+        got = self._libs.get(name)
+        if got is None:
+            try:
+                got = TorchLib(self.device) if name == "torch" else CupyLib(self.device)
+            except Skip as exc:
+                got = str(exc)
+            self._libs[name] = got
+        if isinstance(got, str):
+            raise Skip(got)
+        return got
+
+    def torch_lib(self) -> TorchLib:
+        lib = self.lib("torch")
+        assert isinstance(lib, TorchLib)
+        return lib
+
+    def cuda_torch(self) -> Any:
+        """torch with a CUDA device, or Skip."""
+        if self.device != "cuda":
+            raise Skip("a CUDA check (--device cpu)")
+        return self.torch_lib().torch
+
+    def src(self, lib: Lib) -> Any:
+        """The random source bytes of ``lib`` (made once, ``total`` bytes)."""
+        if lib.name not in self._src:
+            self._src[lib.name] = lib.alloc(self.total, random=True)
+            lib.sync()
+        return self._src[lib.name]
+
+    def workdir(self, name: str) -> str:
+        path = os.path.join(self.scratch, name)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def check_budget(self, heavy: bool) -> None:
+        left = self.deadline - time.monotonic()
+        est = statistics.median(self.durations) if heavy and self.durations else 0.0
+        if left <= (max(1.0, est) if heavy else 0.0):
+            took = f"; a route took ~{est:.0f} s" if est else ""
+            raise Skip(f"not run: the time budget ({self.budget:.0f} s) is spent ({max(left, 0):.0f} s left{took}); "
+                       "raise --budget or lower --blocks")
+
+    def row(self, lib: str, route: str, put_s: float | None, get_s: float | None, exact: bool,
+            cold: bool | None, nbytes: int | None = None) -> dict[str, Any]:
+        """One table row; ratios against ``lib``'s baseline (none for ``nbytes`` other than the route size)."""
+        n = self.total if nbytes is None else nbytes
+        put = round(_gib_s(n, put_s), 3) if put_s is not None else None
+        get = round(_gib_s(n, get_s), 3) if get_s is not None else None
+        base = self.baselines.get(lib) if nbytes is None else None
+        return {
+            "route": route, "lib": lib, "bytes": n, "put_s": put_s, "get_s": get_s, "put_gib_s": put, "get_gib_s": get,
+            "put_vs_baseline": _ratio(put, base[0] if base else None),
+            "get_vs_baseline": _ratio(get, base[1] if base else None),
+            "bit_exact": exact, "cold_get": cold,
+        }
+
+
+def _describe_rows(rows: list[dict[str, Any]]) -> str:
+    parts = []
+    for r in rows:
+        bits = []
+        for op in ("put", "get"):
+            v = r[f"{op}_gib_s"]
+            if v is not None:
+                x = r[f"{op}_vs_baseline"]
+                bits.append(f"{op} {v:.2f} GiB/s" + (f" (x{x:.2f})" if x is not None else ""))
+        parts.append(f"{r['route']}: " + ", ".join(bits) + ("" if r["bit_exact"] else ", NOT bit-exact"))
+    return "; ".join(parts)
+
+
+def _exactness(run: Run, lib: Lib, src: Any, dst: Any) -> tuple[bool, str]:
+    bad = lib.first_mismatch(src, dst, run.nblocks, run.block_bytes)
+    if bad is None:
+        return True, ""
+    return False, f"bytes differ (first in block {bad})"
+
+
+# -- functional checks -------------------------------------------------------------------------------------------
+
+
+def _check_probe(run: Run) -> Outcome:
+    if run.device != "cuda":
+        raise Skip("a GPU check (--device cpu)")
     from sfstore.probe import probe
 
     report = probe()
     gpus = report["gpus"]
     if gpus.get("status") != "ok":
-        raise AssertionError(f"probe reports no GPU: {gpus}")
-    return f"{gpus.get('count', '?')} GPU(s); gds: {report['gds'].get('status')}"
+        if not _driver_present():
+            raise Skip(f"{_no_gpu_reason()}; probe: {gpus.get('reason', gpus.get('status'))}")
+        return Outcome(f"the NVIDIA driver loads but the probe reports no GPU: {gpus}", ok=False)
+    return Outcome(f"{gpus.get('count', '?')} GPU(s); gds: {report['gds'].get('status')}",
+                   metrics={"gpus": gpus, "gds": report["gds"]})
 
 
-def _check_cuda_registration() -> str:
-    import torch
+def _check_cuda_registration(run: Run) -> Outcome:
+    torch = run.cuda_torch()
     from torch.utils.dlpack import from_dlpack
 
     from sfstore.buffers import RegisteredBufferPool, memory_capabilities
 
     caps = memory_capabilities()
     if not caps["cuda_register"]["ok"]:
-        raise AssertionError(f"cuda registration unavailable: {caps['cuda_register']['reason']}")
+        return Outcome(f"cuda registration unavailable: {caps['cuda_register']['reason']}", ok=False)
     with RegisteredBufferPool(8 << 20, cuda_register="on") as pool:
         buf = pool.acquire()
         assert buf.cuda_registered
@@ -51,51 +506,553 @@ def _check_cuda_registration() -> str:
         assert int(dev.sum().item()) == 7 * (8 << 20)
         del host, dev
         buf.release()
-    return "cuMemHostRegister ok; host->device copy from a registered buffer verified"
+    return Outcome("cuMemHostRegister ok; host->device copy from a registered buffer verified")
 
 
-def _check_read_into_cuda() -> str:
-    import torch
-
+def _check_read_into_cuda(run: Run) -> Outcome:
+    torch = run.cuda_torch()
     from sfstore.paths.file import FilePath
 
-    with tempfile.TemporaryDirectory() as d:
-        fp = FilePath(d)
-        payload = os.urandom(20 << 20)
-        fp.write("x.bin", payload)
-        out = torch.empty(len(payload), dtype=torch.uint8, device="cuda")
-        n = fp.read_into("x.bin", out)
-        assert n == len(payload)
-        assert bytes(out.cpu().numpy()) == payload
-    return "FilePath.read_into(cuda tensor) through pinned bounce buffers: bit-exact"
+    fp = FilePath(run.workdir("read_into_cuda"))
+    payload = os.urandom(20 << 20)
+    fp.write("x.bin", payload)
+    out = torch.empty(len(payload), dtype=torch.uint8, device="cuda")
+    n = fp.read_into("x.bin", out)
+    assert n == len(payload), f"read {n} of {len(payload)} bytes"
+    ok = bytes(out.cpu().numpy()) == payload
+    return Outcome("FilePath.read_into(cuda tensor) through pinned bounce buffers: "
+                   + ("bit-exact" if ok else "NOT bit-exact"), ok=ok)
 
 
-CHECKS: list[tuple[str, Callable[[], str]]] = [
-    ("probe", _check_probe),
-    ("cuda_registration", _check_cuda_registration),
-    ("read_into_cuda", _check_read_into_cuda),
+def _bits(t: Any) -> Any:
+    import torch
+
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _compare_tree(a: Any, b: Any, device: str, where: str = "") -> str | None:
+    """The first difference between the saved state dict ``a`` and the loaded ``b`` (``None``: identical)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor):
+            return f"{where}: a {type(b).__name__}, not a tensor"
+        if b.device.type != device:
+            return f"{where}: on {b.device}, not {device}"
+        if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+            return f"{where}: {b.dtype}{tuple(b.shape)}, saved {a.dtype}{tuple(a.shape)}"
+        return None if torch.equal(_bits(a), _bits(b).to(a.device)) else f"{where}: bytes differ"
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            return f"{where}: keys {sorted(map(str, b)) if isinstance(b, dict) else type(b).__name__}"
+        for k in a:
+            diff = _compare_tree(a[k], b[k], device, f"{where}/{k}")
+            if diff:
+                return diff
+        return None
+    return None if a == b and type(a) is type(b) else f"{where}: {b!r}, saved {a!r}"
+
+
+def _check_checkpoint(run: Run) -> Outcome:
+    lib = run.torch_lib()
+    torch = lib.torch
+    from sfstore import checkpoint
+
+    dev = run.device
+    per = max(4096, min(run.total // 4, 256 * MiB) // 4)  # bytes per big tensor: ~total/4 in all, at most 256 MiB
+    g = torch.Generator(device=dev).manual_seed(0)
+    side = max(1, int((per // 4) ** 0.5))
+    model: dict[str, Any] = {
+        "w": torch.randn(side, side, generator=g, device=dev),  # float32
+        "w_t": torch.randn(side, side, generator=g, device=dev).to(torch.bfloat16).t(),  # strided
+        "emb": torch.randn(per // 2, generator=g, device=dev).to(torch.float16),
+        "ids": torch.randint(-(2**40), 2**40, (max(1, per // 8),), generator=g, device=dev),  # int64
+        "mask": torch.rand(4097, generator=g, device=dev) > 0.5,
+    }
+    state = {"model": model, "optim": {"step": torch.tensor(7, device=dev), "lr": 3e-4, "betas": (0.9, 0.999)},
+             "epoch": 3}
+    nbytes = sum(int(t.numel() * t.element_size()) for t in model.values()) + 8
+    lib.sync()
+    url = os.path.join(run.workdir("checkpoint"), "step-7")
+    t0 = time.perf_counter()
+    checkpoint.save(state, url, metadata={"step": 7})
+    save_s = time.perf_counter() - t0
+    cold = _drop_tree(url)
+    t0 = time.perf_counter()
+    back = checkpoint.load(url, device=dev)
+    lib.sync()
+    load_s = time.perf_counter() - t0
+    diff = _compare_tree(state, back, "cuda" if dev == "cuda" else "cpu")
+    row = run.row("torch", f"checkpoint save/load(device={dev!r})", save_s, load_s, diff is None, cold, nbytes)
+    detail = (f"save {row['put_gib_s']:.2f} GiB/s, load {row['get_gib_s']:.2f} GiB/s of {nbytes / MiB:.0f} MiB: "
+              + ("bit-exact, every tensor on " + dev if diff is None else f"MISMATCH {diff}"))
+    return Outcome(detail, ok=diff is None, metrics={"table": [row]}, rows=[row])
+
+
+# -- routes ---------------------------------------------------------------------------------------------------------
+
+
+def _route_baseline(run: Run, libname: str) -> Outcome:
+    import numpy as np
+
+    lib = run.lib(libname)
+    src = run.src(lib)
+    dst = lib.alloc(run.total)
+    B = run.block_bytes
+    path = os.path.join(run.workdir(f"{libname}_baseline"), "baseline.bin")
+    _preallocate(path, run.total)
+    try:
+        srcb, dstb = lib.blocks(src, run.nblocks, B), lib.blocks(dst, run.nblocks, B)
+        lib.sync()
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            for i, blk in enumerate(srcb):
+                host = lib.to_host(blk)  # t.cpu() / a.get()
+                _pwrite_all(fd, memoryview(host).cast("B"), i * B)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        put_s = time.perf_counter() - t0
+        cold = _drop_cache(path)
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            for i, blk in enumerate(dstb):
+                host = np.fromfile(f, dtype=np.uint8, count=B)
+                if host.size != B:
+                    raise OSError(f"short read: {host.size} of {B} bytes in block {i}")
+                lib.from_host(host, blk)  # torch.from_numpy(h).cuda() / a.set(h)
+        lib.sync()
+        get_s = time.perf_counter() - t0
+        exact, why = _exactness(run, lib, src, dst)
+    finally:
+        del dst
+        os.unlink(path)
+        lib.release()
+    if exact:
+        run.baselines[libname] = (_gib_s(run.total, put_s), _gib_s(run.total, get_s))
+    row = run.row(libname, f"{libname} baseline", put_s, get_s, exact, cold)
+    return Outcome(_describe_rows([row]) + (f"; {why}" if why else ""), ok=exact, metrics={"table": [row]},
+                   rows=[row])
+
+
+def _route_devicepath(run: Run, libname: str, mode: str) -> Outcome:
+    from sfstore.paths.device import DevicePath, device_mode
+
+    lib = run.lib(libname)
+    notes: list[str] = []
+    forced_compat: Any = contextlib.nullcontext()
+    if mode in ("gds", "compat"):
+        if run.device != "cuda":
+            raise Skip(f"DevicePath mode {mode!r} moves GPU memory (--device cpu)")
+        kvikio = _kvikio()
+        found, why = device_mode()
+        if mode == "gds" and found != "gds":
+            raise Skip(f"no GPU-direct storage here: device_mode() is {found!r}: {why}")
+        if mode == "compat" and found not in ("gds", "compat"):
+            raise Skip(f"kvikio is not usable here: device_mode() is {found!r}: {why}")
+        if mode == "compat" and found == "gds":
+            forced_compat = _kvikio_compat_on(kvikio)  # else kvikio would use cuFile: the gds route
+            notes.append("kvikio compat mode forced on")
+        notes.append(f"kvikio {getattr(kvikio, '__version__', '?')}, "
+                     f"{_kvikio_setting(kvikio, 'num_threads')} thread(s)")
+    src = run.src(lib)
+    dst = lib.alloc(run.total)
+    B = run.block_bytes
+    root = run.workdir(f"{libname}_devicepath_{mode}")
+    with forced_compat:
+        dp = DevicePath(root, mode=mode)
+        try:
+            path = dp.slab(SLAB, run.total)
+            if mode == "gds":
+                try:
+                    dp.register(src)
+                    dp.register(dst)
+                    notes.append("arrays registered with cuFile")
+                except Exception as exc:
+                    notes.append(f"cuFile registration failed ({type(exc).__name__}: {exc}); unregistered")
+            srcb, dstb = lib.blocks(src, run.nblocks, B), lib.blocks(dst, run.nblocks, B)
+            lib.sync()
+            t0 = time.perf_counter()
+            futs = [dp.write_async(SLAB, blk, i * B) for i, blk in enumerate(srcb)]
+            short = [i for i, fut in enumerate(futs) if fut.get() != B]
+            dp.flush()
+            _fsync(path)
+            put_s = time.perf_counter() - t0
+            if short:
+                raise AssertionError(f"short writes in blocks {short[:5]}")
+            cold = _drop_cache(path)
+            t0 = time.perf_counter()
+            futs = [dp.read_into_async(SLAB, blk, i * B) for i, blk in enumerate(dstb)]
+            short = [i for i, fut in enumerate(futs) if fut.get() != B]
+            lib.sync()
+            get_s = time.perf_counter() - t0
+            if short:
+                raise AssertionError(f"short reads in blocks {short[:5]}")
+            exact, why = _exactness(run, lib, src, dst)
+            desc = dp.describe()
+        finally:
+            dp.close()
+            shutil.rmtree(root, ignore_errors=True)
+            del dst
+            lib.release()
+    if desc["mode"] != mode:
+        notes.append(f"DevicePath ran in mode {desc['mode']!r}")
+    counters = desc.get("counters", {})
+    notes.append(f"bytes direct {counters.get('bytes_direct', 0) / MiB:.0f} MiB, "
+                 f"bounced {counters.get('bytes_bounced', 0) / MiB:.0f} MiB")
+    row = run.row(libname, f"{libname} DevicePath {mode}", put_s, get_s, exact, cold)
+    metrics = {"table": [row], "mode": desc["mode"], "why": desc.get("why"), "counters": counters, "notes": notes}
+    return Outcome(_describe_rows([row]) + f" [{'; '.join(notes)}]" + (f"; {why}" if why else ""), ok=exact,
+                   metrics=metrics, rows=[row])
+
+
+def _route_kvcache(run: Run) -> Outcome:
+    lib = run.torch_lib()
+    from sfstore.blocks import BlockStore
+    from sfstore.kvcache import KVCacheStore, KVGeometry
+
+    torch = lib.torch
+    B, N = run.block_bytes, run.nblocks
+    if B % KV_LAYER_BYTES:
+        raise Skip(f"a KV block is a whole number of {KV_LAYER_BYTES // 1024} KiB layers; --block-mib gives {B} bytes")
+    geom = KVGeometry(num_layers=B // KV_LAYER_BYTES, block_tokens=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    assert geom.block_bytes == B
+    src = run.src(lib)
+    dst = lib.alloc(run.total)
+    srcb = list(src.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
+    dstb = list(dst.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
+    root = run.workdir("kvcache")
+    image = os.path.join(root, "blocks.img")
+    store = BlockStore({"kind": "image", "path": image, "size": N * (B + 8192) + 64 * MiB}, size_classes=(B,),
+                       format=True)
+    kv = KVCacheStore(geom, model_id="gpu-check", pinned_bytes=(N + 8) * (B + 8192), block_store=store)
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    try:
+        keys = kv.keys_for(list(range(N * geom.block_tokens)))
+        assert len(keys) == N
+        # warm-up: the pinned pool's slots are allocated and registered once, as in a serving engine
+        warm = kv.keys_for(list(range(N * geom.block_tokens)), extra=("warm-up",))
+        kv.put(warm, srcb)
+        kv.wait_for_puts()
+        kv.evict(warm, tiers=("pinned", "block"))
+        store.flush()
+        lib.sync()
+        t0 = time.perf_counter()
+        kv.put(keys, srcb)
+        kv.wait_for_puts()
+        store.flush()
+        put_s = time.perf_counter() - t0
+        evicted = kv.evict(keys, tiers=("pinned",))
+        if evicted != N:
+            problems.append(f"evicted {evicted} of {N} blocks from the pinned tier")
+        cold = _drop_cache(image)
+        t0 = time.perf_counter()
+        tiers = kv.get_into(keys, dstb)
+        lib.sync()
+        get_block_s = time.perf_counter() - t0
+        if set(tiers) != {"block"}:
+            problems.append(f"get after eviction came from tiers {sorted(map(str, set(tiers)))}, not the block tier")
+        exact_block, why = _exactness(run, lib, src, dst)
+        if why:
+            problems.append(f"block tier: {why}")
+        rows.append(run.row("torch", "KVCacheStore put + get (block tier)", put_s, get_block_s, exact_block, cold))
+        lib.zero(dst)
+        lib.sync()
+        t0 = time.perf_counter()
+        tiers = kv.get_into(keys, dstb)
+        lib.sync()
+        get_pinned_s = time.perf_counter() - t0
+        if set(tiers) != {"pinned"}:
+            problems.append(f"second get came from tiers {sorted(map(str, set(tiers)))}, not the pinned tier")
+        exact_pinned, why = _exactness(run, lib, src, dst)
+        if why:
+            problems.append(f"pinned tier: {why}")
+        rows.append(run.row("torch", "KVCacheStore get (pinned tier)", None, get_pinned_s, exact_pinned, None))
+        stats = kv.stats()
+    finally:
+        try:
+            kv.close()
+        finally:
+            store.close()
+            shutil.rmtree(root, ignore_errors=True)
+            del dst, srcb, dstb
+            lib.release()
+    keep = ("puts", "gets", "hits_pinned", "hits_block", "bytes_device_staged", "lower_tier_errors", "put_p50_s",
+            "get_p50_s")
+    metrics = {"table": rows, "geometry": str(geom), "stats": {k: stats.get(k) for k in keep}}
+    detail = _describe_rows(rows) + (f"; {'; '.join(problems)}" if problems else "")
+    return Outcome(detail, ok=not problems, metrics=metrics, rows=rows)
+
+
+# name, heavy (moves the route's data: the budget estimate applies), function
+CHECKS: list[tuple[str, bool, Callable[[Run], Outcome]]] = [
+    ("probe", False, _check_probe),
+    ("cuda_registration", False, _check_cuda_registration),
+    ("read_into_cuda", False, _check_read_into_cuda),
+    ("torch_baseline", True, partial(_route_baseline, libname="torch")),
+    ("torch_devicepath_gds", True, partial(_route_devicepath, libname="torch", mode="gds")),
+    ("torch_devicepath_compat", True, partial(_route_devicepath, libname="torch", mode="compat")),
+    ("torch_devicepath_host", True, partial(_route_devicepath, libname="torch", mode="host")),
+    ("kvcache_torch", True, _route_kvcache),
+    ("checkpoint_cuda", True, _check_checkpoint),
+    ("cupy_baseline", True, partial(_route_baseline, libname="cupy")),
+    ("cupy_devicepath_gds", True, partial(_route_devicepath, libname="cupy", mode="gds")),
+    ("cupy_devicepath_compat", True, partial(_route_devicepath, libname="cupy", mode="compat")),
+    ("cupy_devicepath_host", True, partial(_route_devicepath, libname="cupy", mode="host")),
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
-    args = parser.parse_args(argv)
-    results: list[Result] = []
-    for name, fn in CHECKS:
+# -- environment, table, JSON -----------------------------------------------------------------------------------
+
+
+def _environment(run: Run) -> dict[str, Any]:
+    env: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(), "device": run.device,
+                           "scratch": run.scratch, "scratch_mount": _mount_of(run.scratch)}
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("engine", lambda: repr(importlib.import_module("sfstore.engine").get_engine())),
+        ("native_helper", lambda: list(importlib.import_module("sfstore.buffers").native_available())),
+        ("device_mode", lambda: list(importlib.import_module("sfstore.paths.device").device_mode())),
+        ("torch", lambda: _torch_env()),
+        ("cupy", lambda: getattr(importlib.import_module("cupy"), "__version__", "?")),
+        ("kvikio", lambda: _kvikio_env()),
+    ]
+    for key, fn in steps:
         try:
-            detail = fn()
-            results.append({"check": name, "status": "PASS", "detail": detail})
-        except ImportError as exc:
-            results.append({"check": name, "status": "SKIP", "detail": f"missing: {exc}"})
+            env[key] = fn()
         except Exception as exc:
-            results.append({"check": name, "status": "FAIL", "detail": repr(exc), "trace": traceback.format_exc()})
-        r = results[-1]
-        print(f"{r['status']:<5} {name}: {r['detail']}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 1 if any(r["status"] == "FAIL" for r in results) else 0
+            env[key] = f"unavailable ({type(exc).__name__}: {exc})"
+    return env
+
+
+def _torch_env() -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"version": torch.__version__, "cuda": torch.version.cuda,
+                           "cuda_available": torch.cuda.is_available()}
+    if out["cuda_available"]:
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def _kvikio_env() -> dict[str, Any]:
+    kvikio = importlib.import_module("kvikio")
+    return {"version": getattr(kvikio, "__version__", "?"), "compat_mode": _kvikio_setting(kvikio, "compat_mode"),
+            "num_threads": _kvikio_setting(kvikio, "num_threads")}
+
+
+def _fmt(v: float | None, suffix: str = "") -> str:
+    return "-" if v is None else f"{v:.2f}{suffix}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'route':<46} {'put GiB/s':>10} {'get GiB/s':>10} {'put/base':>9} {'get/base':>9}  bit-exact"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['route']:<46} {_fmt(r['put_gib_s']):>10} {_fmt(r['get_gib_s']):>10} "
+                     f"{_fmt(r['put_vs_baseline'], 'x'):>9} {_fmt(r['get_vs_baseline'], 'x'):>9}  "
+                     f"{'yes' if r['bit_exact'] else 'NO'}")
+    return "\n".join(lines)
+
+
+class Report:
+    """The results so far; written by the main thread, or by the watchdog when the budget is overrun."""
+
+    def __init__(self, run: Run, env: dict[str, Any]) -> None:
+        self.run = run
+        self.env = env
+        self.results: list[Result] = []
+        self.rows: list[dict[str, Any]] = []
+        self.current: str | None = None
+        self.lock = threading.Lock()
+        self.finished = False
+
+    def add(self, result: Result, rows: list[dict[str, Any]]) -> None:
+        with self.lock:
+            self.results.append(result)
+            self.rows.extend(rows)
+        r = result
+        print(f"{r['status']:<5} {r['check']}: {r['detail']}", flush=True)
+
+    def finish(self, json_path: str | None, stopped: str | None = None) -> int:
+        """Print the table and the summary, write the JSON; the exit status."""
+        run = self.run
+        counts = {s: sum(1 for r in self.results if r["status"] == s) for s in ("PASS", "FAIL", "SKIP")}
+        elapsed = time.monotonic() - run.t0
+        print()
+        if self.rows:
+            size = f"{run.total / GiB:.2f} GiB" if run.total >= GiB else f"{run.total / MiB:g} MiB"
+            print(f"{run.nblocks} blocks x {run.block_bytes / MiB:g} MiB per route ({size}); "
+                  f"get after fsync + page-cache drop; ratios against the same library's baseline")
+            print(format_table(self.rows))
+        else:
+            print("no route was measured")
+        print(f"\ngpu_check: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP in {elapsed:.0f} s "
+              f"(budget {run.budget:.0f} s)" + (f"; {stopped}" if stopped else ""), flush=True)
+        if run.device == "cuda" and counts["PASS"] == 0 and counts["FAIL"] == 0:
+            print("note: nothing ran: every check was skipped (see the reasons above)", flush=True)
+        if json_path:
+            doc = {
+                "tool": "tools/gpu_check.py",
+                "args": {k: v for k, v in vars(run.args).items()},
+                "blocks": run.nblocks, "block_bytes": run.block_bytes, "bytes_per_route": run.total,
+                "budget_s": run.budget, "elapsed_s": round(elapsed, 2), "stopped": stopped,
+                "environment": self.env, "summary": counts, "checks": self.results, "table": self.rows,
+            }
+            with open(json_path, "w") as f:
+                json.dump(doc, f, indent=2, default=str)
+            print(f"JSON: {json_path}", flush=True)
+        return 1 if counts["FAIL"] else 0
+
+
+def _watchdog(report: Report, json_path: str | None, remaining: list[str], scratch: str, owned: bool) -> None:
+    """Past budget + grace: the running check FAILs, the rest SKIP, the JSON is written, the process exits 1."""
+    with report.lock:
+        if report.finished:
+            return
+        report.finished = True
+        current = report.current
+    grace = report.run.args.grace
+    if current is not None:
+        report.add({"check": current, "status": "FAIL",
+                    "detail": f"still running {report.run.budget:g} s + {grace:g} s after the start: stopped "
+                              "(hung or far too slow)"}, [])
+    for name in remaining:
+        if name != current and not any(r["check"] == name for r in report.results):
+            report.add({"check": name, "status": "SKIP", "detail": "not run: the script was stopped at the budget"},
+                       [])
+    try:
+        report.finish(json_path, stopped="stopped by the watchdog")
+    finally:
+        if owned:
+            shutil.rmtree(scratch, ignore_errors=True)
+        os._exit(1)
+
+
+def _optional_module(exc: ImportError) -> str | None:
+    name = (exc.name or "").split(".")[0]
+    return None if name in ("", "sfstore") else name
+
+
+def run_checks(run: Run, report: Report) -> None:
+    from sfstore.errors import EngineUnavailableError
+
+    for name, heavy, fn in CHECKS:
+        with report.lock:
+            if report.finished:
+                return
+            report.current = name
+        t0 = time.monotonic()
+        rows: list[dict[str, Any]] = []
+        result: Result
+        try:
+            run.check_budget(heavy)
+            out = fn(run)
+            rows = out.rows
+            result = {"check": name, "status": "PASS" if out.ok else "FAIL", "detail": out.detail}
+            if out.metrics:
+                result["metrics"] = out.metrics
+        except Skip as exc:
+            result = {"check": name, "status": "SKIP", "detail": str(exc)}
+        except ImportError as exc:
+            mod = _optional_module(exc)
+            if mod is not None:
+                result = {"check": name, "status": "SKIP",
+                          "detail": f"missing module {mod} ({exc}): {PIP.get(mod, f'pip install {mod}')}"}
+            else:
+                result = {"check": name, "status": "FAIL", "detail": repr(exc), "trace": traceback.format_exc()}
+        except Exception as exc:
+            if isinstance(exc, EngineUnavailableError) and "_native" in str(exc):
+                result = {"check": name, "status": "SKIP", "detail": f"sfstore's native helper is not loaded here "
+                          f"({exc}): build it with tools/dev.sh setup (or carry sfstore/_native*.so with the checkout)"}
+            else:
+                result = {"check": name, "status": "FAIL", "detail": f"{type(exc).__name__}: {exc}",
+                          "trace": traceback.format_exc()}
+        seconds = time.monotonic() - t0
+        result["seconds"] = round(seconds, 2)
+        if heavy and result["status"] != "SKIP":
+            run.durations.append(seconds)
+        with report.lock:
+            if report.finished:  # the watchdog took over while this check ran
+                return
+            report.current = None
+        report.add(result, rows)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    doc = __doc__ or "GPU checks"
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0],
+                                     epilog="Exit status: 1 when any check FAILED, else 0 (SKIPs included).")
+    parser.add_argument("--blocks", type=int, default=512, help="blocks per route (default 512)")
+    parser.add_argument("--block-mib", type=float, default=2.0,
+                        help="MiB per block (default 2; a multiple of 4 KiB, of 64 KiB for the KV cache)")
+    parser.add_argument("--budget", type=float, default=270.0,
+                        help="seconds for all checks (default 270); routes left when it runs out are SKIPped")
+    parser.add_argument("--grace", type=float, default=25.0,
+                        help="seconds past the budget before the watchdog stops a hung check (default 25)")
+    parser.add_argument("--dir", metavar="DIR",
+                        help="scratch directory (a temporary directory is made in it and removed; default: in "
+                             "sfstore's data directory, so on a disk filesystem)")
+    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: run the routes with CPU torch tensors (tests this script without a GPU)")
+    parser.add_argument("--kvikio-threads", type=int, metavar="N",
+                        help="set kvikio's thread pool size (default: kvikio's own, KVIKIO_NTHREADS)")
+    args = parser.parse_args(argv)
+    if args.blocks < 1:
+        parser.error("--blocks must be at least 1")
+    block_bytes = args.block_mib * MiB
+    if block_bytes <= 0 or block_bytes != int(block_bytes) or int(block_bytes) % 4096:
+        parser.error("--block-mib must give a positive multiple of 4096 bytes")
+    if args.budget <= 0 or args.grace < 0:
+        parser.error("--budget must be positive and --grace not negative")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    if importlib.util.find_spec("sfstore") is None:  # run from a checkout without sfstore installed
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if args.kvikio_threads:
+        try:
+            kv = importlib.import_module("kvikio")
+            if callable(getattr(kv.defaults, "set", None)):
+                kv.defaults.set("num_threads", args.kvikio_threads)
+            else:
+                kv.defaults.num_threads_reset(args.kvikio_threads)
+        except Exception as exc:
+            print(f"note: --kvikio-threads not applied ({type(exc).__name__}: {exc})", flush=True)
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+        base = args.dir
+    else:
+        from sfstore import defaults
+
+        base = str(defaults.get("data_dir"))
+        os.makedirs(base, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="gpu-check-", dir=base)
+    run = Run(args, scratch)
+    env = _environment(run)
+    print(f"gpu_check: {args.blocks} x {args.block_mib:g} MiB per route, budget {args.budget:.0f} s, device "
+          f"{args.device}, scratch {scratch} ({env['scratch_mount'].get('fstype')})", flush=True)
+    report = Report(run, env)
+    timer = threading.Timer(max(0.0, run.deadline + args.grace - time.monotonic()), _watchdog,
+                            (report, args.json, [n for n, _h, _f in CHECKS], scratch, True))
+    timer.daemon = True
+    timer.start()
+    try:
+        run_checks(run, report)
+    finally:
+        timer.cancel()
+        with report.lock:
+            taken = report.finished
+            report.finished = True
+        if not taken:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if taken:  # the watchdog is writing the report and will exit
+        time.sleep(3600)
+    return report.finish(args.json)
 
 
 if __name__ == "__main__":
