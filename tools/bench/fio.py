@@ -31,9 +31,10 @@ class FioJob:
     name : str
         Job name (the case name).
     filename : str
-        The file; it must exist at ``size`` bytes (fio is told not to create it).
+        The file (or block device); it must exist and hold ``offset + size`` bytes (fio is told not to create it).
     size : int
-        File size: the region random offsets are drawn from.
+        Bytes of the region, from ``offset``, that offsets are drawn from (the whole file when ``offset`` is 0
+        and ``size`` is the file's size).
     io_size : int
         Bytes to move (sequential jobs move the first ``io_size`` bytes; random ones ``io_size / bs`` distinct
         blocks of the region, each at most once).
@@ -45,6 +46,8 @@ class FioJob:
         Queue depth.
     seed : int
         ``--randseed``.
+    offset : int
+        Start of the region (``--offset``; 0 = the start of the file).
     """
 
     name: str
@@ -55,6 +58,7 @@ class FioJob:
     bs: int
     iodepth: int
     seed: int = 1234
+    offset: int = 0
 
     @property
     def writes(self) -> bool:
@@ -132,6 +136,8 @@ def fio_command(exe: str, job: FioJob) -> list[str]:
         "--numjobs=1", "--randrepeat=1", f"--randseed={job.seed}", "--norandommap=0", "--invalidate=1",
         "--allow_file_create=0", "--fallocate=none", "--output-format=json",
     ]
+    if job.offset:
+        cmd.insert(3, f"--offset={job.offset}")
     if job.writes:
         cmd.append("--end_fsync=1")
     return cmd

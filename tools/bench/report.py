@@ -1,7 +1,7 @@
 """``--report DIR``: the hook for richer reports (plots, history across commits) to come.
 
-For now it writes, per suite, ``<bench>.json`` (the suite's document) and ``<bench>.txt`` (its table), and an
-``index.md`` listing them.
+For now it writes, per suite, ``<bench>.json`` (the suite's document) and ``<bench>.txt`` (its table, followed by
+the suite's goal lines when its document has ``acceptance``), and an ``index.md`` listing them.
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ def write_report(directory: str, docs: Sequence[dict[str, Any]]) -> list[str]:
             f.write("\n")
         cases = doc.get("cases", [])
         tool = str(cases[0].get("reference_tool", "reference")) if cases else "reference"
+        goals = [str(a["line"]) for a in doc.get("acceptance", []) if isinstance(a, dict) and a.get("line")]
+        text = "\n".join([Table(tool).render(cases), *(["", *goals] if goals else [])])
         txt_path = os.path.join(directory, f"{name}.txt")
         with open(txt_path, "w", encoding="utf-8") as f:
-            f.write(Table(tool).render(cases) + "\n")
+            f.write(text + "\n")
         written += [json_path, txt_path]
-        index += [f"## {name} ({doc.get('date', '')})", "", "```", Table(tool).render(cases), "```", ""]
+        index += [f"## {name} ({doc.get('date', '')})", "", "```", text, "```", ""]
     index_path = os.path.join(directory, "index.md")
     with open(index_path, "w", encoding="utf-8") as f:
         f.write("\n".join(index))
