@@ -182,6 +182,25 @@ class BlockStoreTests:
         assert store.get("good") == value("g", 9000)
         assert "torn" not in store and store.stats()["corrupt_dropped"] == 1
 
+    def test_torn_large_value_read_into_the_callers_buffer_is_a_miss(self, store: BlockStore) -> None:
+        big = value("big", 128 * KiB)  # large values move straight between storage and the caller's memory
+        store.put("big", big, durable=True)
+        dest = np.zeros(256 * KiB, np.uint8)
+        assert store.get_into(["big"], [dest]) == [128 * KiB] and dest[: 128 * KiB].tobytes() == big
+        loc = store.locate("big")
+        assert loc is not None
+        with RegisteredBufferPool(4096) as pool:
+            buf = pool.acquire()
+            try:
+                at = loc[0] + store.layout.header_bytes + 64 * KiB  # a sector in the middle of the value
+                store.path.read_into(at, buf, 4096)
+                memoryview(buf)[0:1] = bytes([memoryview(buf)[0] ^ 0x80])
+                store.path.write(at, buf, 4096)
+            finally:
+                buf.release()
+        assert store.get_into(["big"], [dest]) == [None]
+        assert "big" not in store and store.stats()["corrupt_dropped"] == 1
+
     def test_foreign_data_is_never_formatted_over(self, block_target: Any, open_store: Any) -> None:
         path = BlockPath(block_target)
         try:
