@@ -188,6 +188,12 @@ class SlotHeader:
         buf[_SLOT.size:end] = self.key
         _SUM.pack_into(buf, end, _sum(buf[:end]))
 
+    def encode(self, uid: bytes) -> bytes:
+        """The header's bytes (what :meth:`pack_into` writes): compared whole on every read of the slot."""
+        buf = bytearray(_SLOT.size + len(self.key) + _SUM.size)
+        self.pack_into(memoryview(buf), uid)
+        return bytes(buf)
+
     @classmethod
     def unpack(cls, buf: memoryview, uid: bytes, limit: int) -> SlotHeader | None:
         """The header at the start of ``buf``, or ``None`` when the slot holds none (free, wiped, torn, or left

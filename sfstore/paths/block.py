@@ -326,17 +326,18 @@ class BlockPath(StoragePath):
                 f"{self.device}: [{offset}, {offset + length}) is beyond the capacity {self.capacity}"
             )
 
-    def submit(self, requests: Sequence[tuple[str, int, int, Any, int]]) -> BlockFuture:
+    def submit(self, requests: Sequence[tuple[str, int, int, Any, int]], *, check: bool = True) -> BlockFuture:
         """Submit ``(op, offset, length, buffer, buffer_offset)`` tuples (``op`` "read"/"write") as one batch.
 
-        All requests of a batch must be of one kind (all reads or all writes) for the counters.
+        All requests of a batch must be of one kind (all reads or all writes) for the counters. ``check=False``
+        skips the alignment and range checks (for callers that computed the requests from this path's geometry).
         """
-        reqs = []
-        write = False
-        for op, offset, length, buffer, boff in requests:
-            self.check(offset, length)
-            write = op == "write"
-            reqs.append(Request(op, self.fd, offset, length, buffer, boff))
+        fd = self.fd
+        if check:
+            for _op, offset, length, _buffer, _boff in requests:
+                self.check(offset, length)
+        reqs = [Request(op, fd, offset, length, buffer, boff) for op, offset, length, buffer, boff in requests]
+        write = bool(reqs) and reqs[-1].op == "write"
         return BlockFuture(self, self.engine.submit(reqs), write)
 
     def read_into_async(self, offset: int, buffer: Any, length: int | None = None) -> BlockFuture:
