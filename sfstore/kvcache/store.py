@@ -332,6 +332,16 @@ class KVCacheStore:
         if done:
             self._commit(done, time.perf_counter())
 
+    def discard_partial(self, keys: Sequence[bytes] | None = None) -> int:
+        """Drop blocks whose layers :meth:`put_layer` received only in part (all of them when ``keys`` is None):
+        for an engine whose step ended before every layer was saved. Returns how many were dropped."""
+        with self._lock:
+            chosen = list(self._partial) if keys is None else [k for k in self._check_keys(keys) if k in self._partial]
+            dropped = [self._partial.pop(k)[0] for k in chosen]
+        for slot in dropped:
+            self.pinned.drop(slot)
+        return len(dropped)
+
     def _check_layer(self, t: Any, what: str) -> None:
         g = self.geometry
         mod = type(t).__module__ or ""

@@ -155,6 +155,9 @@ def test_per_layer_store_and_load_into_strided_paged_tensors(kv: KVCacheStore, g
         assert not fresh[layer][:, 1].any()
     whole = empty(geom, 1)
     kv.get_into(keys[:1], whole)
+    half = kv.keys_for(range(5000, 5016))
+    kv.put_layer(half, 0, [pages[0][:, 1]])  # a step that ended after layer 0
+    assert kv.discard_partial(half) == 1 and kv.discard_partial() == 0 and not kv.contains(half[0])
     assert torch.equal(whole[0][2], pages[2][:, 3])  # the block layout is [layer][kv][token][head][dim]
 
 

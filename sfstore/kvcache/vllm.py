@@ -1,0 +1,583 @@
+"""vLLM adapter: :class:`SfstoreConnector`, a ``KVConnectorBase_V1`` over :class:`~sfstore.kvcache.KVCacheStore`.
+
+Load it into vLLM (tested against vLLM 0.33.0) with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "SfstoreConnector",
+        "kv_connector_module_path": "sfstore.kvcache.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_dir": "/mnt/nfs/kv", "pinned_bytes": 4294967296}}'
+
+What it does, per engine step:
+
+* scheduler side: :meth:`~SfstoreConnector.get_num_new_matched_tokens` asks the store how many leading prompt
+  tokens it holds (full blocks only, and never the whole prompt: vLLM must compute at least one token);
+  :meth:`~SfstoreConnector.update_state_after_alloc` records the vLLM block ids those tokens go into, and
+  :meth:`~SfstoreConnector.build_connector_meta` sends the worker, per request, the keys and block ids to load
+  and those of the prompt blocks this step completes, to save (blocks the store already has are not saved again).
+* worker side: :meth:`~SfstoreConnector.start_load_kv` starts ``store.prefetch`` of the blocks to load;
+  :meth:`~SfstoreConnector.wait_for_layer_load` copies one layer of each into vLLM's paged cache
+  (``store.get_layer_into``) just before that layer's attention runs, and
+  :meth:`~SfstoreConnector.save_kv_layer` copies one layer of each block to save out of it right after
+  (``store.put_layer``; the store commits a block once all its layers are in and writes it to its lower tiers in
+  the background). Loads are synchronous for the scheduler (``load_kv_async`` False) and saves are copied out
+  before the step ends, so no request holds its blocks after it finishes. A block that cannot be loaded (evicted
+  between the lookup and the load) is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it.
+
+``kv_connector_extra_config`` keys (all optional):
+
+``sfstore_config``
+    A config file for :func:`sfstore.open`; the store then uses the tiers the router gives
+    (:meth:`KVCacheStore.from_router`). Without it the store has the pinned tier plus ``shared_dir`` if set.
+``shared_dir``
+    Directory of the shared tier (NFS over RDMA on a cluster): blocks written there are seen by every process
+    and node that uses the same directory and model.
+``model_id``
+    Names the model in every key (default: vLLM's model name or path). Two servers share blocks only if their
+    ``model_id`` and KV geometry match.
+``pinned_bytes``
+    Budget of the pinned host tier (default: the ``kvcache_pinned_bytes`` setting).
+``kv_layout``
+    How a vLLM block maps to the store's ``[kv][token][head][dim]`` layer slice: ``"auto"`` (default: ``"cpu"``
+    on vLLM's CPU platform, ``"split"`` elsewhere), ``"split"`` (each cell of the ``[B, H, N, C]`` page is K then V,
+    as FlashAttention, Triton and FlashInfer read it), ``"cpu"`` (each head's page is all K rows then all V rows,
+    as vLLM's CPU backend reads it) or ``"opaque"`` (the page as it is, ``kv`` = 1: exact for any backend, but not
+    readable by another engine as K and V). Latent attention (MLA), quantized, packed and K/V-asymmetric caches
+    always use ``"opaque"``.
+``save_decode_tokens``
+    Also save blocks of generated tokens (default: only prompt blocks).
+``wait_for_lower_tiers``
+    End each step only once the step's saved blocks reached every lower tier (default False: they are written in
+    the background; blocks in the pinned tier are already loadable by this process).
+
+Scheduler and worker connectors of one process (vLLM's single-process executor) share one store, so a block the
+worker saved is found by the scheduler's lookup at once. Across processes (tensor parallelism, a separate engine
+core) the scheduler sees what reached a tier they share: ``shared_dir``, or the block store of an sfstore config.
+With tensor parallelism each rank stores its own heads under its own keys and the scheduler looks up rank 0's.
+Pipeline parallelism and hybrid (HMA) models are not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from sfstore import errors
+from sfstore.kvcache.geometry import DTYPE_SIZES, KVGeometry
+from sfstore.kvcache.store import KVCacheStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["SfstoreConnector", "SfstoreConnectorMetadata", "BlockTransfer", "layout_for", "block_layer_view"]
+
+log = logging.getLogger(__name__)
+
+KV_LAYOUTS = ("auto", "split", "cpu", "opaque")
+
+
+# -- the geometry and the view of one block's layer ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    geometry: KVGeometry
+    layer_names: tuple[str, ...]  # store layer index -> vLLM layer name
+    page_shape: tuple[int, int, int]  # one block of one layer in vLLM: (H, N, C)
+    mode: str  # "split" | "cpu" | "opaque"
+
+    @property
+    def layer_index(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.layer_names)}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def layout_for(kv_cache_config: KVCacheConfig, mode: str = "auto", *, cpu_platform: bool | None = None) -> _Layout:
+    """The store geometry and block mapping for a vLLM ``KVCacheConfig`` (one attention spec for all layers)."""
+    if mode not in KV_LAYOUTS:
+        raise errors.ConfigError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, not {mode!r}")
+    names: list[str] = []
+    specs: list[Any] = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if not isinstance(spec, AttentionSpec):
+            raise errors.NotSupportedOnHostError(
+                f"SfstoreConnector stores attention KV caches only, not {type(spec).__name__} "
+                f"(layers {group.layer_names[:3]}...)"
+            )
+        names.extend(group.layer_names)
+        specs.append(spec)
+    if not specs:
+        raise errors.ConfigError("the vLLM KV cache config has no attention layers")
+    first = specs[0]
+    for s in specs[1:]:
+        if (s.block_size, s.num_heads, s.state_content_size_bytes, s.dtype) != (
+            first.block_size, first.num_heads, first.state_content_size_bytes, first.dtype
+        ):
+            raise errors.NotSupportedOnHostError(
+                "SfstoreConnector needs one KV page shape for every layer; this model's groups differ "
+                f"({first} vs {s}): hybrid models are not supported"
+            )
+    spec = first
+    dtype = _dtype_name(spec.dtype)
+    if dtype not in DTYPE_SIZES:
+        raise errors.NotSupportedOnHostError(
+            f"KV cache dtype {dtype} is not one sfstore stores ({', '.join(DTYPE_SIZES)})"
+        )
+    itemsize = DTYPE_SIZES[dtype]
+    if spec.state_content_size_bytes % itemsize:
+        raise errors.NotSupportedOnHostError(
+            f"a KV page cell of {spec.state_content_size_bytes} bytes is not whole {dtype} elements"
+        )
+    cells = spec.state_content_size_bytes // itemsize
+    heads = spec.num_heads
+    tokens = spec.num_states if hasattr(spec, "num_states") else spec.block_size
+    if tokens != spec.block_size:
+        raise errors.NotSupportedOnHostError(
+            f"SfstoreConnector needs one KV state per token (the spec stores {tokens} per block of {spec.block_size})"
+        )
+    dense = (
+        not isinstance(spec, MLAAttentionSpec)
+        and spec.num_head_slots is None
+        and spec.state_content_bytes is None
+        and spec.head_size == spec.head_size_v
+        and cells == 2 * spec.head_size
+        and str(getattr(spec.kv_quant_mode, "name", "NONE")) == "NONE"
+    )
+    if mode == "auto":
+        if cpu_platform is None:
+            from vllm.platforms import current_platform
+
+            cpu_platform = bool(current_platform.is_cpu())
+        mode = ("cpu" if cpu_platform else "split") if dense else "opaque"
+    elif mode != "opaque" and not dense:
+        raise errors.ConfigError(f"kv_layout {mode!r} needs a dense K/V cache; this model's ({spec}) takes 'opaque'")
+    if mode == "opaque":
+        geom = KVGeometry(len(names), spec.block_size, heads, cells, dtype, kv=1)
+    else:
+        geom = KVGeometry(len(names), spec.block_size, heads, spec.head_size, dtype, kv=2)
+    return _Layout(geom, tuple(names), (heads, spec.block_size, cells), mode)
+
+
+def block_layer_view(layer_cache: torch.Tensor, block_id: int, layout: _Layout) -> torch.Tensor:
+    """A view of block ``block_id`` of one layer's ``[B, H, N, C]`` cache with the store's layer shape
+    ``(kv, tokens, heads, dim)`` (strided, no copy)."""
+    page = layer_cache[block_id]
+    if tuple(page.shape) != layout.page_shape:
+        raise errors.InvalidRequestError(
+            f"a vLLM KV page is {tuple(page.shape)}, but the KV cache config says {layout.page_shape}"
+        )
+    h, n, c = layout.page_shape
+    view: torch.Tensor
+    if layout.mode == "split":  # cell = [K(d) | V(d)]
+        view = page.view(h, n, 2, c // 2).permute(2, 1, 0, 3)
+    elif layout.mode == "cpu":  # per head: N rows of K, then N rows of V (the CPU kernel's view of the page)
+        view = page.view(h, 2, n, c // 2).permute(1, 2, 0, 3)
+    else:  # opaque: (1, N, H, C)
+        view = page.permute(1, 0, 2).unsqueeze(0)
+    return view
+
+
+# -- metadata: scheduler -> worker -----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class BlockTransfer:
+    """Blocks of one request to move this step: store keys and the vLLM block ids they pair with."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class SfstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    loads: list[BlockTransfer] = dataclasses.field(default_factory=list)
+    saves: list[BlockTransfer] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Tracker:
+    """Scheduler-side state of one running request."""
+
+    req_id: str
+    token_ids: Sequence[int]  # the request's (growing) token list
+    extra: tuple[str, ...]
+    prompt_len: int
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    saved_blocks: int = 0  # leading blocks already in the store or sent to be saved
+
+
+# -- one store per process and configuration -------------------------------------------------------------------------
+_stores: dict[tuple[Any, ...], list[Any]] = {}  # key -> [store, users]
+_stores_lock = threading.Lock()
+
+
+def _acquire_store(layout: _Layout, model_id: str, extra: dict[str, Any]) -> tuple[KVCacheStore, tuple[Any, ...]]:
+    cfg = extra.get("sfstore_config")
+    pinned = extra.get("pinned_bytes")
+    shared = extra.get("shared_dir")
+    key = (layout.geometry, model_id, str(cfg) if cfg is not None else None,
+           int(pinned) if pinned is not None else None, str(shared) if shared is not None else None)
+    with _stores_lock:
+        entry = _stores.get(key)
+        if entry is None:
+            kwargs: dict[str, Any] = {"model_id": model_id}
+            if pinned is not None:
+                kwargs["pinned_bytes"] = int(pinned)
+            if cfg is not None:
+                import sfstore
+
+                store = KVCacheStore.from_router(layout.geometry, sfstore.open(cfg), **kwargs)
+            else:
+                store = KVCacheStore(layout.geometry, shared_dir=shared, **kwargs)
+            entry = _stores[key] = [store, 0]
+        entry[1] += 1
+        return entry[0], key
+
+
+def _release_store(key: tuple[Any, ...]) -> None:
+    with _stores_lock:
+        entry = _stores.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _stores[key]
+    entry[0].close()
+
+
+# -- the connector ---------------------------------------------------------------------------------------------------
+class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM KV connector (v1 API) that loads and saves KV-cache blocks through a :class:`KVCacheStore`."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        parallel = vllm_config.parallel_config
+        if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+            raise errors.NotSupportedOnHostError("SfstoreConnector does not support pipeline parallelism yet")
+        self.layout = layout_for(kv_cache_config, str(extra.get("kv_layout", "auto")))
+        self.block_tokens = self.layout.geometry.block_tokens
+        block_size = vllm_config.cache_config.block_size
+        if block_size is not None and block_size != self.block_tokens:
+            raise errors.ConfigError(
+                f"vLLM's block_size ({block_size}) differs from the KV cache spec's ({self.block_tokens})"
+            )
+        model_id = extra.get("model_id")
+        if model_id is None:
+            mc = vllm_config.model_config
+            model_id = getattr(mc, "model", None) or "vllm"
+            revision = getattr(mc, "revision", None)
+            if revision:
+                model_id = f"{model_id}@{revision}"
+        tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        self.model_id = str(model_id) if tp == 1 else f"{model_id}#tp{self._tp_rank(role)}/{tp}"
+        self.save_decode_tokens = bool(extra.get("save_decode_tokens", False))
+        self.wait_for_lower_tiers = bool(extra.get("wait_for_lower_tiers", False))
+        self.store, key = _acquire_store(self.layout, self.model_id, extra)
+        self._store_key: tuple[Any, ...] | None = key
+        # scheduler side
+        self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens of the last lookup
+        self._trackers: dict[str, _Tracker] = {}
+        self._pending_loads: dict[str, BlockTransfer] = {}
+        # worker side
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layer_index = self.layout.layer_index
+        self._loads: list[BlockTransfer] = []
+        self._load_future: Any = None
+        self._load_ok: tuple[list[bytes], list[int]] = ([], [])
+        self._load_errors: set[int] = set()
+        self._saved_keys: set[bytes] = set()
+        # None: stage through the host when the cache is not on the CPU; True/False force it (tests)
+        self.stage_copies: bool | None = None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that did not happen is a later miss, never lost work
+
+    @staticmethod
+    def _tp_rank(role: KVConnectorRole) -> int:
+        if role == KVConnectorRole.SCHEDULER:
+            return 0  # the scheduler looks up rank 0's blocks
+        from vllm.distributed import parallel_state
+
+        return int(parallel_state.get_tensor_model_parallel_rank())
+
+    # ============================== scheduler side ==============================
+    @staticmethod
+    def _extra(request: Any) -> tuple[str, ...]:
+        """What besides the tokens changes a request's KV: cache salt, LoRA adapter, multimodal inputs."""
+        out: list[str] = []
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            out.append(f"salt:{salt}")
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            out.append(f"lora:{lora.lora_name}")
+        for f in getattr(request, "mm_features", None) or ():
+            out.append(f"mm:{f.identifier}")
+        return tuple(out)
+
+    def _cacheable_tokens(self, request: Request) -> Sequence[int] | None:
+        if request.prompt_token_ids is None:  # prompt embeddings: no token ids to key on
+            return None
+        tokens: Sequence[int] = request.all_token_ids
+        return tokens
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        tokens = self._cacheable_tokens(request)
+        if tokens is None:
+            return 0, False
+        # never the whole sequence: vLLM computes at least its last token
+        limit = (request.num_tokens - 1) // self.block_tokens * self.block_tokens
+        if limit <= num_computed_tokens:
+            return 0, False
+        hit = self.store.lookup(list(tokens[:limit]), self._extra(request))
+        self._lookups[request.request_id] = num_computed_tokens
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        tokens = self._cacheable_tokens(request)
+        start = self._lookups.pop(request.request_id, 0)
+        self._pending_loads.pop(request.request_id, None)
+        if tokens is None:
+            return
+        tracker = self._trackers.get(request.request_id)
+        if tracker is None:
+            tracker = _Tracker(request.request_id, tokens, self._extra(request), request.num_prompt_tokens)
+            self._trackers[request.request_id] = tracker
+        if num_external_tokens <= 0:
+            return
+        bt = self.block_tokens
+        if start % bt:
+            raise errors.InvalidRequestError(
+                f"request {request.request_id}: external tokens start at {start}, inside a block of {bt}"
+            )
+        block_ids = blocks.get_block_ids()[0]
+        # a hit the scheduler cut short inside a block still loads that whole block (its tail is recomputed)
+        first, last = start // bt, -(-(start + num_external_tokens) // bt)
+        keys = self.store.keys_for(list(tokens[:last * bt]), self._extra(request))[first:]
+        self._pending_loads[request.request_id] = BlockTransfer(request.request_id, keys, list(block_ids[first:last]))
+        tracker.saved_blocks = max(tracker.saved_blocks, last)  # loaded blocks are in the store already
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """Loaded tokens by where they are now: the pinned tier (host memory) or a lower tier (NVMe, NFS)."""
+        load = self._pending_loads.get(request.request_id)
+        if num_external_tokens <= 0 or load is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)  # type: ignore[no-any-return]
+        host = min(num_external_tokens, sum(1 for k in load.keys if k in self.store.pinned) * self.block_tokens)
+        out = {CacheHitSource.HOST: host, CacheHitSource.DISK: num_external_tokens - host}
+        return {src: n for src, n in out.items() if n > 0}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SfstoreConnectorMetadata:
+        meta = SfstoreConnectorMetadata()
+        scheduled: list[tuple[_Tracker, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            tracker = self._trackers.get(new.req_id)
+            if tracker is None:
+                prompt = list(new.prompt_token_ids or ())
+                tracker = self._trackers[new.req_id] = _Tracker(new.req_id, prompt, (), len(prompt))
+                if new.prompt_token_ids is None:
+                    tracker.saved_blocks = 1 << 62  # nothing to key on
+            tracker.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            scheduled.append((tracker, done))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracker = self._trackers.get(req_id)
+            if tracker is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracker.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                tracker.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            scheduled.append((tracker, done))
+        for tracker, _done in scheduled:
+            load = self._pending_loads.pop(tracker.req_id, None)
+            if load is not None:
+                meta.loads.append(load)
+        for tracker, done in scheduled:
+            save = self._plan_save(tracker, done)
+            if save is not None:
+                meta.saves.append(save)
+        self._pending_loads.clear()
+        return meta
+
+    def _plan_save(self, tracker: _Tracker, computed: int) -> BlockTransfer | None:
+        bt = self.block_tokens
+        tokens = tracker.token_ids
+        limit = len(tokens) if self.save_decode_tokens else tracker.prompt_len
+        end = min(computed, limit, len(tokens)) // bt
+        end = min(end, len(tracker.block_ids))
+        if end <= tracker.saved_blocks:
+            return None
+        keys = self.store.keys_for(list(tokens[:end * bt]), tracker.extra)
+        first = tracker.saved_blocks
+        tracker.saved_blocks = end
+        pairs = [(keys[i], tracker.block_ids[i]) for i in range(first, end) if not self.store.contains(keys[i])]
+        if not pairs:
+            return None
+        return BlockTransfer(tracker.req_id, [k for k, _ in pairs], [b for _, b in pairs])
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._trackers.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        self._pending_loads.pop(request.request_id, None)
+        return False, None  # saves are copied out within their step: vLLM may free the blocks now
+
+    # ============================== worker side ==============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        unknown = [name for name in kv_caches if name not in self._layer_index]
+        if unknown:
+            log.warning("SfstoreConnector: layers %s are not in the KV cache config; they are not offloaded", unknown)
+        for name, cache in kv_caches.items():
+            if name in self._layer_index:
+                block_layer_view(cache, 0, self.layout)  # checks the page shape (and, for "cpu", contiguity)
+        self._kv_caches = dict(kv_caches)
+
+    def _layer_of(self, layer_name: str) -> int | None:
+        return self._layer_index.get(layer_name)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, SfstoreConnectorMetadata)
+        self._loads = [t for t in meta.loads if t.keys]
+        self._load_future = None
+        self._saved_keys = set()
+        if self._loads:
+            keys = [k for t in self._loads for k in t.keys]
+            self._load_future = self.store.prefetch(keys)
+
+    def _resolve_loads(self) -> tuple[list[bytes], list[int]]:
+        """Once per step: wait for the prefetch, drop what it could not find (reported as load errors)."""
+        if self._load_future is None:
+            return self._load_ok
+        keys = [k for t in self._loads for k in t.keys]
+        block_ids = [b for t in self._loads for b in t.block_ids]
+        try:
+            tiers = self._load_future.get()
+        except Exception:  # the blocks are recomputed: vLLM hears of them through get_block_ids_with_load_errors
+            log.exception("SfstoreConnector: prefetching %d blocks failed", len(keys))
+            tiers = [None] * len(keys)
+        self._load_future = None
+        ok_keys, ok_ids = [], []
+        for k, b, tier in zip(keys, block_ids, tiers, strict=True):
+            if tier is None:
+                self._load_errors.add(b)
+            else:
+                ok_keys.append(k)
+                ok_ids.append(b)
+        self._load_ok = (ok_keys, ok_ids)
+        return self._load_ok
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._loads:
+            return
+        layer = self._layer_of(layer_name)
+        if layer is None:
+            return
+        keys, block_ids = self._resolve_loads()
+        if not keys:
+            return
+        cache = self._kv_caches.get(layer_name)
+        if cache is None:
+            raise errors.InvalidRequestError(f"layer {layer_name} has no registered KV cache (register_kv_caches)")
+        try:
+            tiers = self._load_layer(cache, layer, keys, block_ids)
+        except Exception:  # recomputed instead (get_block_ids_with_load_errors)
+            log.exception("SfstoreConnector: loading layer %s of %d blocks failed", layer_name, len(keys))
+            tiers = [None] * len(keys)
+        for b, tier in zip(block_ids, tiers, strict=True):
+            if tier is None:  # evicted since the prefetch, or the copy failed
+                self._load_errors.add(b)
+
+    def _load_layer(self, cache: torch.Tensor, layer: int, keys: list[bytes], block_ids: list[int]) -> list[str | None]:
+        if not self._staged(cache):
+            return self.store.get_layer_into(keys, layer, [block_layer_view(cache, b, self.layout) for b in block_ids])
+        # one host staging tensor, then one copy to the device and one scatter into the pages
+        staging = torch.empty((len(block_ids), *self.layout.page_shape), dtype=cache.dtype,
+                              pin_memory=cache.device.type == "cuda")
+        tiers = self.store.get_layer_into(
+            keys, layer, [block_layer_view(staging, i, self.layout) for i in range(len(block_ids))]
+        )
+        rows = [i for i, tier in enumerate(tiers) if tier is not None]
+        if rows:
+            dst = torch.tensor([block_ids[i] for i in rows], dtype=torch.long, device=cache.device)
+            src = staging if len(rows) == len(block_ids) else staging[rows]
+            cache[dst] = src.to(cache.device, non_blocking=True)
+        return tiers
+
+    def _staged(self, cache: torch.Tensor) -> bool:
+        """Whether copies go through one host staging tensor per layer (a GPU cache: one device-host copy per
+        layer and step instead of one per block) or block by block straight from and to the pages (a CPU cache)."""
+        return cache.device.type != "cpu" if self.stage_copies is None else self.stage_copies
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        layer = self._layer_of(layer_name)
+        if layer is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, SfstoreConnectorMetadata)
+        saves = [t for t in meta.saves if t.keys]
+        if not saves:
+            return
+        try:
+            self._save_layer(kv_layer, layer, saves)
+        except Exception:  # a cache: a failed save is a later miss, not a failed step
+            log.exception("SfstoreConnector: saving layer %s failed", layer_name)
+
+    def _save_layer(self, kv_layer: torch.Tensor, layer: int, saves: list[BlockTransfer]) -> None:
+        if not self._staged(kv_layer):
+            for save in saves:
+                self.store.put_layer(save.keys, layer, [block_layer_view(kv_layer, b, self.layout)
+                                                         for b in save.block_ids])
+                self._saved_keys.update(save.keys)
+            return
+        # gather the pages on the device, one copy to the host, then the store copies each block's slice
+        block_ids = [b for t in saves for b in t.block_ids]
+        keys = [k for t in saves for k in t.keys]
+        idx = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
+        pages = kv_layer[idx].to("cpu")
+        self.store.put_layer(keys, layer, [block_layer_view(pages, i, self.layout) for i in range(len(block_ids))])
+        self._saved_keys.update(keys)
+
+    def wait_for_save(self) -> None:
+        if self._saved_keys:
+            # Every layer of this step has been through save_kv_layer: a block still partial was abandoned
+            # (the step ended early); it must not linger in the pinned tier.
+            self.store.discard_partial(list(self._saved_keys))
+        if self._saved_keys and self.wait_for_lower_tiers:
+            self.store.wait_for_puts()
+        self._saved_keys = set()
+        self._loads = []
+        self._load_ok = ([], [])
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        key, self._store_key = self._store_key, None
+        if key is not None:
+            _release_store(key)

@@ -1,0 +1,468 @@
+"""``sfstore.kvcache.vllm.SfstoreConnector`` against vLLM's real classes (vLLM 0.33.0 on the CPU).
+
+Runs in its own environment: ``tools/vllm-env.sh`` makes ``.venv-vllm``, then
+``.venv-vllm/bin/python -m pytest tests/vllm``. Elsewhere (the main venv has no vLLM) every test skips.
+
+What is real here: ``VllmConfig``/``KVTransferConfig`` naming the connector by ``kv_connector_module_path``,
+``KVConnectorFactory`` building both roles, vLLM's ``Scheduler`` (prefix cache, block allocation, chunked
+prefill) calling the scheduler side, ``Request`` objects, ``Attention`` layers with the CPU backend, KV cache
+configs and paged caches planned and allocated by vLLM's own functions, the worker connector made by
+``ensure_kv_transfer_initialized``, the forward context, vLLM's per-step connector protocol
+(``KVConnectorModelRunnerMixin``) and the ``maybe_transfer_kv_layer`` hook around ``unified_attention_with_output``.
+What is not: the attention kernel (vLLM's CPU kernels are in ``vllm._C``, which the CUDA wheel lacks on a CPU
+machine) — a stand-in writes each token's K and V into the paged cache, as the kernel does, from a deterministic
+function of (layer, position, token); tests that use it say so in their names.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import contextlib
+import json
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# tests/vllm itself would import as a namespace package named vllm where vLLM is absent: ask for a real module
+pytest.importorskip("vllm.config", reason="vLLM is not installed here (tools/vllm-env.sh makes .venv-vllm)")
+torch = pytest.importorskip("torch")
+
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer import kv_transfer_state  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.model_executor.layers.attention import Attention  # noqa: E402
+from vllm.model_executor.layers.attention.attention import unified_attention_with_output  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata  # noqa: E402
+from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache  # noqa: E402
+
+from sfstore.kvcache import vllm as sfvllm  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 16
+LAYERS = 3
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+DTYPE = torch.bfloat16
+MAX_LEN = 256
+CONNECTOR = {"kv_connector": "SfstoreConnector", "kv_connector_module_path": "sfstore.kvcache.vllm"}
+
+
+# -- a tiny model config that vLLM reads without a hub ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="sfstore-vllm-model-") as d:
+        cfg = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * HEAD_DIM,
+            "intermediate_size": 128, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+            "head_dim": HEAD_DIM, "num_hidden_layers": LAYERS, "vocab_size": 1000, "max_position_embeddings": 1024,
+            "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+        }
+        (Path(d) / "config.json").write_text(json.dumps(cfg))
+        yield Path(d)
+
+
+def make_config(model_dir: Path, extra: dict[str, Any], *, layout: str = "LBHNC", num_blocks: int = 64,
+                batched_tokens: int = 2048, prefix_caching: bool = True) -> VllmConfig:
+    cfg = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
+                                 max_model_len=MAX_LEN),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=batched_tokens, max_model_len=MAX_LEN,
+                                         max_num_seqs=8, is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(kv_role="kv_both", kv_connector_extra_config=extra, **CONNECTOR),
+    )
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    cfg.cache_config.kv_cache_layout = layout
+    return cfg
+
+
+def layer_names() -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def kv_cache_config(cfg: VllmConfig, num_blocks: int) -> KVCacheConfig:
+    """Planned by vLLM from the layers' specs, as the engine core does."""
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=DTYPE)
+    specs = {name: spec for name in layer_names()}
+    groups = get_global_kv_cache_groups(cfg, [specs])
+    return get_kv_cache_configs(cfg, [specs], [num_blocks * spec.page_size_bytes * LAYERS], groups)[0]
+
+
+init_none_hash(__import__("vllm.utils.hashing", fromlist=["sha256"]).sha256)
+
+
+def make_request(req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
+    from vllm.utils.hashing import sha256
+
+    return Request(req_id, tokens, SamplingParams(max_tokens=max_tokens), None,
+                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+# -- the stand-in attention kernel: K and V of a token are a function of (layer, position, token) ---------------------
+def token_kv(layer: int, positions: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic [T, KV_HEADS, HEAD_DIM] keys and values, distinct per layer, position and token."""
+    base = (layer * 1_000_003 + positions * 7919 + tokens * 31).to(torch.float64)
+    grid = torch.arange(2 * KV_HEADS * HEAD_DIM, dtype=torch.float64)
+    vals = torch.sin(base[:, None] * 0.001 + grid[None, :] * 0.37) * 8
+    k, v = vals.to(DTYPE).view(-1, 2, KV_HEADS, HEAD_DIM).unbind(1)
+    return k.contiguous(), v.contiguous()
+
+
+def write_kv_like_the_kernel(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             slots: torch.Tensor, layout: str) -> None:
+    """Write K and V at ``slots`` the way vLLM's backends read the page: the CPU backend views each head's page
+    as all K rows then all V rows; FlashAttention-style backends split each cell into K then V."""
+    blocks, offs = slots // BLOCK, slots % BLOCK
+    nb, h, n, _c = kv_cache.shape
+    if layout == "cpu":
+        key_cache, value_cache = kv_cache.view(nb, h, 2 * n, -1).chunk(2, dim=2)  # as CPUAttentionBackendImpl
+        key_cache[blocks, :, offs] = key
+        value_cache[blocks, :, offs] = value
+    else:
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(HEAD_DIM, dim=-1)  # as FlashAttentionImpl
+        key_cache[blocks, offs] = key
+        value_cache[blocks, offs] = value
+
+
+@dataclass
+class Engine:
+    """One vLLM server's pieces: scheduler (with its connector), layers, paged KV cache, worker connector."""
+
+    cfg: VllmConfig
+    scheduler: Scheduler
+    kv_caches: dict[str, torch.Tensor]
+    layers: dict[str, Attention]
+    worker: Any
+    mode: str
+    step_log: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    def step(self) -> Any:
+        """One engine step: schedule, run the attention layers under vLLM's connector protocol, update."""
+        so = self.scheduler.schedule()
+        req_ids, tokens, positions, slots = [], [], [], []
+        query_start, seq_lens, tables = [0], [], []
+        for new in so.scheduled_new_reqs:
+            self._rows[new.req_id] = (list(new.prompt_token_ids or ()), list(new.block_ids[0]))
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            toks, blocks = self._rows[rid]
+            ids = cached.new_block_ids[i]
+            if ids is not None:
+                blocks = list(ids[0]) if rid in cached.resumed_req_ids else blocks + list(ids[0])
+            self._rows[rid] = (toks, blocks)
+        computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for rid, n in so.num_scheduled_tokens.items():
+            toks, blocks = self._rows[rid]
+            start = computed[rid]
+            pos = torch.arange(start, start + n)
+            req_ids.append(rid)
+            positions.append(pos)
+            tokens.append(torch.tensor(self.requests[rid].all_token_ids[start:start + n]))
+            slots.append(torch.tensor(blocks)[pos // BLOCK] * BLOCK + pos % BLOCK)
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(blocks)
+        pos_t, tok_t, slot_t = torch.cat(positions), torch.cat(tokens), torch.cat(slots)
+        width = max(len(t) for t in tables)
+        md = CPUAttentionMetadata(
+            num_actual_tokens=len(slot_t), max_query_len=max(so.num_scheduled_tokens.values()),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32), max_seq_len=max(seq_lens),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            slot_mapping=slot_t, scheduler_metadata=None,
+        )
+        attn_md = {name: md for name in self.layers}
+        with set_forward_context(attn_md, self.cfg, slot_mapping={name: slot_t for name in self.layers}):
+            with KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_out:
+                for li, name in enumerate(self.layers):
+                    k, v = token_kv(li, pos_t, tok_t)
+                    q = torch.zeros(len(slot_t), HEADS, HEAD_DIM, dtype=DTYPE)
+                    out = torch.empty(len(slot_t), HEADS * HEAD_DIM, dtype=DTYPE)
+                    self._pending_kv[name] = (k, v, slot_t)
+                    unified_attention_with_output(q, k, v, out, name)
+        # a token is sampled only where the step reached the end of the request's tokens (not mid-prefill)
+        sampled = [[(seq_lens[i] * 17) % 1000] if seq_lens[i] >= self.requests[r].num_tokens else []
+                   for i, r in enumerate(req_ids)]
+        output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                   sampled_token_ids=sampled, kv_connector_output=kv_out)
+        stats = self.scheduler.connector_prefix_cache_stats
+        self.step_log.append({"scheduled": dict(so.num_scheduled_tokens), "meta": so.kv_connector_metadata,
+                              "computed": computed, "load_errors": set(kv_out.invalid_block_ids or ()),
+                              "hits_by_source": dict(stats.hits_by_source) if stats is not None else None})
+        self.scheduler.update_from_output(so, output)
+        return so
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.scheduler.add_request(req)
+
+    def run(self, max_steps: int = 50) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+    def blocks_of(self, req_id: str) -> list[int]:
+        return self._rows[req_id][1]
+
+    def __post_init__(self) -> None:
+        self._rows: dict[str, tuple[list[int], list[int]]] = {}
+        self._pending_kv: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.requests: dict[str, Request] = {}
+        engine = self
+
+        def stand_in_kernel(layer: Attention, query: Any, key: Any, value: Any, kv_cache: torch.Tensor,
+                            attn_metadata: Any, output: torch.Tensor, **kw: Any) -> torch.Tensor:
+            write_kv_like_the_kernel(kv_cache, key, value, attn_metadata.slot_mapping, engine.mode)
+            return output.zero_()
+
+        for layer in self.layers.values():
+            layer.impl.forward = stand_in_kernel
+
+
+@contextlib.contextmanager
+def engine(model_dir: Path, extra: dict[str, Any], *, layout: str = "LBHNC", num_blocks: int = 64,
+           batched_tokens: int = 2048, prefix_caching: bool = True,
+           stage_copies: bool | None = None) -> Iterator[Engine]:
+    """A vLLM server's scheduler and worker in this process (as vLLM's single-process executor runs them)."""
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    cfg = make_config(model_dir, extra, layout=layout, num_blocks=num_blocks, batched_tokens=batched_tokens,
+                      prefix_caching=prefix_caching)
+    kcc = kv_cache_config(cfg, num_blocks)
+    init_file = Path(tempfile.gettempdir()) / f"sfstore-vllm-dist-{uuid.uuid4().hex}"
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(1, 0, f"file://{init_file}", 0, backend="gloo")
+        initialize_model_parallel(1, 1)
+        try:
+            layers = {name: Attention(num_heads=HEADS, head_size=HEAD_DIM, scale=HEAD_DIM ** -0.5,
+                                      num_kv_heads=KV_HEADS, cache_config=cfg.cache_config, prefix=name)
+                      for name in layer_names()}
+            kv_caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[layout])
+            bind_kv_cache(kv_caches, cfg.compilation_config.static_forward_context, [])
+            kv_transfer_state.ensure_kv_transfer_initialized(cfg, kcc)
+            worker = kv_transfer_state.get_kv_transfer_group()
+            worker.stage_copies = stage_copies  # True: the path a GPU cache takes (gather, one host copy, scatter)
+            worker.register_kv_caches(kv_caches)
+            sched = Scheduler(cfg, kcc, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=True)
+            mode = sfvllm.layout_for(kcc, extra.get("kv_layout", "auto")).mode
+            yield Engine(cfg, sched, kv_caches, layers, worker, mode)
+        finally:
+            kv_transfer_state.ensure_kv_transfer_shutdown()
+            with contextlib.suppress(NameError):
+                sched.shutdown()
+            destroy_model_parallel()
+            destroy_distributed_environment()
+            init_file.unlink(missing_ok=True)
+
+
+def expected_kv(layer: int, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return token_kv(layer, torch.arange(len(tokens)), torch.tensor(tokens))
+
+
+def assert_blocks_hold(eng: Engine, block_ids: list[int], tokens: list[int]) -> None:
+    """The paged cache's blocks hold exactly the K/V the stand-in kernel computes for ``tokens``."""
+    for li, name in enumerate(layer_names()):
+        cache = eng.kv_caches[name]
+        key, value = expected_kv(li, tokens)
+        for bi, b in enumerate(block_ids):
+            view = sfvllm.block_layer_view(cache, b, eng.connector.layout)
+            rows = slice(bi * BLOCK, (bi + 1) * BLOCK)
+            if eng.mode == "opaque":
+                continue  # bytes compared by the callers
+            assert torch.equal(view[0].view(torch.int16), key[rows].view(torch.int16)), (name, b)
+            assert torch.equal(view[1].view(torch.int16), value[rows].view(torch.int16)), (name, b)
+
+
+# -- tests ----------------------------------------------------------------------------------------------------------
+def test_factory_builds_both_roles_from_module_path(model_dir: Path) -> None:
+    cfg = make_config(model_dir, {"pinned_bytes": 1 << 20})
+    kcc = kv_cache_config(cfg, 32)
+    sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kcc)
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
+    try:
+        assert type(sched).__name__ == type(worker).__name__ == "SfstoreConnector"
+        assert sched.role == KVConnectorRole.SCHEDULER and worker.role == KVConnectorRole.WORKER
+        g = sched.layout.geometry
+        assert (g.num_layers, g.block_tokens, g.num_kv_heads, g.head_dim, g.dtype, g.kv) == (
+            LAYERS, BLOCK, KV_HEADS, HEAD_DIM, "bfloat16", 2)
+        assert sched.layout.mode == "cpu"  # vLLM's CPU platform
+        assert sched.store is worker.store  # one process, one store: the scheduler sees what the worker saved
+        assert sched.model_id == str(model_dir)
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+def test_block_views_match_vllm_backends_reading_of_the_page(model_dir: Path) -> None:
+    """The store's (kv, token, head, dim) view of a page is K and V as vLLM's backends read them."""
+    for layout, mode in (("LBHNC", "cpu"), ("LBNHC", "split"), ("BLNHC", "split"), ("LBNHC", "opaque")):
+        cfg = make_config(model_dir, {}, layout=layout)
+        kcc = kv_cache_config(cfg, 32)
+        caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[layout])
+        lay = sfvllm.layout_for(kcc, mode)
+        cache = caches[layer_names()[1]]
+        slots = torch.arange(3 * BLOCK, 4 * BLOCK)
+        k, v = token_kv(1, slots, slots + 5)
+        write_kv_like_the_kernel(cache, k, v, slots, "cpu" if mode == "cpu" else "split")
+        view = sfvllm.block_layer_view(cache, 3, lay)
+        assert tuple(view.shape) == lay.geometry.layer_shape
+        if mode == "opaque":
+            assert torch.equal(view[0].permute(1, 0, 2), cache[3])
+        else:
+            assert torch.equal(view[0], k) and torch.equal(view[1], v), (layout, mode)
+
+
+def test_scheduler_lookup_rounds_to_blocks_and_keeps_one_token(model_dir: Path) -> None:
+    with engine(model_dir, {"pinned_bytes": 4 << 20}) as eng:
+        conn = eng.connector
+        tokens = list(range(100, 196))  # 96 tokens: 6 full blocks
+        keys = conn.store.keys_for(tokens, ())
+        blocks = [torch.zeros(conn.layout.geometry.block_bytes // 2, dtype=DTYPE) for _ in keys]
+        conn.store.put(keys, blocks)
+        req = make_request("q", tokens)
+        assert conn.get_num_new_matched_tokens(req, 0) == (80, False)  # not the last block: 1 token to compute
+        assert conn.get_num_new_matched_tokens(req, 32) == (48, False)
+        longer = make_request("q2", [*tokens, 7, 8, 9])
+        assert conn.get_num_new_matched_tokens(longer, 0) == (96, False)
+        other = make_request("q3", [1, *tokens[1:]])
+        assert conn.get_num_new_matched_tokens(other, 0) == (0, False)
+        salted = Request("q4", [*tokens, 7], SamplingParams(max_tokens=1), None, cache_salt="tenant-b")
+        assert conn.get_num_new_matched_tokens(salted, 0) == (0, False)  # the salt is part of every key
+
+
+@pytest.mark.parametrize("layout,kv_layout,staged", [
+    ("LBHNC", "auto", None), ("LBNHC", "split", None), ("BLNHC", "opaque", None), ("LBHNC", "auto", True),
+    ("LBNHC", "split", True),
+])
+def test_save_then_load_in_another_server_with_stand_in_attention_kernel(
+    model_dir: Path, tmp_path: Path, layout: str, kv_layout: str, staged: bool | None
+) -> None:
+    """Server A computes a prompt and saves its blocks; server B (new paged cache, other block ids) gets the
+    prefix from the store, bit-exact, and computes only the rest."""
+    extra = {"pinned_bytes": 4 << 20, "shared_dir": str(tmp_path / "shared"), "kv_layout": kv_layout,
+             "model_id": f"tiny-{layout}-{kv_layout}-{staged}"}
+    prompt = [(i * 37 + 11) % 1000 for i in range(100)]  # 6 full blocks and 4 tokens
+    with engine(model_dir, extra, layout=layout, stage_copies=staged) as a:
+        a.add(make_request("a1", prompt))
+        first = a.step()
+        assert first.scheduled_new_reqs[0].num_computed_tokens == 0  # nothing in the store yet
+        meta = a.step_log[0]["meta"]
+        assert isinstance(meta, sfvllm.SfstoreConnectorMetadata)
+        assert meta.loads == [] and len(meta.saves) == 1
+        assert meta.saves[0].block_ids == a.blocks_of("a1")[:6]
+        a.run()
+        a_blocks = a.blocks_of("a1")[:6]
+        a_pages = {name: a.kv_caches[name][a_blocks].clone() for name in layer_names()}
+        assert_blocks_hold(a, a_blocks, prompt[:96])
+        keys = a.connector.store.keys_for(prompt, ())
+        assert all(a.connector.store.contains(k) for k in keys)
+        a.connector.store.wait_for_puts()
+
+    with engine(model_dir, extra, layout=layout, num_blocks=48, stage_copies=staged) as b:
+        store = b.connector.store
+        b.add(make_request("filler", [5] * 40))  # takes the first block ids: B's blocks differ from A's
+        b.step()
+        assert store is not a.connector.store  # a new server: a new pinned tier, the shared tier is common
+        pinned_before = store.stats()["resident"]["pinned"]
+        b.add(make_request("b1", [*prompt, 1, 2, 3]))
+        so = b.step()
+        assert store.stats()["resident"]["pinned"] == pinned_before + 6  # promoted from the shared tier
+        new = next(r for r in so.scheduled_new_reqs if r.req_id == "b1")
+        assert new.num_computed_tokens == 96  # 6 blocks from the store
+        assert so.num_scheduled_tokens["b1"] == 7  # only the rest is computed
+        meta = b.step_log[-1]["meta"]
+        b_blocks = b.blocks_of("b1")[:6]
+        assert [t.block_ids for t in meta.loads] == [b_blocks]
+        assert b_blocks != a_blocks
+        assert b.step_log[-1]["load_errors"] == set()
+        assert b.step_log[-1]["hits_by_source"] == {CacheHitSource.DISK: 96}  # from the shared tier
+        for name in layer_names():
+            assert torch.equal(b.kv_caches[name][b_blocks].view(torch.int16), a_pages[name].view(torch.int16)), name
+        assert_blocks_hold(b, b_blocks, prompt[:96])
+        b.run()
+
+
+def test_chunked_prefill_saves_each_block_once_with_stand_in_attention_kernel(model_dir: Path) -> None:
+    prompt = [(i * 13 + 3) % 1000 for i in range(150)]  # 9 full blocks
+    extra = {"pinned_bytes": 4 << 20, "model_id": "tiny-chunked"}
+    with engine(model_dir, extra, batched_tokens=40) as eng:
+        eng.add(make_request("c1", prompt))
+        eng.run()
+        saved = [b for entry in eng.step_log for t in entry["meta"].saves for b in t.block_ids]
+        assert len(eng.step_log) >= 4  # 150 tokens in chunks of 40
+        assert saved == eng.blocks_of("c1")[:9]  # each full prompt block once, in order, as it completed
+        store = eng.connector.store
+        assert all(store.contains(k) for k in store.keys_for(prompt, ()))
+        assert eng.connector.get_num_new_matched_tokens(make_request("c2", prompt), 0) == (144, False)
+
+
+def test_block_missing_at_load_time_is_reported_with_stand_in_attention_kernel(model_dir: Path) -> None:
+    prompt = [(i * 7 + 1) % 1000 for i in range(70)]  # 4 full blocks
+    extra = {"pinned_bytes": 4 << 20, "model_id": "tiny-miss"}
+    with engine(model_dir, extra, prefix_caching=False) as eng:
+        eng.add(make_request("m1", prompt))
+        eng.run()
+        store = eng.connector.store
+        keys = store.keys_for(prompt, ())
+        eng.add(make_request("m2", prompt))
+        so = eng.scheduler.schedule()  # plans a load of 4 blocks
+        assert so.scheduled_new_reqs[0].num_computed_tokens == 64
+        assert eng.scheduler.connector_prefix_cache_stats.hits_by_source == {CacheHitSource.HOST: 64}  # pinned
+        store.evict(keys[2:3])  # gone between the lookup and the load
+        worker = eng.worker
+        worker.bind_connector_metadata(so.kv_connector_metadata)
+        worker.start_load_kv(None)
+        for name in layer_names():
+            worker.wait_for_layer_load(name)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        assert worker.get_block_ids_with_load_errors() == {so.scheduled_new_reqs[0].block_ids[0][2]}
+        assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_bad_kv_layout_is_a_config_error(model_dir: Path) -> None:
+    from sfstore import errors
+
+    cfg = make_config(model_dir, {"kv_layout": "diagonal"})
+    with pytest.raises(errors.ConfigError, match="kv_layout"):
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg, 32))
