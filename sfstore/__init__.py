@@ -13,7 +13,8 @@ __all__ = ["__version__", "open"]
 
 
 def open(config: Any = None) -> Router:
-    """Read the configuration and return the :class:`~sfstore.router.Router` (see :mod:`sfstore.router`)."""
-    from sfstore.router import Router
+    """Read the configuration and return the :class:`~sfstore.router.Router` (see :mod:`sfstore.router`): the
+    same one for the same configuration, so every face shares its paths and counters."""
+    from sfstore import router
 
-    return Router(config)
+    return router.open(config)

@@ -82,12 +82,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from sfstore.demo import run_demo
 
     size = SETTINGS["buffer_size"].parse(args.size, "--size")
-    return run_demo(data_dir=args.data_dir, size=size, show_probe=not args.no_probe)
+    return run_demo(data_dir=args.data_dir, size=size, show_probe=not args.no_probe, config=args.config,
+                    json_out=args.json, shards=args.shards)
 
 
 def _add_demo(sub: Subparsers) -> None:
     p = sub.add_parser("demo", help="show what sfstore does, on the embedded default data directory",
-                       description="Print the probe, then move data through the I/O engine and verify it.")
+                       description="A training job (dataset over sf://, DataLoader, save_async, a crash and a "
+                                   "resume) and an inference job (KV-cache reuse across tiers), hot blocks, then a "
+                                   "per-path summary. Everything read back is verified.")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="sfstore config file: run on a real cluster's paths (default: the embedded default)")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the summary as JSON")
+    p.add_argument("--shards", type=int, default=32, help="dataset shards of 512 samples (default 32)")
     p.add_argument("--data-dir", metavar="PATH", default=None,
                    help="data directory (default: the data_dir setting, SFSTORE_DATA_DIR)")
     p.add_argument("--size", default="64m", help="bytes for the engine round trip (default 64m)")

@@ -187,6 +187,12 @@ _overrides: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
+def overrides_key() -> tuple[tuple[str, str], ...]:
+    """The settings changed with :func:`set` in this process, as a hashable value (to cache on)."""
+    with _lock:
+        return tuple(sorted((k, repr(v)) for k, v in _overrides.items()))
+
+
 def _setting(name: str) -> Setting:
     try:
         return SETTINGS[name]

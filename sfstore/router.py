@@ -166,6 +166,7 @@ class Router:
         self._paths: dict[str, StoragePath] = {}
         self._attached: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.closed = False
 
     def _apply_settings(self, settings: Any) -> None:
         settings = _expect(self._source, "settings", settings, dict, "a table of sfstore settings")
@@ -249,6 +250,7 @@ class Router:
     def close(self) -> None:
         """Close what the faces attached (block stores, ...) and the paths this router made."""
         with self._lock:
+            self.closed = True
             stores, self._attached = list(self._attached.values()), {}
             paths, self._paths = list(self._paths.values()), {}
         for st in stores:
@@ -319,6 +321,38 @@ class Router:
         return "\n".join(lines)
 
 
+_routers: dict[tuple[Any, ...], Router] = {}
+_routers_lock = threading.Lock()
+
+
+def _cache_key(config: str | os.PathLike[str] | None) -> tuple[Any, ...]:
+    path = find_config(config)
+    try:
+        stamp = os.stat(path).st_mtime_ns if path else None
+    except OSError:
+        stamp = None
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("SFSTORE_") or k == "XDG_DATA_HOME"))
+    return (path, stamp, env, defaults.overrides_key(), os.getcwd())
+
+
 def open(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> Router:
-    """Open sfstore: read the configuration and return the :class:`Router` for this process."""
-    return Router(config)
+    """Open sfstore: read the configuration and return the :class:`Router` for this process.
+
+    With the same configuration (file, ``SFSTORE_*`` variables, settings) every call returns the same router,
+    so the faces (``sf://``, checkpoints, block and KV-cache stores) share its paths and their counters show
+    everything this process moved per data class. A mapping makes a new router each time.
+    """
+    if isinstance(config, Mapping):
+        return Router(config)
+    key = _cache_key(config)
+    with _routers_lock:
+        got = _routers.get(key)
+        if got is not None and not got.closed:
+            return got
+    made = Router(config)
+    with _routers_lock:
+        got = _routers.get(key)
+        if got is not None and not got.closed:
+            return got
+        _routers[key] = made
+    return made

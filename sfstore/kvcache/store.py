@@ -9,7 +9,6 @@ from the highest tier that has it and promotes it to the tiers above.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -63,6 +62,9 @@ class KVCacheStore:
         The shared tier's directory (``None``: no shared tier).
     fsync_shared : bool
         fsync each shared file before publishing it (durable across a node crash, slower).
+    shared_on : FilePath, optional
+        Makes ``shared_dir`` a directory under this file path (the router's ``kvcache`` path, so its counters
+        include the shared tier's bytes).
 
     Notes
     -----
@@ -81,6 +83,7 @@ class KVCacheStore:
         block_store: BlockStore | str | None = None,
         shared_dir: str | Any = None,
         fsync_shared: bool = False,
+        shared_on: Any = None,
     ) -> None:
         self.geometry = geometry
         self.model_id = model_id
@@ -94,7 +97,8 @@ class KVCacheStore:
                 f"of {geometry.block_bytes} bytes; open it with size_classes including {geometry.block_bytes}"
             )
         self.block: BlockStore | None = block_store
-        self.shared = SharedTier(geometry, shared_dir, fsync=fsync_shared) if shared_dir is not None else None
+        self.shared = (SharedTier(geometry, shared_dir, fsync=fsync_shared, on=shared_on)
+                       if shared_dir is not None else None)
         self.namespace = model_id.encode() + b"\0" + geometry.fingerprint()
         self.counters = Counters(_COUNTERS)
         self._lat: dict[str, deque[float]] = {op: deque(maxlen=_LATENCY_SAMPLES) for op in ("put", "get")}
@@ -125,9 +129,9 @@ class KVCacheStore:
                 block = BlockStore.from_router(router, "hot")
             if block.max_value_bytes < geometry.block_bytes:
                 block = None  # an existing store with smaller classes: the tier is skipped (stats() shows it)
-        kv_root = router.path("kvcache")
-        root = getattr(kv_root, "fp", kv_root).root
-        return cls(geometry, model_id=model_id, block_store=block, shared_dir=os.path.join(root, "shared"), **kwargs)
+        kv_path = router.path("kvcache")
+        fp = getattr(kv_path, "fp", kv_path)
+        return cls(geometry, model_id=model_id, block_store=block, shared_dir="shared", shared_on=fp, **kwargs)
 
     # -- keys -------------------------------------------------------------------------------------------------
     def keys_for(self, token_ids: Sequence[int] | Any, extra: Iterable[Any] = ()) -> list[bytes]:

@@ -159,15 +159,22 @@ class SharedTier:
     a whole block or none, and a killed writer leaves only a temporary file, which listings ignore.
     """
 
-    def __init__(self, geom: KVGeometry, directory: str | os.PathLike[str], *, fsync: bool = False) -> None:
+    def __init__(
+        self, geom: KVGeometry, directory: str | os.PathLike[str], *, fsync: bool = False, on: FilePath | None = None
+    ) -> None:
         self.geom = geom
-        self.fp = FilePath(directory)
+        if on is None:
+            self.fp = FilePath(directory)
+            self.prefix = ""
+        else:  # a directory under an existing file path (the router's): its counters show this tier's bytes
+            self.fp = on
+            self.prefix = os.fspath(directory).strip("/") + "/"
+            self.fp.resolve(self.prefix)  # refuses a directory outside it
         self.fsync = fsync
 
-    @staticmethod
-    def name(key: bytes) -> str:
+    def name(self, key: bytes) -> str:
         h = key.hex()
-        return f"{h[:2]}/{h}.kvb"
+        return f"{self.prefix}{h[:2]}/{h}.kvb"
 
     def contains(self, key: bytes) -> bool:
         return os.path.isfile(self.fp.resolve(self.name(key)))
@@ -206,7 +213,7 @@ class SharedTier:
             return False
 
     def count(self) -> int:
-        root = self.fp.resolve("")
+        root = self.fp.resolve(self.prefix)
         n = 0
         for _dirpath, _dirs, files in os.walk(root):
             n += sum(1 for f in files if f.endswith(".kvb") and not self.fp.is_temporary(f))

@@ -138,9 +138,11 @@ class DevicePath(StoragePath):
 
     def describe(self) -> dict[str, Any]:
         d = self.fp.describe()
+        mine = self.counters.snapshot()  # slab I/O here; whole files (the KV cache's shared tier) on self.fp
+        counters = {k: mine.get(k, 0) + int(v) for k, v in d.get("counters", {}).items()}
         return {**d, "kind": self.kind, "mode": self.mode, "why": self.why,
                 "supports_device_buffers": self.supports_device_buffers,
-                "fallbacks": list(self.fallbacks) + list(d.get("fallbacks", [])), "counters": self.counters.snapshot()}
+                "fallbacks": list(self.fallbacks) + list(d.get("fallbacks", [])), "counters": counters}
 
     # -- files -----------------------------------------------------------------------------------------------
     def slab(self, path: str | os.PathLike[str], size: int) -> str:
