@@ -42,6 +42,7 @@ from typing import Any
 from sfstore.errors import ConfigError, NotSupportedOnHostError, NvmeError
 
 __all__ = [
+    "parse_address",
     "NvmeofTarget",
     "Namespace",
     "Controller",
@@ -256,7 +257,7 @@ def _read_int(path: str) -> int | None:
     return int(text) if text is not None and text.isdigit() else None
 
 
-def _parse_address(text: str | None) -> dict[str, str]:
+def parse_address(text: str | None) -> dict[str, str]:
     """``traddr=10.0.0.1,trsvcid=4420,src_addr=...`` as a dict; a PCI address as ``{"traddr": ...}``."""
     if not text:
         return {}
@@ -280,7 +281,7 @@ def _controller(ctrl_dir: str, sys_block: str) -> Controller | None:
     state = _read(os.path.join(ctrl_dir, "state"))
     if state is None:
         return None  # removed while we looked
-    address = _parse_address(_read(os.path.join(ctrl_dir, "address")))
+    address = parse_address(_read(os.path.join(ctrl_dir, "address")))
     try:
         entries = sorted(os.listdir(ctrl_dir))
     except OSError:
@@ -520,18 +521,24 @@ def _wait(name: str, deadline: float) -> Controller | None:
         time.sleep(0.05)
 
 
-def _libnvme_connect(nvme: ModuleType, target: NvmeofTarget, subsysnqn: str, cfg: dict[str, Any]) -> str:
-    """Connect ``target`` (with ``subsysnqn``) through libnvme; return the new controller's name.
-
-    Every libnvme object lives in this function and is deleted child first (controller, host, root): the root
-    frees the whole tree, so a controller freed after it would be freed twice.
-    """
+def _libnvme_args(target: NvmeofTarget, subsysnqn: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Keyword arguments of ``nvme.ctrl`` and ``nvme.host`` for ``target`` (unset ones left out)."""
     ctrl_args: dict[str, str] = {"subsysnqn": subsysnqn, "transport": target.transport}
     for key in ("traddr", "trsvcid", "host_traddr", "host_iface"):
         value = getattr(target, key)
         if value:
             ctrl_args[key] = value
     host_args = {k: v for k, v in (("hostnqn", target.hostnqn), ("hostid", target.hostid)) if v}
+    return ctrl_args, host_args
+
+
+def _libnvme_connect(nvme: ModuleType, target: NvmeofTarget, subsysnqn: str, cfg: dict[str, Any]) -> str:
+    """Connect ``target`` (with ``subsysnqn``) through libnvme; return the new controller's name.
+
+    Every libnvme object lives in this function and is deleted child first (controller, host, root): the root
+    frees the whole tree, so a controller freed after it would be freed twice.
+    """
+    ctrl_args, host_args = _libnvme_args(target, subsysnqn)
     root = nvme.root()
     try:
         host = nvme.host(root, **host_args)
@@ -550,12 +557,7 @@ def _libnvme_connect(nvme: ModuleType, target: NvmeofTarget, subsysnqn: str, cfg
 
 def _libnvme_discover(nvme: ModuleType, target: NvmeofTarget, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Connect a discovery controller to ``target``'s address, read the discovery log, disconnect."""
-    ctrl_args: dict[str, str] = {"subsysnqn": DISCOVERY_NQN, "transport": target.transport}
-    for key in ("traddr", "trsvcid", "host_traddr", "host_iface"):
-        value = getattr(target, key)
-        if value:
-            ctrl_args[key] = value
-    host_args = {k: v for k, v in (("hostnqn", target.hostnqn), ("hostid", target.hostid)) if v}
+    ctrl_args, host_args = _libnvme_args(target, DISCOVERY_NQN)
     root = nvme.root()
     try:
         host = nvme.host(root, **host_args)

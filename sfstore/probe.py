@@ -311,15 +311,6 @@ def probe_nfs(mounts: Sequence[MountInfo] | None = None) -> dict[str, Any]:
 # NVMe over fabrics
 
 
-def _parse_address(text: str | None) -> dict[str, str]:
-    """``traddr=10.0.0.1,trsvcid=4420`` as a dict; a PCI address comes back as ``{"traddr": "0000:01:00.0"}``."""
-    if not text:
-        return {}
-    if "=" not in text:
-        return {"traddr": text}
-    return {k.strip(): v.strip() for k, _, v in (p.partition("=") for p in text.split(",")) if k.strip()}
-
-
 def probe_nvmeof(sys_class: str = SYS_NVME, fabrics_dev: str = DEV_NVME_FABRICS,
                  sys_block: str = "/sys/block") -> dict[str, Any]:
     """NVMe controllers (fabrics or local) with transport, address, subsystem NQN, state and namespaces.
@@ -350,7 +341,7 @@ def probe_nvmeof(sys_class: str = SYS_NVME, fabrics_dev: str = DEV_NVME_FABRICS,
             "name": name,
             "transport": _read(os.path.join(ctrl_dir, "transport")),
             "address": address,
-            **{k: v for k, v in _parse_address(address).items() if k in ("traddr", "trsvcid", "host_traddr")},
+            **{k: v for k, v in nvme.parse_address(address).items() if k in ("traddr", "trsvcid", "host_traddr")},
             "subsysnqn": _read(os.path.join(ctrl_dir, "subsysnqn")),
             "state": _read(os.path.join(ctrl_dir, "state")),
             "model": _read(os.path.join(ctrl_dir, "model")),
