@@ -835,6 +835,13 @@ class BlockStore:
         self.counters.add(deletes=1)
         return True
 
+    def checksum(self, key: Key) -> int | None:
+        """The xxh3-64 of ``key``'s value as the index has it (no I/O; every read verifies it), or ``None``."""
+        k = self._key(key)
+        with self._lock:
+            e = self._index.get(k)
+            return None if e is None else e.vsum
+
     def locate(self, key: Key) -> tuple[int, int] | None:
         """Where ``key``'s slot is on the device: ``(offset, bytes)`` of its header and value (for tools)."""
         k = self._key(key)

@@ -273,8 +273,7 @@ class KVCacheStore:
     def _commit(self, slots: list[tuple[bytes, Slot]], t0: float) -> BlockStoreFuture[None]:
         n = self.geometry.block_bytes
         for k, slot in slots:
-            checksum = xxhash.xxh3_64_intdigest(slot.data(n))
-            self.pinned.insert(k, slot, checksum)  # still pinned by take(): the lower-tier writes read it
+            self.pinned.insert(k, slot, 0)  # still pinned by take(): the lower-tier writes read it
         self.counters.add(puts=len(slots), bytes_put=n * len(slots))
         fut = self._executor.submit(self._write_lower, slots, t0)
         with self._lock:
@@ -288,6 +287,9 @@ class KVCacheStore:
                 self.block.put_many([(k, s.data(n)) for k, s in slots])
             if self.shared is not None:
                 for k, s in slots:
+                    # the block store checksummed the value already; hash again only without one
+                    known = self.block.checksum(k) if self.block is not None else None
+                    s.checksum = known if known is not None else xxhash.xxh3_64_intdigest(s.data(n))
                     self.shared.write(k, s)
         except BaseException:
             self.counters.add(lower_tier_errors=1)
@@ -430,8 +432,8 @@ class KVCacheStore:
                 fresh = [self.pinned.take() for _ in present]
                 got = self.block.get_into([keys[i] for i in present], [s.data(n) for s in fresh])
                 for i, s, length in zip(present, fresh, got, strict=True):
-                    if length == n:
-                        self.pinned.insert(keys[i], s, xxhash.xxh3_64_intdigest(s.data(n)))
+                    if length == n:  # verified by the block store against the checksum it holds
+                        self.pinned.insert(keys[i], s, self.block.checksum(keys[i]) or 0)
                         slots[i], tiers[i] = s, "block"
                     else:
                         self.pinned.drop(s)

@@ -1,8 +1,9 @@
 """The tiers of the KV cache: pinned host memory, the hot block store (NVMe), a shared directory (NFS).
 
-Every tier holds whole blocks. The pinned tier's slots are registered buffers laid out as the shared tier's
-files (a 4096-byte header, then the block), so a block read from a shared file lands in a slot with one
-aligned read and is used in place.
+Every tier holds whole blocks. A pinned slot is a registered buffer holding just the block (2 MiB multiples get
+huge pages: a 2 MiB request into scattered 4 KiB pages is split by many devices) plus a small registered buffer
+for the 4096-byte header that a shared file starts with, so a block moves between a slot and a shared file or
+the block store with no copy.
 """
 
 from __future__ import annotations
@@ -31,15 +32,17 @@ _SUM = struct.Struct("<Q")
 
 @dataclass(eq=False)
 class Slot:
-    """One registered buffer holding a block at ``HEADER``; ``readers`` pin it against eviction."""
+    """A block in a registered buffer (``data``) and its shared-file header (``header``, ``HEADER`` bytes);
+    ``readers`` pin it against eviction."""
 
     buffer: Any
+    header: Any
     key: bytes = b""
     readers: int = 0
     checksum: int = 0
 
     def data(self, nbytes: int) -> memoryview:
-        return memoryview(self.buffer)[HEADER:HEADER + nbytes]
+        return memoryview(self.buffer)[:nbytes]
 
 
 def encode_header(geom: KVGeometry, key: bytes, checksum: int) -> bytes:
@@ -67,9 +70,10 @@ class PinnedTier:
 
     def __init__(self, geom: KVGeometry, budget_bytes: int) -> None:
         self.geom = geom
-        self.slot_bytes = HEADER + -(-geom.block_bytes // 4096) * 4096
-        self.capacity = max(0, budget_bytes // self.slot_bytes)
+        self.slot_bytes = -(-geom.block_bytes // 4096) * 4096
+        self.capacity = max(0, budget_bytes // (self.slot_bytes + HEADER))
         self._pool = RegisteredBufferPool(self.slot_bytes)
+        self._headers = RegisteredBufferPool(HEADER)
         self._free: list[Slot] = []
         self.entries: OrderedDict[bytes, Slot] = OrderedDict()
         self.lock = threading.RLock()
@@ -81,7 +85,7 @@ class PinnedTier:
                 slot = self._free.pop()
                 slot.key, slot.readers, slot.checksum = b"", 1, 0
                 return slot
-        return Slot(self._pool.acquire(), readers=1)
+        return Slot(self._pool.acquire(), self._headers.acquire(), readers=1)
 
     def insert(self, key: bytes, slot: Slot, checksum: int) -> None:
         """Make ``slot`` (filled, still pinned by the caller) the resident copy of ``key``; evict beyond budget."""
@@ -148,7 +152,9 @@ class PinnedTier:
         for s in slots:
             if s.readers == 0:
                 s.buffer.release()
+                s.header.release()
         self._pool.close()
+        self._headers.close()
 
 
 class SharedTier:
@@ -183,24 +189,24 @@ class SharedTier:
         """Publish the block in ``slot`` (its header is filled here); ``False`` when it is already there."""
         if self.contains(key):
             return False
-        n = self.geom.block_bytes
-        view = memoryview(slot.buffer)
+        hview = memoryview(slot.header)
         hdr = encode_header(self.geom, key, slot.checksum)
-        view[:len(hdr)] = hdr
-        view[len(hdr):HEADER] = bytes(HEADER - len(hdr))
-        self.fp.write(self.name(key), view[:HEADER + n], fsync=self.fsync)
+        hview[:len(hdr)] = hdr
+        hview[len(hdr):HEADER] = bytes(HEADER - len(hdr))
+        with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:  # both parts straight from the slot
+            w.write(hview[:HEADER])
+            w.write(slot.data(self.geom.block_bytes))
         return True
 
     def read_into(self, key: bytes, slot: Slot) -> bool:
         """Read the block into ``slot``; ``False`` for a missing, foreign or corrupt file (never returned)."""
         n = self.geom.block_bytes
         try:
-            got = self.fp.read_into(self.name(key), memoryview(slot.buffer)[:HEADER + n])
+            got = self.fp.read_ranges_into(self.name(key), [(0, HEADER, slot.header, 0), (HEADER, n, slot.buffer, 0)])
         except errors.PathNotFoundError:
             return False
-        view = memoryview(slot.buffer)
-        checksum = check_header(view, self.geom, key)
-        if got != HEADER + n or checksum is None or xxhash.xxh3_64_intdigest(view[HEADER:HEADER + n]) != checksum:
+        checksum = check_header(memoryview(slot.header), self.geom, key)
+        if got != [HEADER, n] or checksum is None or xxhash.xxh3_64_intdigest(slot.data(n)) != checksum:
             return False
         slot.checksum = checksum
         return True

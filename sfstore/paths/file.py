@@ -623,10 +623,11 @@ class AtomicWriter:
         view = memoryview(as_buffer(data)).cast("B")
         n = view.nbytes
         step = self._fp.chunk_size
-        if not self._buf and n >= step:
-            # Large writes go straight from the caller's memory; it must stay unchanged until they finish,
-            # so wait for them before returning.
-            whole = n - n % step
+        if not self._buf and n and (n >= step or n % 4096 == 0):
+            # Large or page-multiple writes go straight from the caller's memory (nothing buffered before
+            # them, so the file offset stays aligned); it must stay unchanged until they finish, so wait for
+            # them before returning.
+            whole = n if n % 4096 == 0 else n - n % step
             reqs = self._fp._chunks(self._fd, self._written, whole, view, 0, write=True)
             self._fp._finish(self._fp.engine.submit(reqs), len(reqs))
             self._written += whole

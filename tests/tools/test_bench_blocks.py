@@ -147,8 +147,10 @@ def test_blocks_suite_end_to_end(disk_dir: Path) -> None:
             assert arg in command.split(), (arg, command)
         assert ("--end_fsync=1" in command) == (params["op"] == "put") == params["fsync_in_timed_region"]
         for side in (case["sfstore"], case["reference"]):
-            for key in ("bytes_per_s", "iops", "cpu_s_per_gib"):
+            for key in ("bytes_per_s", "iops"):
                 assert isinstance(side[key], float) and side[key] > 0, (case["name"], key, side[key])
+            # CPU time comes in clock ticks: a short zero-copy run on a tiny image may measure none
+            assert isinstance(side["cpu_s_per_gib"], float) and side["cpu_s_per_gib"] >= 0
         assert case["sfstore"]["batch_p99_ms"] >= case["sfstore"]["batch_p50_ms"] > 0
         assert case["ratio"] > 0
         assert case["ratio"] == pytest.approx(case["sfstore"]["bytes_per_s"] / case["reference"]["bytes_per_s"])
