@@ -642,7 +642,8 @@ class Table:
             fmt = lambda s: _iops(float(s["iops"]))  # noqa: E731
         else:
             fmt = lambda s: _gib_s(float(s["bytes_per_s"]))  # noqa: E731
-        return self._line([case["name"], fmt(ours), fmt(ref), _ratio(case), _cpu(ours), _cpu(ref)])
+        cells = [fmt(s) if "bytes_per_s" in s else "n/a" for s in (ours, ref)]  # n/a: a side that did not run
+        return self._line([case["name"], *cells, _ratio(case), _cpu(ours), _cpu(ref)])
 
     def render(self, cases: Iterable[dict[str, Any]]) -> str:
         """The header and every case.
