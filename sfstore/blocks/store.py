@@ -54,7 +54,22 @@ _COUNTERS = ("puts", "gets", "hits", "misses", "deletes", "evictions", "corrupt_
 _META_IO = 1 << 20  # metadata I/O chunk (registered buffer size)
 _WAIT_SECONDS = 60.0  # how long a put waits for a slot held by other threads' reads and writes
 _ZERO_COPY_MIN = 64 << 10  # values this large (and LBA-multiple) move between storage and the caller's memory
-_WAVE = 16  # requests per engine batch: verifying/copying one wave overlaps the I/O of the next
+_WAVE = 16  # values per engine batch: verifying/copying one wave overlaps the I/O of the next
+_WAVE_BYTES = 8 << 20  # ... and fewer when they are large, so the first I/O starts (and the last check ends) soon
+
+
+def _waves(sizes: list[int]) -> list[tuple[int, int]]:
+    """``(start, end)`` index ranges of consecutive values: at most ``_WAVE`` values or ``_WAVE_BYTES`` each."""
+    out = []
+    start = total = 0
+    for i, n in enumerate(sizes):
+        if i > start and (i - start >= _WAVE or total + n > _WAVE_BYTES):
+            out.append((start, i))
+            start, total = i, 0
+        total += n
+    if start < len(sizes):
+        out.append((start, len(sizes)))
+    return out
 
 
 @dataclass(eq=False)
@@ -590,8 +605,8 @@ class BlockStore:
         uid = self.layout.uuid
         pending: list[tuple[BlockFuture, list[Any]]] = []
         try:
-            for first in range(0, len(reserved), _WAVE):
-                wave = reserved[first:first + _WAVE]
+            for first, last in _waves([item[1].nbytes for item in reserved]):
+                wave = reserved[first:last]
                 bufs: list[Any] = []
                 reqs = []
                 try:
@@ -742,8 +757,9 @@ class BlockStore:
         held: list[Any] = []  # staging buffers to release
         hits = misses = nbytes = 0
         try:
-            for first in range(0, len(live), _WAVE):
-                part = live[first:first + _WAVE]
+            sizes = [entries[i].length for i in live]  # type: ignore[union-attr]
+            for first, last in _waves(sizes):
+                part = live[first:last]
                 items: list[tuple[int, Any, int, bool]] = []  # (entry index, buffer with the header, offset, direct)
                 reqs: list[tuple[str, int, int, Any, int]] = []
                 hbuf = None

@@ -243,8 +243,49 @@ class KVCacheStore:
 
     # -- put --------------------------------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> None:
-        """Store ``blocks`` under ``keys`` in every tier (pinned, then written through to the lower ones)."""
-        self.put_async(keys, blocks).get()
+        """Store ``blocks`` under ``keys`` in every tier (pinned, then written through to the lower ones).
+
+        Without a pinned tier (``pinned_bytes=0``), host blocks go to the lower tiers straight from the caller's
+        memory (no copy: aligned blocks move with O_DIRECT).
+        """
+        views = self._direct_views(keys, blocks)
+        if views is None:
+            self.put_async(keys, blocks).get()
+            return
+        t0 = time.perf_counter()
+        ks = self._check_keys(keys)
+        n = self.geometry.block_bytes
+        try:
+            if self.block is not None:
+                self.block.put_many(list(zip(ks, views, strict=True)))
+            if self.shared is not None:
+                for k, v in zip(ks, views, strict=True):
+                    known = self.block.checksum(k) if self.block is not None else None
+                    self.shared.write_view(k, v, known if known is not None else xxhash.xxh3_64_intdigest(v))
+        except BaseException:
+            self.counters.add(lower_tier_errors=1)
+            raise
+        self.counters.add(puts=len(ks), bytes_put=n * len(ks))
+        self._lat["put"].append(time.perf_counter() - t0)
+
+    def _direct_views(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[memoryview] | None:
+        """Byte views of ``blocks`` when they can move without the pinned tier: there is none, and every block is
+        contiguous host memory of the right size and dtype; else ``None`` (the staged path)."""
+        if self.pinned.capacity > 0 or len(keys) != len(blocks) or (self.block is None and self.shared is None):
+            return None
+        views = []
+        for i, b in enumerate(blocks):
+            src, device = self._source(b, f"block {i}")
+            if device:
+                return None
+            try:
+                mv = memoryview(as_buffer(src))
+            except TypeError:
+                return None
+            if not mv.c_contiguous:
+                return None
+            views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+        return views
 
     def put_async(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> BlockStoreFuture[None]:
         """Copy ``blocks`` into pinned slots, return, and write them to the lower tiers in the background.
@@ -393,6 +434,11 @@ class KVCacheStore:
         for i, b in enumerate(blocks):
             self._source(b, f"destination block {i}")
         t0 = time.perf_counter()
+        views = self._direct_views(ks, blocks)
+        if views is not None and all(not v.readonly for v in views):
+            tiers = self._get_direct(ks, views)
+            self._lat["get"].append(time.perf_counter() - t0)
+            return tiers
         slots, tiers = self._fetch(ks, count=True)
         try:
             for slot, b in zip(slots, blocks, strict=True):
@@ -404,6 +450,26 @@ class KVCacheStore:
                     self.pinned.unpin(s)
         self.counters.add(bytes_got=self.geometry.block_bytes * sum(1 for s in slots if s is not None))
         self._lat["get"].append(time.perf_counter() - t0)
+        return tiers
+
+    def _get_direct(self, keys: list[bytes], views: list[memoryview]) -> list[str | None]:
+        """get_into without a pinned tier: straight into the caller's host buffers, verified there."""
+        n = self.geometry.block_bytes
+        tiers: list[str | None] = [None] * len(keys)
+        if self.block is not None:
+            got = self.block.get_into(keys, views)
+            tiers = ["block" if g == n else None for g in got]
+        if self.shared is not None:
+            found = []
+            for i, t in enumerate(tiers):
+                if t is None and self.shared.read_view(keys[i], views[i]):
+                    tiers[i] = "shared"
+                    found.append((keys[i], views[i]))
+            if found and self.block is not None:
+                self.block.put_many(found)  # promotion: the next get finds them in the block store
+                self.counters.add(promotions=len(found))
+        self.counters.add(gets=len(keys), misses=tiers.count(None), hits_block=tiers.count("block"),
+                          hits_shared=tiers.count("shared"), bytes_got=n * (len(keys) - tiers.count(None)))
         return tiers
 
     def prefetch(self, keys: Sequence[bytes]) -> BlockStoreFuture[list[str | None]]:

@@ -198,6 +198,41 @@ class SharedTier:
             w.write(slot.data(self.geom.block_bytes))
         return True
 
+    def write_view(self, key: bytes, data: memoryview, checksum: int) -> bool:
+        """Publish ``data`` (a block in the caller's memory) under ``key``; ``False`` when it is already there."""
+        if self.contains(key):
+            return False
+        with RegisteredBufferPool(HEADER) as pool:
+            hbuf = pool.acquire()
+            try:
+                hview = memoryview(hbuf)
+                hdr = encode_header(self.geom, key, checksum)
+                hview[:len(hdr)] = hdr
+                hview[len(hdr):] = bytes(HEADER - len(hdr))
+                with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:
+                    w.write(hview)
+                    w.write(data)
+                del hview
+            finally:
+                hbuf.release()
+        return True
+
+    def read_view(self, key: bytes, data: memoryview) -> bool:
+        """Read the block of ``key`` into ``data`` (caller's memory), verified; ``False`` for a missing, foreign
+        or corrupt file (``data`` may then hold garbage)."""
+        n = self.geom.block_bytes
+        with RegisteredBufferPool(HEADER) as pool:
+            hbuf = pool.acquire()
+            try:
+                try:
+                    got = self.fp.read_ranges_into(self.name(key), [(0, HEADER, hbuf, 0), (HEADER, n, data, 0)])
+                except errors.PathNotFoundError:
+                    return False
+                checksum = check_header(memoryview(hbuf), self.geom, key)
+            finally:
+                hbuf.release()
+        return got == [HEADER, n] and checksum is not None and xxhash.xxh3_64_intdigest(data[:n]) == checksum
+
     def read_into(self, key: bytes, slot: Slot) -> bool:
         """Read the block into ``slot``; ``False`` for a missing, foreign or corrupt file (never returned)."""
         n = self.geom.block_bytes

@@ -266,3 +266,31 @@ def test_block_store_too_small_for_a_block_is_a_config_error(tmp_path: Path, geo
     with BlockStore({"kind": "image", "path": str(tmp_path / "s.img"), "size": 8 << 20},
                     size_classes=(4096,)) as small, pytest.raises(errors.ConfigError, match="size_classes"):
         KVCacheStore(geom, block_store=small)
+
+
+def test_without_a_pinned_tier_blocks_move_straight_from_and_to_the_callers_memory(
+    block_store: BlockStore, shared_dir: Path, geom: KVGeometry
+) -> None:
+    kv = KVCacheStore(geom, model_id="direct", pinned_bytes=0, block_store=block_store, shared_dir=shared_dir)
+    try:
+        keys = kv.keys_for(range(16 * 3))
+        src = blocks_for(geom, 3, seed=5)
+        kv.put(keys, src)
+        assert kv.stats()["resident"] == {"pinned": 0, "block": 3, "shared": 3}
+        kv.evict(keys[2:], tiers=("block",))
+        dst = empty(geom, 3)
+        assert kv.get_into(keys, dst) == ["block", "block", "shared"]
+        assert all(torch.equal(a, b) for a, b in zip(src, dst, strict=True))
+        assert kv.get_into(keys[2:], dst[2:]) == ["block"]  # promoted by the previous get
+        f = next(p for p in shared_dir.rglob("*.kvb") if p.stem == keys[0].hex())
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 1
+        f.write_bytes(bytes(data))
+        kv.evict(keys[:1], tiers=("block",))
+        assert kv.get_into(keys[:1], dst[:1]) == [None]  # a corrupt shared file is a miss
+        st = kv.stats()
+        assert st["hits_block"] == 3 and st["hits_shared"] == 1 and st["misses"] == 1
+        bd = block_store.path.counters.snapshot()
+        assert bd["bytes_direct"] >= 3 * geom.block_bytes  # the blocks went with O_DIRECT, not through a slot
+    finally:
+        kv.close()
