@@ -47,6 +47,8 @@ say "torch 2.13.0 (CPU), numpy, sfstore's dependencies"
 retry "${PIP[@]}" "torch==2.13.0"
 # numpy <= 2.2.6: what lmcache 0.5.6 declares; xxhash: sfstore's one dependency
 retry "${PIP[@]}" "numpy>=1.26,<=2.2.6" "xxhash>=3"
+# the bench's other references and its report's charts, so `python -m tools.bench all --report` runs here in full
+retry "${PIP[@]}" "numpy>=1.26,<=2.2.6" fsspec "safetensors>=0.6" matplotlib
 
 say "nixl 1.5.1 (--no-deps: its CUDA 13 variant and other extras are not needed for the POSIX backend)"
 retry "${PIP[@]}" --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"

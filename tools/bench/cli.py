@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,7 +41,8 @@ def common_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("common options")
     g.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     g.add_argument("--report", metavar="DIR",
-                   help="write a report into DIR (for now: each suite's JSON and text table)")
+                   help="write a report into DIR: each suite's JSON, text table and chart (PNG, needs matplotlib), "
+                        "and index.md with the tables, date, machine and command")
     g.add_argument("--repeat", type=_positive_int, default=3, metavar="N",
                    help="interleaved sfstore/reference pairs per case (default 3; BENCHMARKING.md asks for >= 3)")
     g.add_argument("--quick", action="store_true", help="run each suite's short list of headline cases only")
@@ -87,9 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
     for suite in registered.values():
         _add_suite_parser(sub, suite, common)
-    sub.add_parser("all", parents=[common], help="run every suite in turn",
-                   description="Run every suite in turn with the options given here; each suite takes the ones it "
-                               "knows (e.g. the engine suite's --size).")
+    every = sub.add_parser("all", parents=[common], help="run every suite in turn",
+                           description="Run every suite in turn with the options given here; each suite takes the "
+                                       "ones it knows (e.g. the engine suite's --size). A suite that cannot run here "
+                                       "is reported and skipped. README's table: python -m tools.bench all --quick "
+                                       "--report docs/bench --readme README.md")
+    every.add_argument("--readme", metavar="PATH",
+                       help="with --report: rewrite the block between '<!-- bench-report:start -->' and "
+                            "'<!-- bench-report:end -->' in PATH (e.g. README.md) with the table of this run")
     return parser
 
 
@@ -123,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns
     -------
     int
-        0 on success, 2 when the benchmark cannot run here (the reason is printed), 130 on Ctrl-C.
+        0 on success, 2 when the benchmark cannot run here (the reason is printed), 130 on Ctrl-C; ``all``: 1 when
+        a suite crashed (its traceback printed, the report written without it), 2 when no suite could run.
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -133,7 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.suite == "all":
         # `all` passes each suite the options it knows (e.g. --size to those that have it); an option no suite
         # knows is an error.
-        rest = args_list[args_list.index("all") + 1:]
+        rest = _without_readme(args_list[args_list.index("all") + 1:])
+        if args.readme and not args.report:
+            parser.error("--readme needs --report DIR (the README links the charts written there)")
         unknown: set[str] | None = None
         for suite in registered.values():
             ns, left = _suite_parser(suite).parse_known_args(rest)
@@ -145,13 +156,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("unrecognized arguments: " + " ".join(extra))
     else:
         plan.append((registered[args.suite], args))
+    crashed: list[str] = []
     try:
         if args.suite == "all":
             docs = []
             for suite, ns in plan:
                 print(f"== suite {suite.name} ==", flush=True)
-                docs.append(suite.run(ns))
+                try:
+                    docs.append(suite.run(ns))
+                except BenchSetupError as exc:  # the other suites still run; the report says why this one did not
+                    print(f"error: suite {suite.name} cannot run here: {exc}", file=sys.stderr, flush=True)
+                    docs.append({"bench": suite.name, "date": utc_now(), "error": str(exc), "cases": []})
+                except Exception as exc:  # a bug: shown in full, the other suites still run, the exit status is 1
+                    traceback.print_exc()
+                    print(f"error: suite {suite.name} crashed: {type(exc).__name__}: {exc}", file=sys.stderr,
+                          flush=True)
+                    crashed.append(suite.name)
+                    docs.append({"bench": suite.name, "date": utc_now(), "cases": [],
+                                 "error": f"crashed: {type(exc).__name__}: {exc}"})
                 print(flush=True)
+            if not crashed and all(d.get("error") for d in docs):
+                raise BenchSetupError("no suite could run here")
             doc: dict[str, Any] = {"bench": "all", "machine": machine_info(), "date": utc_now(), "suites": docs}
         else:
             docs = [plan[0][0].run(plan[0][1])]
@@ -166,6 +191,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(args.json, doc)
         print(f"wrote {args.json}")
     if args.report:
-        for path in write_report(args.report, docs):
+        command = "python -m tools.bench " + shlex.join(args_list)
+        try:
+            paths = write_report(args.report, docs, command=command,
+                                 readme=getattr(args, "readme", None) if args.suite == "all" else None)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        for path in paths:
             print(f"wrote {path}")
+    if crashed:
+        print(f"error: suite(s) crashed: {', '.join(crashed)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _without_readme(argv: Sequence[str]) -> list[str]:
+    """``argv`` less ``--readme PATH`` / ``--readme=PATH`` (an option of ``all`` itself, not of any suite)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--readme":
+            skip = True
+        elif not arg.startswith("--readme="):
+            out.append(arg)
+    return out
