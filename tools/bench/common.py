@@ -43,6 +43,8 @@ __all__ = [
     "match_any",
     "Table",
     "warn",
+    "RatioGoal",
+    "evaluate_ratio_goals",
 ]
 
 GIB = 1 << 30
@@ -659,3 +661,67 @@ class Table:
             The table.
         """
         return "\n".join([self.header(), *(self.row(c) for c in cases)])
+
+
+@dataclass(frozen=True)
+class RatioGoal:
+    """One acceptance goal: case ``case`` must reach ``ratio`` x its reference (median pairwise ratio)."""
+
+    what: str
+    case: str
+    ratio: float
+
+
+def evaluate_ratio_goals(
+    goals: Sequence[RatioGoal], results: Sequence[dict[str, Any]], note: str = ""
+) -> list[dict[str, Any]]:
+    """Read ``goals`` from the case documents: ``PASS``, ``MISS``, ``n/a`` (the case ran but has no ratio: its
+    reference could not run here, with why) or ``not run`` (the case was not selected).
+
+    Parameters
+    ----------
+    goals : sequence of RatioGoal
+        The suite's goals.
+    results : sequence of dict
+        Case documents of this run (``name``, ``ratio``, ``ratio_min``, ``ratio_max``, ``reference``).
+    note : str
+        Appended to PASS/MISS lines (e.g. the shape the run used when it is not the issue's).
+
+    Returns
+    -------
+    list of dict
+        ``{"goal", "case", "target", "status", "met", "line", ...}`` per goal, with ``ratio``, ``ratio_min``,
+        ``ratio_max`` and (missed) ``missed_by`` or (n/a) ``reason``; ``status`` is ``met``, ``missed``, ``n/a``
+        or ``not run``.
+    """
+    by_name = {c["name"]: c for c in results}
+    out: list[dict[str, Any]] = []
+    for goal in goals:
+        entry: dict[str, Any] = {"goal": goal.what, "case": goal.case, "target": goal.ratio}
+        case = by_name.get(goal.case)
+        if case is None:
+            entry.update({"status": "not run", "met": None,
+                          "line": f"goal: {goal.what}: not run (not selected: --cases / --quick)"})
+            out.append(entry)
+            continue
+        r = case.get("ratio")
+        if r is None:
+            ref = case.get("reference")
+            why = (ref.get("status") if isinstance(ref, dict) else None) or "no ratio"
+            entry.update({"status": "n/a", "met": None, "reason": why, "line": f"goal: {goal.what}: n/a ({why})"})
+            out.append(entry)
+            continue
+        lo, hi = case.get("ratio_min"), case.get("ratio_max")
+        entry.update({"ratio": r, "ratio_min": lo, "ratio_max": hi})
+        spread = f"{r:.2f}x" + (f" (min-max {lo:.2f}-{hi:.2f})" if lo is not None and hi is not None else "")
+        if r >= goal.ratio:
+            low = "" if lo is None or lo >= goal.ratio else f"; the lowest pair ({lo:.2f}x) is below it"
+            entry.update({"status": "met", "met": True, "line": f"goal: {goal.what}: PASS, {spread}{low}{note}"})
+        else:
+            short = (goal.ratio - r) / goal.ratio
+            best = "" if hi is None or hi < goal.ratio else f"; the best pair ({hi:.2f}x) reaches it"
+            entry.update({"status": "missed", "met": False, "missed_by": short,
+                          "line": f"goal: {goal.what}: MISS, {spread} is {short:.0%} short of {goal.ratio}x"
+                                  f"{best}{note}"})
+        out.append(entry)
+    return out

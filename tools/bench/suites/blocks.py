@@ -79,11 +79,13 @@ from tools.bench.common import (
     BenchSetupError,
     CpuMeter,
     PeakRss,
+    RatioGoal,
     RunResult,
     Table,
     check_bench_dir,
     default_bench_dir,
     drop_cache,
+    evaluate_ratio_goals,
     format_size,
     machine_info,
     match_any,
@@ -136,13 +138,7 @@ class Case:
         return "randwrite" if self.writes else "randread"
 
 
-@dataclass(frozen=True)
-class Goal:
-    """One acceptance goal: case ``case`` must reach ``ratio`` x fio (median pairwise ratio)."""
-
-    what: str
-    case: str
-    ratio: float
+Goal = RatioGoal
 
 
 GOALS = (
@@ -823,31 +819,7 @@ def evaluate_goals(results: Sequence[dict[str, Any]], size: int = _DEFAULT_SIZE,
     if (size, batch, qd, outstanding) != (_DEFAULT_SIZE, 64, 64, 1):
         note = (f" [at {format_size(size)}, batch {batch}, QD {qd}, {outstanding} batch(es) in flight; the issue's "
                 "shape is 1g, 64, 64, 1]")
-    by_name = {c["name"]: c for c in results}
-    out: list[dict[str, Any]] = []
-    for goal in GOALS:
-        entry: dict[str, Any] = {"goal": goal.what, "case": goal.case, "target": goal.ratio}
-        case = by_name.get(goal.case)
-        r = case.get("ratio") if case else None
-        if case is None or r is None:
-            why = "not selected (--cases / --quick)" if case is None else "no ratio"
-            entry.update({"status": "not run", "met": None, "line": f"goal: {goal.what}: not run ({why})"})
-            out.append(entry)
-            continue
-        lo, hi = case.get("ratio_min"), case.get("ratio_max")
-        entry.update({"ratio": r, "ratio_min": lo, "ratio_max": hi})
-        spread = f"{r:.2f}x (min-max {lo:.2f}-{hi:.2f})"
-        if r >= goal.ratio:
-            low = "" if lo is None or lo >= goal.ratio else f"; the lowest pair ({lo:.2f}x) is below it"
-            entry.update({"status": "met", "met": True, "line": f"goal: {goal.what}: PASS, {spread}{low}{note}"})
-        else:
-            short = (goal.ratio - r) / goal.ratio
-            best = "" if hi is None or hi < goal.ratio else f"; the best pair ({hi:.2f}x) reaches it"
-            entry.update({"status": "missed", "met": False, "missed_by": short,
-                          "line": f"goal: {goal.what}: MISS, {spread} is {short:.0%} short of {goal.ratio}x"
-                                  f"{best}{note}"})
-        out.append(entry)
-    return out
+    return evaluate_ratio_goals(GOALS, results, note)
 
 
 register(Suite(name="blocks", help="BlockStore put/get (256k and 4k values) vs fio randwrite/randread on the same "

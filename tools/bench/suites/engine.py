@@ -38,11 +38,13 @@ from tools.bench.common import (
     BenchSetupError,
     CpuMeter,
     PeakRss,
+    RatioGoal,
     RunResult,
     Table,
     check_bench_dir,
     default_bench_dir,
     drop_cache,
+    evaluate_ratio_goals,
     format_size,
     machine_info,
     match_any,
@@ -62,8 +64,14 @@ __all__ = ["OPS", "BLOCK_SIZES", "QUEUE_DEPTHS", "QUICK_CASES", "Case", "all_cas
 OPS = ("read", "write", "randread", "randwrite")
 BLOCK_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 QUEUE_DEPTHS = (1, 8, 32)
+#: The foundation issue's goals (throughput, IOPS for 4k) vs fio.
+GOALS = (
+    RatioGoal("1 MiB reads at QD32 >= 0.9x fio", "read-1m-qd32", 0.9),
+    RatioGoal("1 MiB writes at QD32 >= 0.9x fio", "write-1m-qd32", 0.9),
+    RatioGoal("4 KiB random reads at QD32 >= 0.8x fio's IOPS", "randread-4k-qd32", 0.8),
+)
 #: ``--quick``: the shapes the foundation issue's acceptance quotes.
-QUICK_CASES = ("read-1m-qd32", "write-1m-qd32", "randread-4k-qd32")
+QUICK_CASES = tuple(g.case for g in GOALS)
 #: O_DIRECT needs offsets and lengths in whole sectors; every block size here is a multiple of this.
 _MIN_ALIGN = 4096
 _SLOW_RUN_S = 0.1
@@ -505,7 +513,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warn(f"runs under {_SLOW_RUN_S}s in {', '.join(short_runs)}: noisy (fio times whole ms); use a bigger --size")
     if unequal:
         warn(f"sfstore and fio moved different byte counts in {', '.join(unequal)}: those ratios are not comparable")
-    return {"bench": "engine", "machine": machine, "date": utc_now(), "cases": results}
+    acceptance = evaluate_ratio_goals(GOALS, results)
+    for goal in acceptance:
+        if goal["status"] != "not run":
+            print(goal["line"])
+    return {"bench": "engine", "machine": machine, "date": utc_now(), "cases": results, "acceptance": acceptance}
 
 
 def _run_case(engine_mod: Any, fio: str, args: argparse.Namespace, case: Case, path: str, size: int) -> dict[str, Any]:

@@ -92,11 +92,13 @@ from tools.bench.common import (
     BenchSetupError,
     CpuMeter,
     PeakRss,
+    RatioGoal,
     RunResult,
     Table,
     check_bench_dir,
     default_bench_dir,
     drop_cache,
+    evaluate_ratio_goals,
     format_size,
     machine_info,
     match_any,
@@ -145,13 +147,7 @@ class Case:
         return self.op == "put"
 
 
-@dataclass(frozen=True)
-class Goal:
-    """One acceptance goal: case ``case`` must reach ``ratio`` x its reference (median pairwise ratio)."""
-
-    what: str
-    case: str
-    ratio: float
+Goal = RatioGoal
 
 
 GOALS = (
@@ -1466,36 +1462,7 @@ def evaluate_goals(results: Sequence[dict[str, Any]], size: int = _DEFAULT_SIZE,
     if (size, batch, qd, outstanding) != (_DEFAULT_SIZE, 64, 64, 1):
         note = (f" [at {format_size(size)}, batch {batch}, QD {qd}, {outstanding} put batch(es) in flight; the "
                 "issue's shape is 1g, 64, 64, 1]")
-    by_name = {c["name"]: c for c in results}
-    out: list[dict[str, Any]] = []
-    for goal in GOALS:
-        entry: dict[str, Any] = {"goal": goal.what, "case": goal.case, "target": goal.ratio}
-        case = by_name.get(goal.case)
-        if case is None:
-            entry.update({"status": "not run", "met": None,
-                          "line": f"goal: {goal.what}: not run (not selected: --cases / --quick)"})
-            out.append(entry)
-            continue
-        r = case.get("ratio")
-        if r is None:
-            why = case.get("reference", {}).get("status") or "no ratio"
-            entry.update({"status": "n/a", "met": None, "reason": why, "line": f"goal: {goal.what}: n/a ({why})"})
-            out.append(entry)
-            continue
-        lo, hi = case.get("ratio_min"), case.get("ratio_max")
-        entry.update({"ratio": r, "ratio_min": lo, "ratio_max": hi})
-        spread = f"{r:.2f}x (min-max {lo:.2f}-{hi:.2f})"
-        if r >= goal.ratio:
-            low = "" if lo is None or lo >= goal.ratio else f"; the lowest pair ({lo:.2f}x) is below it"
-            entry.update({"status": "met", "met": True, "line": f"goal: {goal.what}: PASS, {spread}{low}{note}"})
-        else:
-            short = (goal.ratio - r) / goal.ratio
-            best = "" if hi is None or hi < goal.ratio else f"; the best pair ({hi:.2f}x) reaches it"
-            entry.update({"status": "missed", "met": False, "missed_by": short,
-                          "line": f"goal: {goal.what}: MISS, {spread} is {short:.0%} short of {goal.ratio}x"
-                                  f"{best}{note}"})
-        out.append(entry)
-    return out
+    return evaluate_ratio_goals(GOALS, results, note)
 
 
 register(Suite(name="kvcache", help="KVCacheStore put/get of 2 MiB KV blocks per tier vs fio, NIXL POSIX, LMCache "
