@@ -610,25 +610,30 @@ class BlockStore:
                 bufs: list[Any] = []
                 reqs = []
                 try:
-                    hbuf = None
+                    # Values of zero-copy items go first, straight from the caller's memory, so the device is busy
+                    # while their checksums are computed; their headers follow in a second batch (a header
+                    # without its whole value fails the value checksum, like a torn slot).
+                    direct = [j for j, item in enumerate(wave) if item[1].nbytes >= _ZERO_COPY_MIN
+                              and item[1].nbytes % lba == 0]
+                    if direct:
+                        vreqs = [("write", self._classes[wave[j][2]].slot_offset(wave[j][3]) + hdr,
+                                  wave[j][1].nbytes, wave[j][1], 0) for j in direct]
+                        pending.append((self.path.submit(vreqs, check=False), []))
+                        hbuf = self._hdr_pool.acquire()
+                        bufs.append(hbuf)
+                        for j in direct:
+                            k, mv, cls, slot, gen, _ = wave[j]
+                            hview = memoryview(hbuf)[j * hdr:(j + 1) * hdr]
+                            wave[j][5] = value_sum(mv)
+                            SlotHeader(slot, gen, mv.nbytes, wave[j][5], cls, k).pack_into(hview, uid)
+                            del hview
+                            reqs.append(("write", self._classes[cls].slot_offset(slot), hdr, hbuf, j * hdr))
                     for j, item in enumerate(wave):
+                        if j in direct:
+                            continue
                         k, mv, cls, slot, gen, _ = item
                         c = self._classes[cls]
                         n = mv.nbytes
-                        if n >= _ZERO_COPY_MIN and n % lba == 0:
-                            # Header from a small registered buffer, the value straight from the caller's memory:
-                            # two writes, no copy (a torn pair fails the value checksum like a torn slot).
-                            if hbuf is None:
-                                hbuf = self._hdr_pool.acquire()
-                                bufs.append(hbuf)
-                            hview = memoryview(hbuf)[j * hdr:(j + 1) * hdr]
-                            item[5] = value_sum(mv)
-                            SlotHeader(slot, gen, n, item[5], cls, k).pack_into(hview, uid)
-                            del hview
-                            off = c.slot_offset(slot)
-                            reqs.append(("write", off, hdr, hbuf, j * hdr))
-                            reqs.append(("write", off + hdr, n, mv, 0))
-                            continue
                         buf = c.pool.acquire()
                         bufs.append(buf)
                         view = memoryview(buf)
