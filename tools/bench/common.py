@@ -45,6 +45,7 @@ __all__ = [
     "warn",
     "RatioGoal",
     "evaluate_ratio_goals",
+    "select_named",
 ]
 
 GIB = 1 << 30
@@ -725,3 +726,27 @@ def evaluate_ratio_goals(
                                   f"{best}{note}"})
         out.append(entry)
     return out
+
+
+def select_named(
+    suite: str, cases: Sequence[Any], patterns: Sequence[str] | None, quick_names: Iterable[str], quick: bool,
+    name: Callable[[Any], str] = lambda c: str(c.name), quick_key: Callable[[Any], str] | None = None,
+) -> list[Any]:
+    """The cases a suite runs: ``quick`` keeps those whose ``quick_key`` (default: name) is in ``quick_names``;
+    ``patterns`` (shell globs, items may hold several, comma-separated) keep those whose name matches one.
+
+    Raises
+    ------
+    BenchSetupError
+        When nothing is left; the message lists (the first few) case names.
+    """
+    globs = [g.strip() for item in (patterns or []) for g in item.split(",") if g.strip()]
+    key = quick_key or name
+    wanted = set(quick_names)
+    chosen = [c for c in cases if not quick or key(c) in wanted]
+    if globs:
+        chosen = [c for c in chosen if match_any(name(c), globs)]
+    if not chosen:
+        shown = ", ".join(name(c) for c in cases[:6]) + (", ..." if len(cases) > 6 else "")
+        raise BenchSetupError(f"no {suite} case matches {', '.join(globs) or '--quick'} (the cases are {shown})")
+    return chosen

@@ -88,9 +88,9 @@ from tools.bench.common import (
     evaluate_ratio_goals,
     format_size,
     machine_info,
-    match_any,
     parse_size,
     resident_bytes,
+    select_named,
     side_summary,
     summarize_pairs,
     utc_now,
@@ -181,16 +181,7 @@ def select_cases(patterns: Sequence[str] | None = None, quick: bool = False) -> 
     BenchSetupError
         When nothing matches.
     """
-    globs = [g.strip() for item in (patterns or []) for g in item.split(",") if g.strip()]
-    cases = all_cases()
-    if quick:
-        cases = [c for c in cases if c.name in QUICK_CASES]
-    if globs:
-        cases = [c for c in cases if match_any(c.name, globs)]
-    if not cases:
-        names = ", ".join(c.name for c in all_cases())
-        raise BenchSetupError(f"no blocks case matches {', '.join(globs) or '--quick'} (the cases are {names})")
-    return cases
+    return select_named("blocks", all_cases(), patterns, QUICK_CASES, quick)
 
 
 def working_set(slot_count: int, stride: int, size: int, fill: float, keys: int | None) -> int:
