@@ -245,6 +245,7 @@ class BlockStoreTests:
     # -- concurrency and exclusivity -------------------------------------------------------------------------------
     def test_threads_share_one_store(self, store: BlockStore) -> None:
         failures: list[str] = []
+        evicted: list[str] = []
 
         def worker(t: int) -> None:
             rng = random.Random(t)
@@ -254,8 +255,10 @@ class BlockStoreTests:
                 store.put_many(batch)
                 got = store.get_many(list(batch))
                 for (k, v), g in zip(batch.items(), got, strict=True):
-                    if k != "shared" and g != v:
-                        failures.append(f"thread {t} round {r}: {k}")
+                    if g is None:  # evicted by another thread's put (the 1 MiB class has few slots): allowed
+                        evicted.append(k)
+                    elif k != "shared" and g != v:
+                        failures.append(f"thread {t} round {r}: {k} came back with other bytes")
                 shared = store.get("shared")
                 if shared is None or len(shared) != 3000:
                     failures.append(f"thread {t}: shared value torn or missing")
@@ -266,7 +269,9 @@ class BlockStoreTests:
         for th in threads:
             th.join()
         assert failures == []
-        assert store.stats()["corrupt_dropped"] == 0
+        st = store.stats()
+        assert st["corrupt_dropped"] == 0
+        assert not evicted or st["evictions"] > 0  # a miss only where something was really evicted
 
     def test_second_open_is_refused(self, store: BlockStore, block_target: Any) -> None:
         with pytest.raises(errors.StoreInUseError) as info:
