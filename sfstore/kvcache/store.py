@@ -566,6 +566,15 @@ class KVCacheStore:
             "shared": self.shared.count() if self.shared is not None else None,
         }
         out["pinned_capacity_blocks"] = self.pinned.capacity
+        # bytes the lower tiers moved with O_DIRECT straight to/from memory vs through bounce buffers or the page
+        # cache (their paths' counters: shared with other users of the same paths)
+        direct = bounced = 0
+        for path in ([self.block.path] if self.block is not None else []) + \
+                ([self.shared.fp] if self.shared is not None else []):
+            c = path.counters.snapshot()
+            direct += c.get("bytes_direct", 0)
+            bounced += c.get("bytes_bounced", 0)
+        out["bytes_direct"], out["bytes_bounced"] = direct, bounced
         for op, samples in self._lat.items():
             data = list(samples)
             out[f"{op}_p50_s"] = _percentile(data, 0.5)

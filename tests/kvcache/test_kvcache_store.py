@@ -290,7 +290,27 @@ def test_without_a_pinned_tier_blocks_move_straight_from_and_to_the_callers_memo
         assert kv.get_into(keys[:1], dst[:1]) == [None]  # a corrupt shared file is a miss
         st = kv.stats()
         assert st["hits_block"] == 3 and st["hits_shared"] == 1 and st["misses"] == 1
+        assert st["bytes_direct"] >= 3 * geom.block_bytes and st["bytes_bounced"] >= 0
         bd = block_store.path.counters.snapshot()
         assert bd["bytes_direct"] >= 3 * geom.block_bytes  # the blocks went with O_DIRECT, not through a slot
     finally:
         kv.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_blocks_round_trip_through_every_tier(kv: KVCacheStore, geom: KVGeometry) -> None:
+    keys = kv.keys_for(range(16 * 4))
+    src = [b.cuda() for b in blocks_for(geom, 4, seed=9)]
+    kv.put(keys, src)
+    kv.wait_for_puts()
+    kv.evict(keys[:2], tiers=("pinned",))
+    kv.evict(keys[1:2], tiers=("block",))
+    dst = [torch.zeros(geom.block_shape, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    assert kv.get_into(keys, dst) == ["block", "shared", "pinned", "pinned"]
+    assert all(torch.equal(a, b) for a, b in zip(src, dst, strict=True))
+    pages = torch.zeros(2, 4, geom.block_tokens, geom.num_kv_heads, geom.head_dim, dtype=torch.bfloat16,
+                        device="cuda")
+    kv.get_layer_into(keys[:1], 1, [pages[:, 2]])
+    assert torch.equal(pages[:, 2], src[0][1])
+    assert kv.stats()["bytes_device_staged"] >= 8 * geom.block_bytes
