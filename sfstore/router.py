@@ -222,7 +222,16 @@ class Router:
                 from sfstore.paths.block import BlockPath
 
                 table = self._classes.get(data_class, {})
-                made = BlockPath(table["target"] if "target" in table else root)
+                if "target" not in table:
+                    made = BlockPath(root)
+                else:
+                    try:
+                        made = BlockPath(table["target"])
+                    except errors.NotSupportedOnHostError as exc:
+                        # The configured target needs what this host lacks (nvme-fabrics, libnvme): the best
+                        # path that exists is the embedded image file, and the path says why it took it.
+                        made = BlockPath(os.path.join(defaults.get("data_dir"), IMAGE_NAME))
+                        made.fallbacks.append(f"configured block target unavailable ({exc}); using the image file")
             elif kind == "device":
                 from sfstore.paths.device import DevicePath
 

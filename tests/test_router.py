@@ -150,8 +150,19 @@ def test_block_target_config_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvme-fabrics"), reason="this host has NVMe over Fabrics")
-def test_nvmeof_target_says_not_supported_on_this_host() -> None:
-    r = sfstore.open({"classes": {"hot": {"target": {"kind": "nvmeof", "transport": "rdma", "traddr": "10.0.0.1",
-                                                     "trsvcid": "4420", "subsysnqn": "nqn.2026-01.io.x:hot"}}}})
+def test_nvmeof_target_on_a_host_without_fabrics_falls_back_to_the_image_and_says_why(tmp_path: Path) -> None:
+    from sfstore.paths.block import BlockPath
+
+    target = {"kind": "nvmeof", "transport": "rdma", "traddr": "10.0.0.1", "trsvcid": "4420",
+              "subsysnqn": "nqn.2026-01.io.x:hot"}
     with pytest.raises(errors.NotSupportedOnHostError, match="not supported on this host"):
-        r.path("hot")
+        BlockPath(target)  # the path itself refuses
+    r = sfstore.open({"classes": {"hot": {"target": target}}})
+    try:
+        p = r.path("hot")
+        assert p.transport == "local" and p.device == str(tmp_path / "data" / "hot" / "blocks.img")
+        hot = r.describe()["classes"]["hot"]
+        assert any("configured block target unavailable" in f and "not supported on this host" in f
+                   for f in hot["fallbacks"])
+    finally:
+        r.close()
