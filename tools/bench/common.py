@@ -46,6 +46,8 @@ __all__ = [
     "RatioGoal",
     "evaluate_ratio_goals",
     "select_named",
+    "positive_int",
+    "nonneg_int",
 ]
 
 GIB = 1 << 30
@@ -750,3 +752,23 @@ def select_named(
         shown = ", ".join(name(c) for c in cases[:6]) + (", ..." if len(cases) > 6 else "")
         raise BenchSetupError(f"no {suite} case matches {', '.join(globs) or '--quick'} (the cases are {shown})")
     return chosen
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an int of at least 1."""
+    import argparse
+
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def nonneg_int(text: str) -> int:
+    """An ``argparse`` type: an int of 0 or more."""
+    import argparse
+
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value

@@ -88,7 +88,9 @@ from tools.bench.common import (
     evaluate_ratio_goals,
     format_size,
     machine_info,
+    nonneg_int,
     parse_size,
+    positive_int,
     resident_bytes,
     select_named,
     side_summary,
@@ -228,18 +230,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _nonneg(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -261,17 +251,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "device is refused)")
     g.add_argument("--fill", type=_fraction, default=0.75, metavar="F",
                    help="fraction of a class's slots the working set fills (default 0.75)")
-    g.add_argument("--keys", type=_positive, default=None, metavar="N", help="keys per case (overrides --fill)")
-    g.add_argument("--batch", type=_positive, default=64, metavar="N",
+    g.add_argument("--keys", type=positive_int, default=None, metavar="N", help="keys per case (overrides --fill)")
+    g.add_argument("--batch", type=positive_int, default=64, metavar="N",
                    help="keys per put_many / get_into call (default 64)")
-    g.add_argument("--qd", type=_positive, default=None, metavar="N",
+    g.add_argument("--qd", type=positive_int, default=None, metavar="N",
                    help="queue depth of fio and of the store's I/O engine (default: --batch)")
-    g.add_argument("--outstanding", type=_positive, default=1, metavar="N",
+    g.add_argument("--outstanding", type=positive_int, default=1, metavar="N",
                    help="batches in flight (default 1: put_many / get_into, one batch at a time; N > 1: "
                         "put_many_async / get_into_async with N batches in flight; the store runs them on 2 threads)")
     g.add_argument("--buffers", choices=("registered", "numpy"), default="registered",
                    help="put sources and get destinations: RegisteredBufferPool buffers (default) or numpy arrays")
-    g.add_argument("--warmup", type=_nonneg, default=1, metavar="N",
+    g.add_argument("--warmup", type=nonneg_int, default=1, metavar="N",
                    help="pairs run first and discarded (default 1)")
     g.add_argument("--fio", metavar="PATH", help="fio executable (default: fio on PATH)")
 

@@ -47,6 +47,7 @@ from tools.bench.common import (
     evaluate_ratio_goals,
     format_size,
     machine_info,
+    nonneg_int,
     parse_size,
     resident_bytes,
     select_named,
@@ -251,12 +252,6 @@ def _threads_arg(text: str) -> int | str:
     return value
 
 
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more")
-    return value
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the engine suite's options.
@@ -271,9 +266,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine suite")
     g.add_argument("--size", type=parse_size, default=1 << 30, metavar="SIZE",
                    help="size of the test file (default 1g; a multiple of 4k)")
-    g.add_argument("--ops", type=_nonneg_int, default=None, metavar="N",
+    g.add_argument("--ops", type=nonneg_int, default=None, metavar="N",
                    help="requests per run at most (default 4096 x QD, at least 8192; 0 = the whole file)")
-    g.add_argument("--batch", type=_nonneg_int, default=None, metavar="N",
+    g.add_argument("--batch", type=nonneg_int, default=None, metavar="N",
                    help="requests per engine submit (default 8 x QD, at least 64; 0 = the whole run in one batch)")
     g.add_argument("--outstanding", type=int, default=2, metavar="N",
                    help="batches kept submitted at once (default 2)")

@@ -101,7 +101,9 @@ from tools.bench.common import (
     evaluate_ratio_goals,
     format_size,
     machine_info,
+    nonneg_int,
     parse_size,
+    positive_int,
     resident_bytes,
     select_named,
     side_summary,
@@ -256,18 +258,6 @@ def probe_lmcache() -> str | None:
 # -- arguments -------------------------------------------------------------------------------------------------
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _nonneg(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -284,20 +274,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("kvcache suite")
     g.add_argument("--size", type=parse_size, default=None, metavar="SIZE",
                    help="bytes of blocks in the working set (default 1g, 256m with --quick)")
-    g.add_argument("--batch", type=_positive, default=64, metavar="N", help="blocks per call (default 64)")
-    g.add_argument("--qd", type=_positive, default=None, metavar="N",
+    g.add_argument("--batch", type=positive_int, default=64, metavar="N", help="blocks per call (default 64)")
+    g.add_argument("--qd", type=positive_int, default=None, metavar="N",
                    help="queue depth of fio and of the block store's I/O engine (default: --batch)")
-    g.add_argument("--outstanding", type=_positive, default=1, metavar="N",
+    g.add_argument("--outstanding", type=positive_int, default=1, metavar="N",
                    help="sfstore put batches in flight (default 1: put() per batch; N > 1: put_async with N in "
                         "flight); gets are always get_into() per batch")
-    g.add_argument("--layers", type=_positive, default=32, metavar="N", help="KVGeometry.num_layers (default 32)")
-    g.add_argument("--block-tokens", type=_positive, default=16, metavar="N",
+    g.add_argument("--layers", type=positive_int, default=32, metavar="N", help="KVGeometry.num_layers (default 32)")
+    g.add_argument("--block-tokens", type=positive_int, default=16, metavar="N",
                    help="KVGeometry.block_tokens (default 16)")
-    g.add_argument("--kv-heads", type=_positive, default=8, metavar="N", help="KVGeometry.num_kv_heads (default 8)")
-    g.add_argument("--head-dim", type=_positive, default=128, metavar="N", help="KVGeometry.head_dim (default 128)")
+    g.add_argument("--kv-heads", type=positive_int, default=8, metavar="N", help="KVGeometry.num_kv_heads (default 8)")
+    g.add_argument("--head-dim", type=positive_int, default=128, metavar="N", help="KVGeometry.head_dim (default 128)")
     g.add_argument("--lmcache-odirect", action="store_true",
                    help="LMCache's local disk backend with use_odirect (default: its default, buffered files)")
-    g.add_argument("--warmup", type=_nonneg, default=1, metavar="N",
+    g.add_argument("--warmup", type=nonneg_int, default=1, metavar="N",
                    help="pairs run first and discarded per case (default 1)")
     g.add_argument("--fio", metavar="PATH", help="fio executable (default: fio on PATH)")
 
