@@ -773,11 +773,11 @@ class BlockStore:
                     c = self._classes[e.cls]
                     off = c.slot_offset(e.slot)
                     n = round_up(e.length, lba)
-                    if dests is not None and e.length >= _ZERO_COPY_MIN and dests[i].nbytes >= n:
-                        # The value straight into the caller's buffer, verified in place against the checksum
-                        # the index holds (64 bits: a slot with any other content fails it), so the header
-                        # needs no read; the header is what a recovery scan reads. A value that fails its
-                        # checksum leaves the caller's buffer overwritten.
+                    if dests is not None and dests[i].nbytes >= n:
+                        # The value straight into the caller's buffer (any size that fits it rounded to the LBA),
+                        # verified in place against the checksum the index holds (64 bits: a slot with any other
+                        # content fails it), so the header needs no read: it is what a recovery scan reads. A value
+                        # that fails its checksum leaves the caller's buffer overwritten.
                         items.append((i, None, 0, True))
                         reqs.append(("read", off + hdr, n, dests[i], 0))
                         continue
