@@ -35,6 +35,9 @@ class NativeIOFuture(IOFuture):
     def _described(self) -> list[tuple[str, int, int, int]]:  # type: ignore[override]
         return [(str(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in self._requests]
 
+    def __len__(self) -> int:
+        return len(self._requests)
+
     def done(self) -> bool:
         return self._handle.done()
 
