@@ -151,9 +151,9 @@ class BlockStore:
     capacity : int, optional
         For a new store: use only the first ``capacity`` bytes of the device (default: all of it).
     lock_timeout : float
-        Seconds to wait for the exclusive lock when another opener holds it (default: fail at once). A process
-        killed with I/O in flight holds its lock a little after it died, until the kernel has reaped its
-        io_uring.
+        Seconds to wait for the exclusive lock (and, on a block device, the ``O_EXCL`` open) when another opener
+        holds it (default: fail at once). A process killed with I/O in flight holds both a little after it died,
+        until the kernel has reaped its io_uring.
     on_evict : callable, optional
         ``on_evict(key, value)`` is called with the key and value (``bytes``) of each entry evicted to make
         room, before its slot is reused: the hook to spill to a lower tier. Its errors are counted and
@@ -181,7 +181,7 @@ class BlockStore:
         if path is None:
             path = os.path.join(defaults.get("data_dir"), "hot", "blocks.img")
         self._owns_path = not isinstance(path, BlockPath)
-        self.path: BlockPath = path if isinstance(path, BlockPath) else BlockPath(path)
+        self.path: BlockPath = path if isinstance(path, BlockPath) else self._open_path(path, lock_timeout)
         self.on_evict = on_evict
         self._capacity_limit = capacity
         self.counters = Counters(_COUNTERS)
@@ -234,6 +234,19 @@ class BlockStore:
         return store
 
     # -- open ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _open_path(target: Any, timeout: float) -> BlockPath:
+        """Open the block path, retrying for ``timeout`` seconds while a block device is busy (``O_EXCL``: a killed
+        opener's references linger until the kernel has reaped its io_uring)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return BlockPath(target)
+            except errors.StoreInUseError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+
     def _lock_device(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
