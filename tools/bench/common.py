@@ -48,6 +48,9 @@ __all__ = [
     "select_named",
     "positive_int",
     "nonneg_int",
+    "import_for_bench",
+    "percentile",
+    "batch_latency",
 ]
 
 GIB = 1 << 30
@@ -772,3 +775,28 @@ def nonneg_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
+
+
+def import_for_bench(name: str, why: str) -> Any:
+    """``importlib.import_module(name)``, or :class:`BenchSetupError` saying ``why`` it is needed."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise BenchSetupError(f"{name} cannot be imported ({exc}): {why}") from None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of ``values`` by nearest rank, ``None`` for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def batch_latency(batch_s: Sequence[float]) -> dict[str, Any]:
+    """Per-batch latency of one run: ``batches``, ``batch_p50_ms``, ``batch_p99_ms``, ``batch_mean_ms``."""
+    return {"batches": len(batch_s), "batch_p50_ms": 1e3 * (percentile(batch_s, 0.5) or 0.0),
+            "batch_p99_ms": 1e3 * (percentile(batch_s, 0.99) or 0.0),
+            "batch_mean_ms": 1e3 * statistics.fmean(batch_s) if batch_s else 0.0}

@@ -63,7 +63,6 @@ in flight (``--outstanding 2``) 256k put and get came near 0.95x fio in isolated
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import random
 import stat
@@ -82,11 +81,13 @@ from tools.bench.common import (
     RatioGoal,
     RunResult,
     Table,
+    batch_latency,
     check_bench_dir,
     default_bench_dir,
     drop_cache,
     evaluate_ratio_goals,
     format_size,
+    import_for_bench,
     machine_info,
     nonneg_int,
     parse_size,
@@ -269,26 +270,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- helpers ---------------------------------------------------------------------------------------------------
 
 
-def _import(name: str, why: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        raise BenchSetupError(f"{name} cannot be imported ({exc}): {why}") from None
-
-
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
-
-
-def _latency(batch_s: Sequence[float]) -> dict[str, Any]:
-    return {"batches": len(batch_s), "batch_p50_ms": 1e3 * (_percentile(batch_s, 0.5) or 0.0),
-            "batch_p99_ms": 1e3 * (_percentile(batch_s, 0.99) or 0.0),
-            "batch_mean_ms": 1e3 * statistics.fmean(batch_s) if batch_s else 0.0}
-
-
 class _Buffers:
     """``count`` buffers of ``size`` bytes: registered (one pool) or numpy arrays."""
 
@@ -297,7 +278,7 @@ class _Buffers:
         self._pool: Any = None
         self.items: list[Any] = []
         if kind == "registered":
-            buffers = _import("sfstore.buffers", "build sfstore first (pip install -e .)")
+            buffers = import_for_bench("sfstore.buffers", "build sfstore first (pip install -e .)")
             try:
                 self._pool = buffers.RegisteredBufferPool(buffer_size=size, max_buffers=count)
                 self.items = [self._pool.acquire() for _ in range(count)]
@@ -349,9 +330,9 @@ class _Bench:
         self.batch = int(args.batch)
         self.outstanding = int(args.outstanding)
         self.qd = int(args.qd or args.batch)
-        bp_mod = _import("sfstore.paths.block", "build sfstore first (pip install -e .)")
-        self.blocks = _import("sfstore.blocks", "build sfstore first (pip install -e .)")
-        self.errors = _import("sfstore.errors", "build sfstore first (pip install -e .)")
+        bp_mod = import_for_bench("sfstore.paths.block", "build sfstore first (pip install -e .)")
+        self.blocks = import_for_bench("sfstore.blocks", "build sfstore first (pip install -e .)")
+        self.errors = import_for_bench("sfstore.errors", "build sfstore first (pip install -e .)")
         self.engine = self._engine()
         try:
             self.bp = bp_mod.BlockPath(target, size=image_size, engine=self.engine)
@@ -371,8 +352,8 @@ class _Bench:
             raise
 
     def _engine(self) -> Any:
-        engine_mod = _import("sfstore.engine", "build sfstore first (pip install -e .)")
-        errors = _import("sfstore.errors", "build sfstore first (pip install -e .)")
+        engine_mod = import_for_bench("sfstore.engine", "build sfstore first (pip install -e .)")
+        errors = import_for_bench("sfstore.errors", "build sfstore first (pip install -e .)")
         try:
             engine = engine_mod.get_engine(self.args.engine, queue_depth=self.qd)
             if engine.name != "uring":  # a thread pool keeps at most `threads` requests in flight
@@ -473,7 +454,7 @@ class _Bench:
                                   f"expected {ws.n} of {ws.n * ws.bs}")
         self.holds = ws.bs
         ws.check_sample(store)
-        extra = {**_latency(lat), "flush_s": t1 - tf, "puts_s": tf - t0}
+        extra = {**batch_latency(lat), "flush_s": t1 - tf, "puts_s": tf - t0}
         return RunResult(bytes=put_bytes, ops=puts, seconds=t1 - t0, cpu_s=cpu, extra=extra)
 
     def run_get(self, ws: _WorkingSet) -> RunResult:
@@ -523,7 +504,7 @@ class _Bench:
         for key, buf in zip(ws.get_batches[last], views[last % self.outstanding], strict=False):
             if not _same(buf, ws.value_of(key)):
                 raise BenchSetupError(f"get-{format_size(ws.bs)}: key {key.hex()} came back with other bytes")
-        return RunResult(bytes=moved, ops=ws.n, seconds=t1 - t0, cpu_s=cpu, extra=_latency(lat))
+        return RunResult(bytes=moved, ops=ws.n, seconds=t1 - t0, cpu_s=cpu, extra=batch_latency(lat))
 
     def close(self) -> None:
         """Close the store, the working sets' buffers and the block path."""
@@ -643,8 +624,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchSetupError(f"--size {size}: must be a multiple of 4k and at least 16m (two size classes of "
                               "256k slots after 1 MiB of metadata)")
     fio = find_fio(args.fio)
-    np = _import("numpy", "--buffers numpy needs numpy (pip install -e '.[bench]')") if args.buffers == "numpy" \
-        else None
+    np = (import_for_bench("numpy", "--buffers numpy needs numpy (pip install -e '.[bench]')")
+          if args.buffers == "numpy" else None)
     target, image_size, directory, mount = _target(args, size)
     if args.repeat < 3:
         warn(f"--repeat {args.repeat}: BENCHMARKING.md asks for at least 3 pairs; do not quote these figures")

@@ -95,11 +95,13 @@ from tools.bench.common import (
     RatioGoal,
     RunResult,
     Table,
+    batch_latency,
     check_bench_dir,
     default_bench_dir,
     drop_cache,
     evaluate_ratio_goals,
     format_size,
+    import_for_bench,
     machine_info,
     nonneg_int,
     parse_size,
@@ -295,27 +297,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- helpers ---------------------------------------------------------------------------------------------------
 
 
-def _import(name: str, why: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        raise BenchSetupError(f"{name} cannot be imported ({exc}): {why}") from None
-
-
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
-
-
 def _latency(batch_s: Sequence[float]) -> dict[str, Any]:
     """Per-batch latency of one run (a block's latency is its batch's: it is delivered when the call returns)."""
-    p50 = 1e3 * (_percentile(batch_s, 0.5) or 0.0)
-    p99 = 1e3 * (_percentile(batch_s, 0.99) or 0.0)
-    return {"batches": len(batch_s), "batch_p50_ms": p50, "batch_p99_ms": p99,
-            "batch_mean_ms": 1e3 * statistics.fmean(batch_s) if batch_s else 0.0,
-            "block_p50_ms": p50, "block_p99_ms": p99}
+    out = batch_latency(batch_s)
+    return {**out, "block_p50_ms": out["batch_p50_ms"], "block_p99_ms": out["batch_p99_ms"]}
 
 
 _HUGE = 2 << 20
@@ -485,9 +470,9 @@ class _Bench:
     def __init__(self, args: argparse.Namespace, size: int, directory: str) -> None:
         self.args = args
         self.dir = directory
-        self.np: Any = _import("numpy", "the kvcache bench needs numpy (pip install -e '.[bench]')")
-        self.kvmod: Any = _import("sfstore.kvcache", "build sfstore first (pip install -e .)")
-        self.errors: Any = _import("sfstore.errors", "build sfstore first (pip install -e .)")
+        self.np: Any = import_for_bench("numpy", "the kvcache bench needs numpy (pip install -e '.[bench]')")
+        self.kvmod: Any = import_for_bench("sfstore.kvcache", "build sfstore first (pip install -e .)")
+        self.errors: Any = import_for_bench("sfstore.errors", "build sfstore first (pip install -e .)")
         self.geom = self.kvmod.KVGeometry(num_layers=args.layers, block_tokens=args.block_tokens,
                                           num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype="bfloat16")
         self.block = int(self.geom.block_bytes)
@@ -711,8 +696,8 @@ class _BlockTier:
 
     def __init__(self, bench: _Bench) -> None:
         self.b = bench
-        blocks = _import("sfstore.blocks", "build sfstore first (pip install -e .)")
-        bp_mod = _import("sfstore.paths.block", "build sfstore first (pip install -e .)")
+        blocks = import_for_bench("sfstore.blocks", "build sfstore first (pip install -e .)")
+        bp_mod = import_for_bench("sfstore.paths.block", "build sfstore first (pip install -e .)")
         self.engine = self._engine()
         stride_guess = bench.block + 4096
         self.image_size = -(-(bench.n * stride_guess + 16 * MIB) // MIB) * MIB
@@ -753,7 +738,7 @@ class _BlockTier:
         self.holds = False  # whether the store holds the N blocks intact
 
     def _engine(self) -> Any:
-        engine_mod = _import("sfstore.engine", "build sfstore first (pip install -e .)")
+        engine_mod = import_for_bench("sfstore.engine", "build sfstore first (pip install -e .)")
         try:
             engine = engine_mod.get_engine(self.b.args.engine, queue_depth=self.b.qd)
             if engine.name != "uring":  # a thread pool keeps at most `threads` requests in flight
