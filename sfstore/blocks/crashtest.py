@@ -27,11 +27,12 @@ import json
 import multiprocessing
 import os
 import random
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from sfstore.testing.sigkill import kill_after_progress
 
 __all__ = ["run_trials", "CrashReport", "expected_value", "STORE_BYTES", "CLASSES"]
 
@@ -202,20 +203,11 @@ def run_trials(
             f.write(f"T {trial}\n")
         proc = ctx.Process(target=_child, args=(tgt, log, rng.randrange(1 << 30), version), daemon=True)
         proc.start()
-        deadline = time.monotonic() + start_timeout
-        while _states(log)[3] <= before:
-            if not proc.is_alive() or time.monotonic() > deadline:
-                proc.kill()
-                proc.join()
-                report.failures.append(f"trial {trial}: the child flushed nothing (exit code {proc.exitcode})")
-                report.trials = trial + 1
-                report.seconds = time.monotonic() - began
-                return report
-            time.sleep(0.002)
-        time.sleep(rng.uniform(0.0, max_delay))
-        assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
+        if not kill_after_progress(proc, lambda: _states(log)[3], before, rng, max_delay, start_timeout):
+            report.failures.append(f"trial {trial}: the child flushed nothing (exit code {proc.exitcode})")
+            report.trials = trial + 1
+            report.seconds = time.monotonic() - began
+            return report
         found = _check(tgt, log, report, trial)
         # The parent's clean close made what it found durable: that is every key's state for the next trial.
         with open(log, "a") as f:

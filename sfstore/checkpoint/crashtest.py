@@ -22,12 +22,13 @@ import json
 import multiprocessing
 import os
 import random
-import signal
 import struct
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from sfstore.testing.sigkill import kill_after_progress
 
 __all__ = ["expected_state", "states_equal", "run_trials", "CrashReport"]
 
@@ -186,20 +187,11 @@ def run_trials(
         before = _read_ack(ack)
         proc = ctx.Process(target=_child, args=(root, ack, before + 1, exchange), daemon=True)
         proc.start()
-        deadline = time.monotonic() + start_timeout
-        while _read_ack(ack) <= before:
-            if not proc.is_alive() or time.monotonic() > deadline:
-                proc.kill()
-                proc.join()
-                report.failures.append(f"trial {trial}: the child made no save (exit code {proc.exitcode})")
-                report.trials = trial + 1
-                report.seconds = time.monotonic() - began
-                return report
-            time.sleep(0.001)
-        time.sleep(rng.uniform(0.0, max_delay))
-        assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
+        if not kill_after_progress(proc, lambda: _read_ack(ack), before, rng, max_delay, start_timeout, 0.001):
+            report.failures.append(f"trial {trial}: the child made no save (exit code {proc.exitcode})")
+            report.trials = trial + 1
+            report.seconds = time.monotonic() - began
+            return report
         acked = _read_ack(ack)
         _check(root, acked, report, trial)
         report.trials = trial + 1
