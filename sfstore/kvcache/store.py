@@ -248,12 +248,12 @@ class KVCacheStore:
         Without a pinned tier (``pinned_bytes=0``), host blocks go to the lower tiers straight from the caller's
         memory (no copy: aligned blocks move with O_DIRECT).
         """
-        views = self._direct_views(keys, blocks)
+        ks, sources = self._put_args(keys, blocks)
+        views = self._direct_views(sources)
         if views is None:
-            self.put_async(keys, blocks).get()
+            self._stage(ks, sources).get()
             return
         t0 = time.perf_counter()
-        ks = self._check_keys(keys)
         n = self.geometry.block_bytes
         try:
             if self.block is not None:
@@ -268,14 +268,21 @@ class KVCacheStore:
         self.counters.add(puts=len(ks), bytes_put=n * len(ks))
         self._lat["put"].append(time.perf_counter() - t0)
 
-    def _direct_views(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[memoryview] | None:
-        """Byte views of ``blocks`` when they can move without the pinned tier: there is none, and every block is
-        contiguous host memory of the right size and dtype; else ``None`` (the staged path)."""
-        if self.pinned.capacity > 0 or len(keys) != len(blocks) or (self.block is None and self.shared is None):
+    def _put_args(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> tuple[list[bytes], list[tuple[Any, bool]]]:
+        """The checked keys and ``(block, on a GPU)`` of a put."""
+        self._check_open()
+        ks = self._check_keys(keys)
+        if len(ks) != len(blocks):
+            raise errors.InvalidRequestError(f"put: {len(ks)} keys but {len(blocks)} blocks")
+        return ks, [self._source(b, f"block {i}") for i, b in enumerate(blocks)]
+
+    def _direct_views(self, sources: list[tuple[Any, bool]]) -> list[memoryview] | None:
+        """Byte views of the (checked) blocks when they can move without the pinned tier: there is none, and every
+        block is contiguous host memory; else ``None`` (the staged path)."""
+        if self.pinned.capacity > 0 or (self.block is None and self.shared is None):
             return None
         views = []
-        for i, b in enumerate(blocks):
-            src, device = self._source(b, f"block {i}")
+        for src, device in sources:
             if device:
                 return None
             try:
@@ -293,11 +300,10 @@ class KVCacheStore:
         The caller may reuse the blocks' memory as soon as this returns; ``.get()`` on the result waits until
         every lower tier has them (and raises the first error).
         """
-        self._check_open()
-        ks = self._check_keys(keys)
-        if len(ks) != len(blocks):
-            raise errors.InvalidRequestError(f"put: {len(ks)} keys but {len(blocks)} blocks")
-        sources = [self._source(b, f"block {i}") for i, b in enumerate(blocks)]
+        return self._stage(*self._put_args(keys, blocks))
+
+    def _stage(self, ks: list[bytes], sources: list[tuple[Any, bool]]) -> BlockStoreFuture[None]:
+        """Copy the (checked) blocks into pinned slots and commit them (lower tiers written in the background)."""
         t0 = time.perf_counter()
         slots: list[tuple[bytes, Slot]] = []
         try:
@@ -354,15 +360,8 @@ class KVCacheStore:
         A block is committed (pinned, then written to the lower tiers in the background) once all its layers
         are in; :meth:`wait_for_puts` waits for those writes.
         """
-        self._check_open()
         g = self.geometry
-        if not 0 <= layer < g.num_layers:
-            raise errors.InvalidRequestError(f"put_layer: layer {layer} is not in [0, {g.num_layers})")
-        ks = self._check_keys(keys)
-        if len(ks) != len(tensors):
-            raise errors.InvalidRequestError(f"put_layer: {len(ks)} keys but {len(tensors)} tensors")
-        for i, t in enumerate(tensors):
-            self._check_layer(t, f"put_layer: tensor {i}")
+        ks = self._layer_args("put_layer", keys, layer, tensors)
         done: list[tuple[bytes, Slot]] = []
         for k, t in zip(ks, tensors, strict=True):
             with self._lock:
@@ -389,39 +388,47 @@ class KVCacheStore:
             self.pinned.drop(slot)
         return len(dropped)
 
-    def _check_layer(self, t: Any, what: str) -> None:
+    def _layer_args(self, op: str, keys: Sequence[bytes], layer: int, tensors: Sequence[Any]) -> list[bytes]:
+        """The checked keys of a per-layer call, after checking the layer and every tensor (torch, the geometry's
+        dtype, a layer's element count)."""
+        self._check_open()
         g = self.geometry
-        mod = type(t).__module__ or ""
-        if not mod.startswith("torch"):
-            raise errors.InvalidRequestError(f"{what}: per-layer transfers take torch tensors, not {type(t).__name__}")
-        dtype = str(t.dtype).replace("torch.", "")
-        if dtype != g.dtype or t.numel() != g.layer_elements:
-            raise errors.InvalidRequestError(
-                f"{what}: {tuple(t.shape)} {dtype}, but a layer of a block is {g.layer_shape} {g.dtype}"
-            )
+        if not 0 <= layer < g.num_layers:
+            raise errors.InvalidRequestError(f"{op}: layer {layer} is not in [0, {g.num_layers})")
+        ks = self._check_keys(keys)
+        if len(ks) != len(tensors):
+            raise errors.InvalidRequestError(f"{op}: {len(ks)} keys but {len(tensors)} tensors")
+        for i, t in enumerate(tensors):
+            if not (type(t).__module__ or "").startswith("torch"):
+                raise errors.InvalidRequestError(
+                    f"{op}: tensor {i}: per-layer transfers take torch tensors, not {type(t).__name__}"
+                )
+            dtype = str(t.dtype).replace("torch.", "")
+            if dtype != g.dtype or t.numel() != g.layer_elements:
+                raise errors.InvalidRequestError(
+                    f"{op}: tensor {i}: {tuple(t.shape)} {dtype}, but a layer of a block is {g.layer_shape} {g.dtype}"
+                )
+        return ks
 
     def get_layer_into(self, keys: Sequence[bytes], layer: int, tensors: Sequence[Any]) -> list[str | None]:
         """Copy layer ``layer`` of each block into ``tensors`` (``geometry.layer_shape``, any strides, CPU or
         CUDA); blocks not in the pinned tier are fetched first (call :meth:`prefetch` early to overlap)."""
-        self._check_open()
         g = self.geometry
-        if not 0 <= layer < g.num_layers:
-            raise errors.InvalidRequestError(f"get_layer_into: layer {layer} is not in [0, {g.num_layers})")
-        ks = self._check_keys(keys)
-        if len(ks) != len(tensors):
-            raise errors.InvalidRequestError(f"get_layer_into: {len(ks)} keys but {len(tensors)} tensors")
-        for i, t in enumerate(tensors):
-            self._check_layer(t, f"get_layer_into: tensor {i}")
+        ks = self._layer_args("get_layer_into", keys, layer, tensors)
         slots, tiers = self._fetch(ks, count=False)
+        self._deliver(slots, tensors, layer * g.layer_bytes, g.layer_bytes)
+        return tiers
+
+    def _deliver(self, slots: list[Slot | None], dests: Sequence[Any], offset: int, nbytes: int) -> None:
+        """Copy ``[offset, offset + nbytes)`` of each fetched block into its destination; unpin every slot."""
         try:
-            for slot, t in zip(slots, tensors, strict=True):
+            for slot, d in zip(slots, dests, strict=True):
                 if slot is not None:
-                    self._copy_out(slot, t, layer * g.layer_bytes, g.layer_bytes)
+                    self._copy_out(slot, d, offset, nbytes)
         finally:
             for s in slots:
                 if s is not None:
                     self.pinned.unpin(s)
-        return tiers
 
     # -- get --------------------------------------------------------------------------------------------------
     def get_into(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[str | None]:
@@ -431,23 +438,15 @@ class KVCacheStore:
         ks = self._check_keys(keys)
         if len(ks) != len(blocks):
             raise errors.InvalidRequestError(f"get_into: {len(ks)} keys but {len(blocks)} blocks")
-        for i, b in enumerate(blocks):
-            self._source(b, f"destination block {i}")
+        dests = [self._source(b, f"destination block {i}") for i, b in enumerate(blocks)]
         t0 = time.perf_counter()
-        views = self._direct_views(ks, blocks)
+        views = self._direct_views(dests)
         if views is not None and all(not v.readonly for v in views):
             tiers = self._get_direct(ks, views)
             self._lat["get"].append(time.perf_counter() - t0)
             return tiers
         slots, tiers = self._fetch(ks, count=True)
-        try:
-            for slot, b in zip(slots, blocks, strict=True):
-                if slot is not None:
-                    self._copy_out(slot, b)
-        finally:
-            for s in slots:
-                if s is not None:
-                    self.pinned.unpin(s)
+        self._deliver(slots, blocks, 0, self.geometry.block_bytes)
         self.counters.add(bytes_got=self.geometry.block_bytes * sum(1 for s in slots if s is not None))
         self._lat["get"].append(time.perf_counter() - t0)
         return tiers
