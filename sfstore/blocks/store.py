@@ -30,8 +30,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import xxhash
-
 from sfstore import defaults, errors
 from sfstore.blocks.layout import (
     Layout,
@@ -55,7 +53,6 @@ _COUNTERS = ("puts", "gets", "hits", "misses", "deletes", "evictions", "corrupt_
              "bytes_put", "bytes_got", "evict_hook_errors")
 _META_IO = 1 << 20  # metadata I/O chunk (registered buffer size)
 _WAIT_SECONDS = 60.0  # how long a put waits for a slot held by other threads' reads and writes
-_xxh3 = xxhash.xxh3_64_intdigest  # the value checksum (layout.value_sum), bound once for the per-key loops
 _ZERO_COPY_MIN = 64 << 10  # values this large (and LBA-multiple) move between storage and the caller's memory
 _WAVE = 16  # values per engine batch: verifying/copying one wave overlaps the I/O of the next
 _WAVE_BYTES = 32 << 20  # ... and fewer when they are large, so the first I/O starts (and the last check ends) soon
@@ -810,7 +807,7 @@ class BlockStore:
                     assert e is not None
                     if direct and dests is not None:
                         value = dests[i][: e.length]
-                        good = _xxh3(value) == e.vsum
+                        good = value_sum(value) == e.vsum
                     else:
                         view = memoryview(buf)
                         want = e.header or self._header_bytes(e)
