@@ -25,6 +25,7 @@ __all__ = [
     "BadFileDescriptorError",
     "NoSpaceError",
     "IOEngineError",
+    "ChecksumMismatchError",
     "PathNotFoundError",
     "PathExistsError",
     "AccessDeniedError",
@@ -98,6 +99,10 @@ class NoSpaceError(SfstoreOSError):
 
 class IOEngineError(SfstoreOSError):
     """A request failed in the I/O engine; the message names the request, file offset and path."""
+
+
+class ChecksumMismatchError(IOEngineError):
+    """A read's bytes do not have the checksum the caller gave with it (EBADMSG); the buffer holds them."""
 
 
 class PathNotFoundError(SfstoreOSError, FileNotFoundError):
@@ -189,6 +194,7 @@ _OS_CLASSES: dict[int, type[SfstoreOSError]] = {
 }
 
 _ENGINE_CLASSES: dict[int, type[SfstoreOSError]] = {
+    _errno.EBADMSG: ChecksumMismatchError,
     _errno.EBADF: BadFileDescriptorError,
     _errno.ENOSPC: NoSpaceError,
     _errno.EDQUOT: NoSpaceError,

@@ -41,8 +41,9 @@ apt_ensure() {  # install the Debian packages that are missing
 setup() {  # setup [demo|test]
   local extras=""
   [ "${1:-}" = demo ] && extras="[demo]"
-  # liburing-dev: the io_uring backend of the native engine (without it the build still works, threads only)
-  local pkgs=(liburing-dev)
+  # liburing-dev: the io_uring backend of the native engine (without it the build still works, threads only);
+  # libxxhash-dev: checksums of reads checked on the engine's thread (without it, on the caller's)
+  local pkgs=(liburing-dev libxxhash-dev)
   if [ "${1:-}" = test ]; then
     extras="[test]"
     # e2fsprogs: tests build 4096-byte-sector ext4 filesystems on loop devices; fio: the benchmark's reference

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "checksum.hpp"
 #include "common.hpp"
 
 namespace sfstore {
@@ -222,6 +223,15 @@ std::shared_ptr<Batch> Engine::start(std::vector<RequestSpec> reqs, const std::u
         else add_bounced(*b, idx, true, r.fd, mid_s, mid_e, mid_s, mid_e, mid_mem, piece);
         if (mid_e < end) add_span(*b, idx, OpMode::Reopened, true, bfd, mid_e, end - mid_e, r.mem + (mid_e - r.offset));
     }
+    bool any_verify = false;
+    for (const auto& r : b->reqs) any_verify = any_verify || r.verify;
+    if (any_verify) {
+        b->ops_left.reset(new std::atomic<uint32_t>[n]);
+        for (size_t i = 0; i < n; ++i) b->ops_left[i] = 0;
+        for (const auto& op : b->ops) b->ops_left[op.req] += 1;
+        for (size_t i = 0; i < n; ++i)
+            if (b->reqs[i].verify && b->reqs[i].length == 0) verify(*b, static_cast<uint32_t>(i));
+    }
     stats_.batches += 1;
     stats_.requests += n;
     b->remaining = b->ops.size();
@@ -300,12 +310,27 @@ void Engine::finish_op(Op* op) {
         op->bounce = Region{};
     }
     Batch& b = *op->batch;
+    if (b.ops_left && b.ops_left[op->req].fetch_sub(1) == 1) verify(b, op->req);
     if (b.remaining.fetch_sub(1) == 1) {
         for (int fd : b.reopened_fds) ::close(fd);
         b.reopened_fds.clear();
         std::lock_guard<std::mutex> lk(b.mu);
         b.done = true;
         b.cv.notify_all();
+    }
+}
+
+void Engine::verify(Batch& b, uint32_t req) {
+    const RequestSpec& r = b.reqs[req];
+    if (!r.verify || b.errs[req].load() != 0) return;
+    uint64_t n = static_cast<uint64_t>(b.bytes[req].load());
+    stats_.bytes_verified += n;
+    if (n != r.length || xxh3_64(r.mem, n) != r.sum) {
+        int expected = 0;
+        if (b.errs[req].compare_exchange_strong(expected, EBADMSG)) {
+            stats_.verify_failed += 1;
+            stats_.errors += 1;
+        }
     }
 }
 

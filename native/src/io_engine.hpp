@@ -25,6 +25,8 @@ struct RequestSpec {
     uint64_t offset;
     uint64_t length;
     char* mem;  // caller memory for byte 0 of the request
+    bool verify = false;  // a read whose bytes must have xxh3-64 `sum`; a mismatch ends it with EBADMSG
+    uint64_t sum = 0;
 };
 
 enum class OpMode : uint8_t {
@@ -64,6 +66,7 @@ struct Batch {
     std::unique_ptr<std::atomic<int64_t>[]> bytes;
     std::unique_ptr<std::atomic<int>[]> errs;
     std::atomic<size_t> remaining{0};
+    std::unique_ptr<std::atomic<uint32_t>[]> ops_left;  // per request, only when some request is verified
     std::atomic<uint64_t> moved_direct{0}, moved_bounced{0};
     std::vector<int> reopened_fds;
     std::mutex mu;
@@ -76,7 +79,7 @@ struct Batch {
 
 struct EngineStats {
     std::atomic<uint64_t> batches{0}, requests{0}, bytes_read{0}, bytes_written{0}, bytes_direct{0},
-        bytes_bounced{0}, errors{0};
+        bytes_bounced{0}, errors{0}, bytes_verified{0}, verify_failed{0};
 };
 
 // The backend runs ops; it calls Engine::complete for each result.
@@ -122,6 +125,8 @@ private:
     Engine(size_t bounce_size)
         : bounce_size_(bounce_size), bounce_pool_(bounce_size, 0, Mode::Auto, Mode::Auto, Mode::Off) {}
     void finish_op(Op* op);
+    // Checks a finished read's bytes against its checksum (on the backend's thread, off the caller's).
+    void verify(Batch& b, uint32_t req);
 
     size_t bounce_size_;
     BufferPool bounce_pool_;

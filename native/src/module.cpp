@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "buffer_pool.hpp"
+#include "checksum.hpp"
 #include "common.hpp"
 #include "cuda_host.hpp"
 #include "dlpack.hpp"
@@ -281,7 +282,7 @@ std::string req_name(size_t i, bool write, int fd) {
     return "request " + std::to_string(i) + " (" + (write ? "write" : "read") + ", fd " + std::to_string(fd) + ")";
 }
 
-PyFuture engine_submit(PyEngine& self, nb::handle requests, bool bounce) {
+PyFuture engine_submit(PyEngine& self, nb::handle requests, bool bounce, nb::handle checksums) {
     nb::object seq = nb::steal(PySequence_Fast(requests.ptr(), "requests must be a sequence of Request tuples"));
     if (!seq.is_valid()) {
         PyErr_Clear();
@@ -289,6 +290,21 @@ PyFuture engine_submit(PyEngine& self, nb::handle requests, bool bounce) {
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
     PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+    nb::object sums;
+    PyObject** sum_items = nullptr;
+    if (!checksums.is_none()) {
+        if (!xxh3_available())
+            raise_sf("invalid", EINVAL, "checksums: this build has no xxh3 (libxxhash-dev was missing at build time)");
+        sums = nb::steal(PySequence_Fast(checksums.ptr(), "checksums must be a sequence"));
+        if (!sums.is_valid()) {
+            PyErr_Clear();
+            raise_sf("invalid", EINVAL, "checksums must be a sequence of int or None, one per request");
+        }
+        if (PySequence_Fast_GET_SIZE(sums.ptr()) != n)
+            raise_sf("invalid", EINVAL, "checksums: " + std::to_string(PySequence_Fast_GET_SIZE(sums.ptr())) +
+                                            " given for " + std::to_string(n) + " requests");
+        sum_items = PySequence_Fast_ITEMS(sums.ptr());
+    }
     std::vector<RequestSpec> specs;
     specs.reserve(static_cast<size_t>(n));
     ViewSet vs;
@@ -312,23 +328,23 @@ PyFuture engine_submit(PyEngine& self, nb::handle requests, bool bounce) {
         int64_t length = as_int(PyTuple_GET_ITEM(item, 3), i, "length");
         PyObject* bufobj = PyTuple_GET_ITEM(item, 4);
         int64_t boff = PyTuple_GET_SIZE(item) == 6 ? as_int(PyTuple_GET_ITEM(item, 5), i, "buffer_offset") : 0;
-        std::string who = req_name(i, write, static_cast<int>(fd));
-        if (fd < 0 || fd > INT32_MAX) raise_sf("os", EBADF, who + ": bad file descriptor");
-        if (offset < 0) raise_sf("invalid", EINVAL, who + ": negative file offset " + std::to_string(offset));
-        if (length < 0) raise_sf("invalid", EINVAL, who + ": negative length " + std::to_string(length));
-        if (boff < 0) raise_sf("invalid", EINVAL, who + ": negative buffer_offset " + std::to_string(boff));
+        auto who = [&] { return req_name(i, write, static_cast<int>(fd)); };  // only on errors: a string per request costs
+        if (fd < 0 || fd > INT32_MAX) raise_sf("os", EBADF, who() + ": bad file descriptor");
+        if (offset < 0) raise_sf("invalid", EINVAL, who() + ": negative file offset " + std::to_string(offset));
+        if (length < 0) raise_sf("invalid", EINVAL, who() + ": negative length " + std::to_string(length));
+        if (boff < 0) raise_sf("invalid", EINVAL, who() + ": negative buffer_offset " + std::to_string(boff));
         auto fit = infos.find(static_cast<int>(fd));
         if (fit == infos.end()) {
             try {
                 fit = infos.emplace(static_cast<int>(fd), describe_fd(static_cast<int>(fd))).first;
             } catch (const SfError& e) {
-                raise_sf("os", e.err, who + ": " + e.what());
+                raise_sf("os", e.err, who() + ": " + e.what());
             }
         }
         const FdInfo& fi = fit->second;
         int acc = fi.flags & O_ACCMODE;
         if (write ? acc == O_RDONLY : acc == O_WRONLY)
-            raise_sf("os", EBADF, who + ": descriptor is not open for " + (write ? "writing" : "reading"));
+            raise_sf("os", EBADF, who() + ": descriptor is not open for " + (write ? "writing" : "reading"));
         size_t vi;
         if (auto it = view_of.find(bufobj); it != view_of.end()) {
             vi = it->second;
@@ -340,11 +356,11 @@ PyFuture engine_submit(PyEngine& self, nb::handle requests, bool bounce) {
                 try {
                     conv = nb::module_::import_("sfstore.buffers").attr("as_buffer")(nb::handle(bufobj));
                 } catch (nb::python_error& e) {
-                    raise_sf("invalid", EINVAL, who + ": unusable buffer: " + std::string(nb::str(e.value()).c_str()));
+                    raise_sf("invalid", EINVAL, who() + ": unusable buffer: " + std::string(nb::str(e.value()).c_str()));
                 }
                 if (PyObject_GetBuffer(conv.ptr(), &v, PyBUF_SIMPLE) < 0) {
                     PyErr_Clear();
-                    raise_sf("invalid", EINVAL, who + ": the buffer is not contiguous");
+                    raise_sf("invalid", EINVAL, who() + ": the buffer is not contiguous");
                 }
                 converted.push_back(conv);
             }
@@ -353,10 +369,10 @@ PyFuture engine_submit(PyEngine& self, nb::handle requests, bool bounce) {
             view_of.emplace(bufobj, vi);
         }
         const Py_buffer& v = vs.views[vi];
-        if (!write && v.readonly) raise_sf("read_only", 0, who + ": cannot read into a read-only buffer");
+        if (!write && v.readonly) raise_sf("read_only", 0, who() + ": cannot read into a read-only buffer");
         if (static_cast<uint64_t>(boff) + static_cast<uint64_t>(length) > static_cast<uint64_t>(v.len))
             raise_sf("too_small", 0,
-                     who + ": buffer of " + std::to_string(v.len) + " bytes cannot hold " + std::to_string(length) +
+                     who() + ": buffer of " + std::to_string(v.len) + " bytes cannot hold " + std::to_string(length) +
                          " bytes at buffer_offset " + std::to_string(boff));
         char* mem = static_cast<char*>(v.buf) + boff;
         if (fi.direct && !bounce && length > 0 &&
@@ -364,12 +380,19 @@ PyFuture engine_submit(PyEngine& self, nb::handle requests, bool bounce) {
               is_aligned(static_cast<uint64_t>(length), fi.off_align) &&
               is_aligned(reinterpret_cast<uintptr_t>(mem), fi.mem_align)))
             raise_sf("alignment", EINVAL,
-                     who + ": O_DIRECT needs file offset and length in multiples of " + std::to_string(fi.off_align) +
+                     who() + ": O_DIRECT needs file offset and length in multiples of " + std::to_string(fi.off_align) +
                          " and memory aligned to " + std::to_string(fi.mem_align) + " (offset " +
                          std::to_string(offset) + ", length " + std::to_string(length) +
                          "); bounce buffers are off (SFSTORE_BOUNCE)");
-        specs.push_back(RequestSpec{write, static_cast<int>(fd), static_cast<uint64_t>(offset),
-                                    static_cast<uint64_t>(length), mem});
+        RequestSpec spec{write, static_cast<int>(fd), static_cast<uint64_t>(offset), static_cast<uint64_t>(length),
+                         mem};
+        if (sum_items && sum_items[k] != Py_None) {
+            if (write) raise_sf("invalid", EINVAL, who() + ": checksums are checked on reads only");
+            if (!PyLong_Check(sum_items[k]) || PyBool_Check(sum_items[k])) raise_sf("invalid", EINVAL, who() + ": a checksum must be an int or None");
+            spec.sum = PyLong_AsUnsignedLongLongMask(sum_items[k]);
+            spec.verify = true;
+        }
+        specs.push_back(spec);
     }
     PyFuture fut;
     {
@@ -397,6 +420,8 @@ nb::dict engine_stats(PyEngine& self) {
     d["bytes_direct"] = s.bytes_direct.load();
     d["bytes_bounced"] = s.bytes_bounced.load();
     d["errors"] = s.errors.load();
+    d["bytes_verified"] = s.bytes_verified.load();
+    d["verify_failed"] = s.verify_failed.load();
     return d;
 }
 
@@ -529,7 +554,7 @@ NB_MODULE(_native, m) {
                  new (self) PyEngine{Engine::create(backend, queue_depth, threads, bounce, spin_us)};
              },
              "backend"_a, "queue_depth"_a, "threads"_a, "bounce_buffer_size"_a, "spin_us"_a = 0)
-        .def("submit", &engine_submit, "requests"_a, "bounce"_a = true)
+        .def("submit", &engine_submit, "requests"_a, "bounce"_a = true, "checksums"_a = nb::none())
         .def("stats", &engine_stats)
         .def("close", [](PyEngine& self) {
             nb::gil_scoped_release nogil;
@@ -592,5 +617,14 @@ NB_MODULE(_native, m) {
             return fd;
         },
         "dirfd"_a, "path"_a, "flags"_a, "mode"_a = 0644);
+    m.def("xxh3_available", [] { return xxh3_available(); },
+          "Whether reads can be checked against xxh3-64 checksums in the engine (built with xxhash.h).");
+    m.def(
+        "xxh3_64",
+        [](nb::bytes data) {
+            if (!xxh3_available()) raise_sf("invalid", EINVAL, "this build has no xxh3");
+            return xxh3_64(data.c_str(), data.size());
+        },
+        "data"_a, "xxh3-64 (seed 0) of bytes, as the engine checks reads.");
     m.def("page_size", [] { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); });
 }

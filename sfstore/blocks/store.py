@@ -771,17 +771,18 @@ class BlockStore:
         lba = self.layout.lba
         out: list[bytes | int | None] = [None] * len(entries)
         live = [i for i, e in enumerate(entries) if e is not None]
-        waves: list[tuple[BlockFuture, list[tuple[int, Any, int, bool]]]] = []
+        # per wave: its future and, per request, (entry index, staging buffer or None when direct, engine-checked)
+        waves: list[tuple[BlockFuture, list[tuple[int, Any, bool]]]] = []
         held: list[Any] = []  # staging buffers to release
         hits = misses = nbytes = 0
         try:
             sizes = [entries[i].length for i in live]  # type: ignore[union-attr]
+            classes = self._classes
             for first, last in _waves(sizes):
-                part = live[first:last]
-                items: list[tuple[int, Any, int, bool]] = []  # (entry index, buffer with the header, offset, direct)
+                items: list[tuple[int, Any, bool]] = []
                 reqs: list[tuple[str, int, int, Any, int]] = []
-                classes = self._classes
-                for i in part:
+                sums: list[int | None] = []
+                for i in live[first:last]:
                     e = entries[i]
                     assert e is not None
                     c = classes[e.cls]
@@ -789,45 +790,50 @@ class BlockStore:
                     n = -(-e.length // lba) * lba
                     if dests is not None and dests[i].nbytes >= n:
                         # The value straight into the caller's buffer (any size that fits it rounded to the LBA),
-                        # verified in place against the checksum the index holds (64 bits: a slot with any other
-                        # content fails it), so the header needs no read: it is what a recovery scan reads. A value
-                        # that fails its checksum leaves the caller's buffer overwritten.
-                        items.append((i, None, 0, True))
+                        # verified against the checksum the index holds (64 bits: a slot with any other content
+                        # fails it), so the header needs no read: it is what a recovery scan reads. The engine
+                        # checks it where the read completes when the read is exactly the value; a value that
+                        # fails leaves the caller's buffer overwritten.
+                        engine_checked = n == e.length
+                        items.append((i, None, engine_checked))
                         reqs.append(("read", off + hdr, n, dests[i], 0))
+                        sums.append(e.vsum if engine_checked else None)
                         continue
                     buf = c.pool.acquire()
                     held.append(buf)
-                    items.append((i, buf, 0, False))
+                    items.append((i, buf, False))
                     reqs.append(("read", off, hdr + n, buf, 0))
-                waves.append((self.path.submit(reqs, check=False), items))
+                    sums.append(None)
+                waves.append((self.path.submit(reqs, check=False, checksums=sums), items))
             for fut, items in waves:
-                fut.get()
-                for i, buf, hoff, direct in items:
+                results = fut.results()
+                for j, (i, buf, engine_checked) in enumerate(items):
                     e = entries[i]
                     assert e is not None
-                    if direct and dests is not None:
-                        value = dests[i][: e.length]
-                        good = value_sum(value) == e.vsum
+                    got = results[j]
+                    if got < 0 and got != -errno.EBADMSG:
+                        raise fut.error_for(j, -got)
+                    if buf is None:
+                        good = got >= 0 if engine_checked else value_sum(dests[i][: e.length]) == e.vsum  # type: ignore[index]
                     else:
                         view = memoryview(buf)
                         want = e.header or self._header_bytes(e)
                         value = view[hdr:hdr + e.length]
-                        good = view[hoff:hoff + len(want)] == want and value_sum(value) == e.vsum
-                        del view
+                        good = view[: len(want)] == want and value_sum(value) == e.vsum
+                        if good:
+                            if dests is None:
+                                out[i] = bytes(value)
+                            else:
+                                dests[i][: e.length] = value
+                        del value, view
                     if not good:
-                        del value
                         self._drop_corrupt(e)
                         misses += 1
                         continue
-                    if dests is None:
-                        out[i] = bytes(value)
-                    else:
-                        if not direct:
-                            dests[i][: e.length] = value
+                    if dests is not None:
                         out[i] = e.length
                     hits += 1
                     nbytes += e.length
-                    del value
         finally:
             for fut, _items in waves:
                 fut.wait()

@@ -190,6 +190,9 @@ def describe_engines() -> dict[str, Any]:
         ``{"setting": "auto", "source": "default", "selected": "python" | None, "why": "...",
         "engines": {"uring": {"available": bool, "reason": str}, "threads": {...}, "python": {...}}}``.
         ``selected`` is ``None`` when the setting names an engine that cannot run (``get_engine()`` then raises).
+        ``checksums`` says where read checksums (``submit(..., checksums=...)``) are checked: on the native
+        engine's service thread (``"engine"``), or on the caller's thread after the batch where the helper was
+        built without ``xxhash.h`` or is missing (``"caller"``; the Python engine checks them in its workers).
     """
     setting = str(defaults.get("engine"))
     source = defaults.source("engine")
@@ -208,7 +211,15 @@ def describe_engines() -> dict[str, Any]:
         ok, reason = status[setting]
         selected = setting if ok else None
         why = f"engine={setting} ({source})" + ("" if ok else f", which cannot run here: {reason}")
-    return {"setting": setting, "source": source, "selected": selected, "why": why, "engines": engines}
+    checksums = "caller"
+    if selected in ("uring", "threads"):
+        from sfstore.engine.native import checksums_where
+
+        checksums = checksums_where()
+    elif selected == "python":
+        checksums = "engine"
+    return {"setting": setting, "source": source, "selected": selected, "why": why, "engines": engines,
+            "checksums": checksums}
 
 
 _DIRECT_MODES = {True: "on", False: "off", "on": "on", "off": "off", "auto": "auto"}

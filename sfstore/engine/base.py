@@ -50,6 +50,8 @@ STATS_KEYS: tuple[str, ...] = (
     "bytes_direct",
     "bytes_bounced",
     "errors",
+    "bytes_verified",
+    "verify_failed",
 )
 """Keys of :meth:`IOEngine.stats`, in their documented order."""
 
@@ -249,8 +251,14 @@ class IOEngine(ABC):
         return self._closed
 
     @abstractmethod
-    def submit(self, requests: Sequence[Request]) -> IOFuture:
+    def submit(self, requests: Sequence[Request], *, checksums: Sequence[int | None] | None = None) -> IOFuture:
         """Check the whole batch, then start it; return its future.
+
+        ``checksums``, optional, holds per request the xxh3-64 (seed 0) its bytes must have, or ``None``; only
+        reads may carry one. A read whose bytes differ (or that came back short) ends with ``-EBADMSG``
+        (:meth:`IOFuture.get` raises :class:`~sfstore.errors.ChecksumMismatchError`); its buffer holds what
+        was read. The check runs where the read completes (the native engine's service thread, the Python
+        engine's workers), off the caller's thread, and is counted in ``bytes_verified``/``verify_failed``.
 
         Raises
         ------
@@ -263,6 +271,20 @@ class IOEngine(ABC):
         sfstore.errors.EngineUnavailableError
             The engine is closed.
         """
+
+    @staticmethod
+    def _check_checksums(requests: Sequence[Request], checksums: Sequence[int | None] | None) -> None:
+        if checksums is None:
+            return
+        if len(checksums) != len(requests):
+            raise errors.InvalidRequestError(f"checksums: {len(checksums)} given for {len(requests)} requests")
+        for i, (r, c) in enumerate(zip(requests, checksums, strict=True)):
+            if c is None:
+                continue
+            if isinstance(c, bool) or not isinstance(c, int):
+                raise errors.InvalidRequestError(f"request {i}: a checksum must be an int or None, not {c!r}")
+            if r[0] != "read":
+                raise errors.InvalidRequestError(f"request {i}: checksums are checked on reads only")
 
     def run(self, requests: Iterable[Request]) -> list[int]:
         """Submit ``requests`` and wait: ``submit(requests).get()``."""

@@ -8,12 +8,16 @@ then offers the pure-Python engine and says why.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 
-from sfstore import _native, defaults, errors
-from sfstore.engine.base import IOEngine, IOFuture, Request
+import xxhash
 
-__all__ = ["NativeEngine", "NativeIOFuture", "native_status"]
+from sfstore import _native, defaults, errors
+from sfstore.counters import Counters
+from sfstore.engine.base import IOEngine, IOFuture, Request, byte_view
+
+__all__ = ["NativeEngine", "NativeIOFuture", "checksums_where", "native_status"]
 
 
 def native_status() -> dict[str, tuple[bool, str]]:
@@ -53,6 +57,43 @@ class NativeIOFuture(IOFuture):
         return self._handle.results()
 
 
+class _CheckedAfterFuture(NativeIOFuture):
+    """A batch whose read checksums are checked on the caller's thread once it is done: the native helper
+    was built without xxhash.h (see :func:`checksums_where`)."""
+
+    def __init__(self, engine: NativeEngine, handle: _native.Future, requests: Sequence[Request],
+                 checksums: Sequence[int | None]) -> None:
+        super().__init__(handle, requests)
+        self._engine = engine
+        self._checksums = checksums
+        self._checked: list[int] | None = None
+
+    def results(self, timeout: float | None = None) -> list[int]:
+        if self._checked is None:
+            raw = super().results(timeout)
+            verified = failed = 0
+            for i, want in enumerate(self._checksums):
+                if want is None or raw[i] < 0:
+                    continue
+                r = self._requests[i]
+                verified += raw[i]
+                start = r[5] if len(r) > 5 else 0
+                with byte_view(r[4]) as view:
+                    good = raw[i] == r[3] and xxhash.xxh3_64_intdigest(view[start:start + raw[i]]) == want
+                if not good:
+                    raw[i] = -errno.EBADMSG
+                    failed += 1
+            self._engine._fallback_counters.add(bytes_verified=verified, verify_failed=failed, errors=failed)
+            self._checked = raw
+        return list(self._checked)
+
+
+def checksums_where() -> str:
+    """Where the native engine checks read checksums: ``"engine"`` (its service thread) or ``"caller"``
+    (the helper was built without xxhash.h: the caller's thread checks them after the batch)."""
+    return "engine" if _native.xxh3_available() else "caller"
+
+
 class NativeEngine(IOEngine):
     """An engine backed by ``sfstore._native.IOEngine``.
 
@@ -79,14 +120,25 @@ class NativeEngine(IOEngine):
         self._handle = _native.IOEngine(
             backend, queue_depth, threads, defaults.get("bounce_buffer_size"), defaults.get("uring_spin_us")
         )
+        self._native_checksums = checksums_where() == "engine"
+        self._fallback_counters = Counters(("bytes_verified", "verify_failed", "errors"))
 
-    def submit(self, requests: Sequence[Request]) -> IOFuture:
+    def submit(self, requests: Sequence[Request], *, checksums: Sequence[int | None] | None = None) -> IOFuture:
         self._check_open()
         reqs = requests if isinstance(requests, (list, tuple)) else list(requests)
-        return NativeIOFuture(self._handle.submit(reqs, bool(defaults.get("bounce"))), reqs)
+        bounce = bool(defaults.get("bounce"))
+        if checksums is None:
+            return NativeIOFuture(self._handle.submit(reqs, bounce), reqs)
+        if self._native_checksums:
+            return NativeIOFuture(self._handle.submit(reqs, bounce, checksums), reqs)
+        self._check_checksums(reqs, checksums)
+        return _CheckedAfterFuture(self, self._handle.submit(reqs, bounce), reqs, list(checksums))
 
     def stats(self) -> dict[str, int]:
-        return {k: int(v) for k, v in self._handle.stats().items()}
+        out = {k: int(v) for k, v in self._handle.stats().items()}
+        for k, v in self._fallback_counters.snapshot().items():
+            out[k] = out.get(k, 0) + v
+        return out
 
     def _shutdown(self) -> None:
         self._handle.close()

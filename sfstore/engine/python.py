@@ -17,6 +17,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import xxhash
+
 from sfstore import defaults, errors
 from sfstore.engine.base import (
     CheckedRequest,
@@ -222,9 +224,10 @@ class PythonEngine(IOEngine):
 
     # -- submission ------------------------------------------------------------------------------------------
 
-    def submit(self, requests: Sequence[Request]) -> IOFuture:
+    def submit(self, requests: Sequence[Request], *, checksums: Sequence[int | None] | None = None) -> IOFuture:
         self._check_open()
         batch_requests = list(requests)
+        self._check_checksums(batch_requests, checksums)
         bounce = bool(defaults.get("bounce"))
         bounce_size = int(defaults.get("bounce_buffer_size"))
         checked = validate_batch(batch_requests, bounce=bounce)
@@ -256,9 +259,12 @@ class PythonEngine(IOEngine):
                 for item, plan in work:
                     if item.length == 0:
                         item.release()
-                        batch.finish(item.index, 0, None)
+                        want = None if checksums is None else checksums[item.index]
+                        empty_ok = want is None or want == xxhash.xxh3_64_intdigest(b"")
+                        batch.finish(item.index, 0 if empty_ok else -errno.EBADMSG, None)
                     else:
-                        executor.submit(self._run_one, batch, item, plan)
+                        executor.submit(self._run_one, batch, item, plan,
+                                        None if checksums is None else checksums[item.index])
                     started += 1
         except BaseException:
             for item, _ in work[started:]:
@@ -269,7 +275,7 @@ class PythonEngine(IOEngine):
 
     # -- execution (worker threads) ------------------------------------------------------------------------
 
-    def _run_one(self, batch: _Batch, item: CheckedRequest, plan: list[Segment] | None) -> None:
+    def _run_one(self, batch: _Batch, item: CheckedRequest, plan: list[Segment] | None, checksum: int | None) -> None:
         result = 0
         direct = bounced = 0
         cause: BaseException | None = None
@@ -281,6 +287,11 @@ class PythonEngine(IOEngine):
                     result = _write_full(item.fd, item.view, item.offset)
             else:
                 result, direct, bounced = self._run_direct(batch, item, plan)
+            if checksum is not None:
+                self._counters.add(bytes_verified=result)
+                if result != item.length or xxhash.xxh3_64_intdigest(item.view[:result]) != checksum:
+                    self._counters.add(verify_failed=1)
+                    result = -errno.EBADMSG
         except OSError as exc:
             result = -(exc.errno or errno.EIO)
             cause = exc

@@ -64,6 +64,18 @@ class BlockFuture:
         """Wait up to ``timeout`` seconds; return whether the batch finished."""
         return self._future.wait(timeout)
 
+    def results(self, timeout: float | None = None) -> list[int]:
+        """Per request: bytes moved, or ``-errno`` (``-EBADMSG``: its checksum did not match); never raises
+        for I/O errors (:meth:`error_for` builds the typed error of one)."""
+        results = self._future.results(timeout)
+        # A checksum mismatch is the data's fault, not the path's: its bytes were moved and count as such.
+        self._count(error=any(r < 0 and r != -errno.EBADMSG for r in results))
+        return results
+
+    def error_for(self, index: int, err: int) -> errors.SfstoreOSError:
+        """The typed error of request ``index`` having failed with errno ``err``."""
+        return self._future.error_for(index, err)
+
     def get(self, timeout: float | None = None) -> list[int]:
         """Bytes moved per request; raises the typed error of the first failed request."""
         try:
@@ -326,11 +338,19 @@ class BlockPath(StoragePath):
                 f"{self.device}: [{offset}, {offset + length}) is beyond the capacity {self.capacity}"
             )
 
-    def submit(self, requests: Sequence[tuple[str, int, int, Any, int]], *, check: bool = True) -> BlockFuture:
+    def submit(
+        self,
+        requests: Sequence[tuple[str, int, int, Any, int]],
+        *,
+        check: bool = True,
+        checksums: Sequence[int | None] | None = None,
+    ) -> BlockFuture:
         """Submit ``(op, offset, length, buffer, buffer_offset)`` tuples (``op`` "read"/"write") as one batch.
 
         All requests of a batch must be of one kind (all reads or all writes) for the counters. ``check=False``
         skips the alignment and range checks (for callers that computed the requests from this path's geometry).
+        ``checksums``: per read, the xxh3-64 its bytes must have (or ``None``), checked where the read completes
+        (see :meth:`sfstore.engine.IOEngine.submit`); a mismatch ends that request with ``-EBADMSG``.
         """
         fd = self.fd
         if check:
@@ -338,7 +358,7 @@ class BlockPath(StoragePath):
                 self.check(offset, length)
         reqs = [Request(op, fd, offset, length, buffer, boff) for op, offset, length, buffer, boff in requests]
         write = bool(reqs) and reqs[-1].op == "write"
-        return BlockFuture(self, self.engine.submit(reqs), write)
+        return BlockFuture(self, self.engine.submit(reqs, checksums=checksums), write)
 
     def read_into_async(self, offset: int, buffer: Any, length: int | None = None) -> BlockFuture:
         """Read ``length`` bytes (default: the buffer's size) at ``offset`` into ``buffer``."""
