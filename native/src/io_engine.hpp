@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -27,6 +28,7 @@ struct RequestSpec {
     char* mem;  // caller memory for byte 0 of the request
     bool verify = false;  // a read whose bytes must have xxh3-64 `sum`; a mismatch ends it with EBADMSG
     uint64_t sum = 0;
+    bool deferred = false;  // its check is queued for whichever thread is free (see Engine::run_verify_job)
 };
 
 enum class OpMode : uint8_t {
@@ -69,12 +71,11 @@ struct Batch {
     std::unique_ptr<std::atomic<uint32_t>[]> ops_left;  // per request, only when some request is verified
     std::atomic<uint64_t> moved_direct{0}, moved_bounced{0};
     std::vector<int> reopened_fds;
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
+    std::atomic<bool> done{false};  // set once; waiters sleep on the engine's condition (Engine::notify_waiters)
 
     std::vector<int64_t> results() const;  // bytes (>= 0) or -errno per request
-    bool wait(double timeout_s);           // < 0: forever
+    bool wait(double timeout_s);           // < 0: forever; meanwhile the waiter helps check read checksums
+    void finish_one();                     // one op or one deferred check is done
 };
 
 struct EngineStats {
@@ -112,6 +113,21 @@ public:
     bool complete(Op* op, int64_t res);
     // Called by backends before issuing an op: takes its bounce buffer and copies write data in.
     void prepare(Op* op);
+    // Checksums of large reads are not computed on the backend's completion path but queued, so that the
+    // threads waiting for batches (idle otherwise) share the hashing with the service thread, which hashes only
+    // when it has no completion to handle. Backends with a single completion thread (uring) turn this on.
+    void set_defer_verify(bool on) { defer_verify_ = on; }
+    // Runs one queued check, if any; returns whether it ran one.
+    bool run_verify_job();
+    bool verify_jobs_pending() const { return verify_queued_.load() > 0; }
+    // Every waiter sleeps on one condition of the engine, woken when any batch ends or a check is queued, so
+    // that all of them can help with any batch's checks.
+    std::mutex& wait_mu() { return wait_mu_; }
+    std::condition_variable& wait_cv() { return wait_cv_; }
+    void notify_waiters() {
+        { std::lock_guard<std::mutex> lk(wait_mu_); }
+        wait_cv_.notify_all();
+    }
 
     void close();
     const char* backend_name() const { return backend_->name(); }
@@ -134,6 +150,12 @@ private:
     EngineStats stats_;
     pid_t owner_pid_ = 0;
     std::atomic<bool> closed_{false};
+    bool defer_verify_ = false;
+    std::mutex verify_mu_;
+    std::deque<std::pair<Batch*, uint32_t>> verify_queue_;
+    std::atomic<size_t> verify_queued_{0};
+    std::mutex wait_mu_;
+    std::condition_variable wait_cv_;
 };
 
 // O_DIRECT alignment (memory, file offset/length) of an open descriptor: statx STATX_DIOALIGN where the

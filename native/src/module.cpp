@@ -255,10 +255,7 @@ struct PyFuture {
         for (auto& v : views) PyBuffer_Release(&v);
         views.clear();
     }
-    bool is_done() {
-        std::lock_guard<std::mutex> lk(batch->mu);
-        return batch->done;
-    }
+    bool is_done() { return batch->done.load(); }
 };
 
 // Views acquired while parsing a batch; released unless handed to a future.

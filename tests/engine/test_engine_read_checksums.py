@@ -11,6 +11,7 @@ import errno
 import mmap
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,27 @@ def test_good_and_bad_checksums_in_one_batch(engine: IOEngine, target: Target) -
         fut.get()
     assert info.value.errno == errno.EBADMSG and "request 2 of 6" in str(info.value)
     assert isinstance(info.value, E.IOEngineError) and isinstance(info.value, OSError)
+
+
+@pytest.mark.parametrize("waiter", ["wait", "poll"])
+def test_large_reads_are_checked_with_or_without_a_waiter(engine: IOEngine, target: Target, waiter: str) -> None:
+    """Large reads' checks may be queued for whichever thread is free (the waiter helps): a batch nobody waits
+    for must finish its checks too."""
+    size = 1 << 20
+    data, fd = _file(target, "large.bin", 8 * size, 16)
+    buf = mmap.mmap(-1, 8 * size)
+    reqs = [Request.read(fd, i * size, size, buf, (7 - i) * size) for i in range(8)]
+    sums: list[int | None] = [xxhash.xxh3_64_intdigest(data[i * size:(i + 1) * size]) for i in range(8)]
+    sums[5] = (sums[5] or 0) ^ 1 << 63
+    fut = engine.submit(reqs, checksums=sums)
+    if waiter == "poll":
+        deadline = time.monotonic() + 30
+        while not fut.done():
+            assert time.monotonic() < deadline, "a batch nobody waits for never finished its checks"
+            time.sleep(0.001)
+    assert fut.results() == [size] * 5 + [-errno.EBADMSG] + [size] * 2
+    for i in range(8):
+        assert buf[(7 - i) * size:(8 - i) * size] == data[i * size:(i + 1) * size]
 
 
 def test_misaligned_and_offset_reads_are_checked(engine: IOEngine, target: Target) -> None:
