@@ -620,6 +620,7 @@ NB_MODULE(_native, m) {
         "xxh3_64",
         [](nb::bytes data) {
             if (!xxh3_available()) raise_sf("invalid", EINVAL, "this build has no xxh3");
+            nb::gil_scoped_release nogil;  // bytes are immutable and the caller holds them
             return xxh3_64(data.c_str(), data.size());
         },
         "data"_a, "xxh3-64 (seed 0) of bytes, as the engine checks reads.");
