@@ -17,7 +17,9 @@ using HashFn = uint64_t (*)(const void*, size_t);
 uint64_t xxh3_64_baseline(const void* data, size_t len) { return XXH3_64bits(data, len); }
 HashFn pick() {
 #ifdef SFSTORE_HAVE_XXH3_AVX2
-    // 1.6x the SSE2 build on the machines here (memory-bound reads of freshly read blocks)
+    // 1.6x the SSE2 build on the machines here (memory-bound reads of freshly read blocks). This runs as a static
+    // initializer, possibly before libgcc's own: initialise the CPU model first.
+    __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2")) return xxh3_64_avx2;
 #endif
     return xxh3_64_baseline;

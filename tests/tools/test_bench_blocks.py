@@ -39,10 +39,13 @@ def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]
 
 def test_case_plan() -> None:
     names = [c.name for c in all_cases()]
-    assert names == ["put-256k", "get-256k", "put-4k", "get-4k"]  # put before get: the get finds the store full
-    assert QUICK_CASES == ("get-256k", "put-256k", "get-4k") == tuple(g.case for g in GOALS)
-    assert [c.name for c in select_cases(quick=True)] == ["put-256k", "get-256k", "get-4k"]
-    assert [c.name for c in select_cases(["get-*"])] == ["get-256k", "get-4k"]
+    # put before get: the get finds the store full
+    assert names == ["put-256k", "get-256k", "put-4k", "get-4k", "get-4k-sync"]
+    assert QUICK_CASES == ("get-256k", "put-256k", "get-4k", "get-4k-sync")
+    assert tuple(g.case for g in GOALS) == ("get-256k", "put-256k", "get-4k")  # the sync case is shown, not a goal
+    assert [c.name for c in select_cases(quick=True)] == ["put-256k", "get-256k", "get-4k", "get-4k-sync"]
+    assert [c.name for c in select_cases(["get-*"])] == ["get-256k", "get-4k", "get-4k-sync"]
+    assert Case("get", 4096, sync=True).fio_rw == "randread"
     assert [c.name for c in select_cases(["put-4k,get-256k"])] == ["get-256k", "put-4k"]
     assert Case("put", 4096).fio_rw == "randwrite" and Case("get", 262144).fio_rw == "randread"
     assert SIZE_CLASSES == (4096, 262144)
@@ -126,13 +129,17 @@ def test_blocks_suite_end_to_end(disk_dir: Path) -> None:
     doc = json.loads(out.read_text())
     assert doc["bench"] == "blocks" and isinstance(doc["machine"], dict) and doc["date"]
     assert doc["store"]["size_classes"] == [4096, 262144] and len(doc["store"]["classes"]) == 2
-    assert [c["name"] for c in doc["cases"]] == ["put-256k", "get-256k", "get-4k"]
+    assert [c["name"] for c in doc["cases"]] == ["put-256k", "get-256k", "get-4k", "get-4k-sync"]
     for case in doc["cases"]:
         assert {"name", "params", "sfstore", "reference_tool", "reference", "ratio"} <= set(case)
         assert case["reference_tool"] == "fio"
         params = case["params"]
         total = params["keys"] * params["block_size"]
         assert params["keys"] > 0 and params["io_bytes"] == total and params["batch"] == 64
+        # as deep a queue as fio's by default; the -sync case one synchronous call at a time
+        sync = case["name"].endswith("-sync")
+        assert params["outstanding_batches"] == (1 if sync else 2)
+        assert ("_async" in params["sfstore_call"]) != sync
         assert params["queue_depth"] == 64 and params["image_size"] == SIZE
         assert params["sfstore_io_bytes_per_op"] > params["fio_io_bytes_per_op"] == params["block_size"]
         region = doc["store"]["classes"][SIZE_CLASSES.index(params["block_size"])]
