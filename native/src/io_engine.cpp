@@ -109,10 +109,13 @@ void Batch::finish_one() {
     if (remaining.fetch_sub(1) == 1) {
         for (int fd : reopened_fds) ::close(fd);
         reopened_fds.clear();
-        // Once done is seen the batch may be freed (a poller drops it): touch nothing of it after the store.
-        std::shared_ptr<Engine> eng = engine;
+        // done is set and announced under the engine's wait lock, which every reader of done takes: nobody sees
+        // it (and frees the batch, perhaps the engine with it) before this is finished. No reference to the
+        // engine is taken here: dropping the last one on the service thread would make it join itself.
+        Engine& eng = *engine;
+        std::lock_guard<std::mutex> lk(eng.wait_mu());
         done.store(true);
-        eng->notify_waiters();
+        eng.wait_cv().notify_all();
     }
 }
 

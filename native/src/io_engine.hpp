@@ -71,7 +71,7 @@ struct Batch {
     std::unique_ptr<std::atomic<uint32_t>[]> ops_left;  // per request, only when some request is verified
     std::atomic<uint64_t> moved_direct{0}, moved_bounced{0};
     std::vector<int> reopened_fds;
-    std::atomic<bool> done{false};  // set once; waiters sleep on the engine's condition (Engine::notify_waiters)
+    std::atomic<bool> done{false};  // set once, under the engine's wait_mu (read it under that lock too)
 
     std::vector<int64_t> results() const;  // bytes (>= 0) or -errno per request
     bool wait(double timeout_s);           // < 0: forever; meanwhile the waiter helps check read checksums

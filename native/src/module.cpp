@@ -255,7 +255,10 @@ struct PyFuture {
         for (auto& v : views) PyBuffer_Release(&v);
         views.clear();
     }
-    bool is_done() { return batch->done.load(); }
+    bool is_done() {
+        std::lock_guard<std::mutex> lk(batch->engine->wait_mu());  // see Batch::finish_one
+        return batch->done.load();
+    }
 };
 
 // Views acquired while parsing a batch; released unless handed to a future.

@@ -11,6 +11,8 @@ import errno
 import mmap
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -162,3 +164,33 @@ def test_native_engine_without_native_xxh3_checks_on_caller(backend: str, tmp_pa
 def test_shared_engines_report_checksum_counters() -> None:
     stats = get_engine().stats()
     assert {"bytes_verified", "verify_failed"} <= set(stats)
+
+
+def test_engine_dropped_while_checked_reads_are_in_flight(tmp_path: Path) -> None:
+    """The last reference to a native engine may go with a batch still being checked; polling that batch to the
+    end and dropping it must neither crash nor hang (run in a child, so an abort shows as its exit status)."""
+    from sfstore.engine import describe_engines
+
+    if not describe_engines()["engines"]["uring"]["available"]:
+        pytest.skip("uring engine unavailable here")
+    path = tmp_path / "drop.bin"
+    path.write_bytes(random.Random(17).randbytes(8 << 20))
+    code = f"""
+import os, xxhash
+from sfstore import _native
+data = open({str(path)!r}, "rb").read()
+fd = os.open({str(path)!r}, os.O_RDONLY)
+sums = [xxhash.xxh3_64_intdigest(data[i << 20:(i + 1) << 20]) for i in range(8)]
+for _ in range(40):
+    engine = _native.IOEngine("uring", 8, 1, 1 << 20, 0)
+    buf = bytearray(8 << 20)
+    fut = engine.submit([("read", fd, i << 20, 1 << 20, buf, i << 20) for i in range(8)], True, sums)
+    del engine
+    while not fut.done():
+        pass
+    assert fut.results() == [1 << 20] * 8
+    del fut
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stdout, proc.stderr)
