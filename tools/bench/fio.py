@@ -166,8 +166,10 @@ def run_fio(exe: str, job: FioJob) -> RunResult:
     RunResult
         ``bytes`` and ``ops`` as fio reports them, ``seconds`` from fio's runtime (millisecond resolution,
         fsync included for writes), ``cpu_s`` from fio's job ``usr_cpu``/``sys_cpu`` over its runtime; ``extra``
-        holds the CPU of the whole fio process (``wait4``: start-up and JSON output included). Its peak RSS is not
-        reported: ``ru_maxrss`` of a spawned child includes the parent's resident memory at the time of spawn.
+        holds the CPU of the whole fio process (``wait4``: start-up and JSON output included) and fio's per-I/O
+        completion latency percentiles ``clat_p50_ms``/``clat_p99_ms`` (``None`` where fio gives none). Its peak
+        RSS is not reported: ``ru_maxrss`` of a spawned child includes the parent's resident memory at the time of
+        spawn.
 
     Raises
     ------
@@ -201,6 +203,8 @@ def run_fio(exe: str, job: FioJob) -> RunResult:
     runtime_ms = float(ddir["runtime"])
     job_runtime_ms = float(jobdoc.get("job_runtime", runtime_ms))
     cpu_s = (float(jobdoc["usr_cpu"]) + float(jobdoc["sys_cpu"])) / 100.0 * job_runtime_ms / 1000.0
+    pct = ddir.get("clat_ns", {}).get("percentile", {})
+    p50, p99 = pct.get("50.000000"), pct.get("99.000000")
     return RunResult(
         bytes=int(ddir["io_bytes"]),
         ops=int(ddir["total_ios"]),
@@ -212,5 +216,7 @@ def run_fio(exe: str, job: FioJob) -> RunResult:
             "fio_iops": ddir.get("iops"),
             "short_ios": ddir.get("short_ios", 0),
             "process_cpu_s": usage.ru_utime + usage.ru_stime,
+            "clat_p50_ms": None if p50 is None else float(p50) / 1e6,
+            "clat_p99_ms": None if p99 is None else float(p99) / 1e6,
         },
     )

@@ -124,25 +124,8 @@ def all_cases() -> list[Case]:
 
 
 def select_cases(patterns: Sequence[str] | None = None, quick: bool = False) -> list[Case]:
-    """The cases to run.
-
-    Parameters
-    ----------
-    patterns : sequence of str or None
-        Shell globs (items may hold several, comma-separated); a case runs when its name matches one.
-    quick : bool
-        Keep only :data:`QUICK_CASES` (combined with ``patterns`` when both are given).
-
-    Returns
-    -------
-    list of Case
-        The selection, in :func:`all_cases` order.
-
-    Raises
-    ------
-    BenchSetupError
-        When nothing matches.
-    """
+    """The cases to run, in :func:`all_cases` order: :func:`~tools.bench.common.select_named` with ``patterns``
+    (shell globs) and, with ``quick``, only :data:`QUICK_CASES`; raises ``BenchSetupError`` when none is left."""
     return select_named("engine", all_cases(), patterns, QUICK_CASES, quick)
 
 

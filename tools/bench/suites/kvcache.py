@@ -72,14 +72,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import mmap
 import os
 import random
 import shutil
 import statistics
-import subprocess
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -113,7 +110,7 @@ from tools.bench.common import (
     utc_now,
     warn,
 )
-from tools.bench.fio import FioJob, find_fio, fio_command, fio_version
+from tools.bench.fio import FioJob, find_fio, fio_command, fio_version, run_fio
 from tools.bench.registry import Suite, register
 
 __all__ = ["TIERS", "REFERENCES", "GOALS", "QUICK_CASES", "Case", "Goal", "all_cases", "select_cases",
@@ -182,25 +179,8 @@ def all_cases() -> list[Case]:
 
 
 def select_cases(patterns: Sequence[str] | None = None, quick: bool = False) -> list[Case]:
-    """The cases to run.
-
-    Parameters
-    ----------
-    patterns : sequence of str or None
-        Shell globs (items may hold several, comma-separated); a case runs when its name matches one.
-    quick : bool
-        Keep only :data:`QUICK_CASES` (combined with ``patterns`` when both are given).
-
-    Returns
-    -------
-    list of Case
-        The selection, in :func:`all_cases` order.
-
-    Raises
-    ------
-    BenchSetupError
-        When nothing matches.
-    """
+    """The cases to run, in :func:`all_cases` order: :func:`~tools.bench.common.select_named` with ``patterns``
+    (shell globs) and, with ``quick``, only :data:`QUICK_CASES`; raises ``BenchSetupError`` when none is left."""
     return select_named("kvcache", all_cases(), patterns, QUICK_CASES, quick)
 
 
@@ -413,47 +393,12 @@ def _fsync_dir(path: str) -> None:
 
 
 def _run_fio(exe: str, job: FioJob) -> RunResult:
-    """Run ``job`` once: what :func:`tools.bench.fio.run_fio` measures, plus fio's per-I/O completion latency
-    percentiles (``clat_p50_ms``, ``clat_p99_ms``; also as ``block_p50_ms``/``block_p99_ms``)."""
-    cmd = fio_command(exe, job)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        code = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout = out.read().decode("utf-8", "replace")
-        stderr = err.read().decode("utf-8", "replace")
-    if code != 0:
-        tail = "\n".join((stderr or stdout).strip().splitlines()[-8:])
-        raise BenchSetupError(f"fio failed (exit {code}) on {job.name}: {tail}\ncommand: {' '.join(cmd)}")
-    try:
-        jobdoc = json.loads(stdout[stdout.index("{"):])["jobs"][0]
-    except (ValueError, KeyError, IndexError) as exc:
-        raise BenchSetupError(f"cannot read fio's JSON output for {job.name}: {exc}") from None
-    if jobdoc.get("error"):
-        raise BenchSetupError(f"fio reported error {jobdoc['error']} on {job.name}: {stderr.strip()[-500:]}")
-    ddir = jobdoc["write" if job.writes else "read"]
-    runtime_ms = float(ddir["runtime"])
-    job_runtime_ms = float(jobdoc.get("job_runtime", runtime_ms))
-    cpu_s = (float(jobdoc["usr_cpu"]) + float(jobdoc["sys_cpu"])) / 100.0 * job_runtime_ms / 1000.0
-    pct = ddir.get("clat_ns", {}).get("percentile", {})
-    p50 = pct.get("50.000000")
-    p99 = pct.get("99.000000")
-    extra: dict[str, Any] = {
-        "fio_runtime_ms": runtime_ms, "fio_bw_bytes": ddir.get("bw_bytes"), "fio_iops": ddir.get("iops"),
-        "short_ios": ddir.get("short_ios", 0), "process_cpu_s": usage.ru_utime + usage.ru_stime,
-        "clat_p50_ms": None if p50 is None else float(p50) / 1e6,
-        "clat_p99_ms": None if p99 is None else float(p99) / 1e6,
-    }
+    """Run ``job`` once (:func:`tools.bench.fio.run_fio`); its completion latency percentiles are also the
+    per-block latency (``block_p50_ms``/``block_p99_ms``) the table shows."""
+    result = run_fio(exe, job)
+    extra = result.extra
     extra["block_p50_ms"], extra["block_p99_ms"] = extra["clat_p50_ms"], extra["clat_p99_ms"]
-    return RunResult(bytes=int(ddir["io_bytes"]), ops=int(ddir["total_ios"]),
-                     seconds=max(runtime_ms, 0.5) / 1000.0, cpu_s=cpu_s, extra=extra)
+    return result
 
 
 class _SideFailed(Exception):
