@@ -621,11 +621,25 @@ NB_MODULE(_native, m) {
           "Whether reads can be checked against xxh3-64 checksums in the engine (built with xxhash.h).");
     m.def(
         "xxh3_64",
-        [](nb::bytes data) {
+        [](nb::handle data) {
             if (!xxh3_available()) raise_sf("invalid", EINVAL, "this build has no xxh3");
-            nb::gil_scoped_release nogil;  // bytes are immutable and the caller holds them
-            return xxh3_64(data.c_str(), data.size());
+            Py_buffer v;
+            if (PyObject_GetBuffer(data.ptr(), &v, PyBUF_SIMPLE) < 0) {
+                PyErr_Clear();
+                raise_sf("invalid", EINVAL, "xxh3_64 needs a contiguous buffer (bytes, memoryview, array)");
+            }
+            uint64_t h;
+            if (v.len >= (64 << 10)) {
+                // The view pins the memory (no resize while exported): other Python threads may run meanwhile.
+                nb::gil_scoped_release nogil;
+                h = xxh3_64(v.buf, static_cast<size_t>(v.len));
+            } else {
+                h = xxh3_64(v.buf, static_cast<size_t>(v.len));
+            }
+            PyBuffer_Release(&v);
+            return h;
         },
-        "data"_a, "xxh3-64 (seed 0) of bytes, as the engine checks reads.");
+        "data"_a, "xxh3-64 (seed 0) of a contiguous buffer, as the engine checks reads; releases the GIL for "
+                  "64 KiB and more.");
     m.def("page_size", [] { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); });
 }

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import struct
 import uuid as _uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -236,5 +238,18 @@ class SnapshotEntry:
         return out
 
 
-#: The checksum of a value (xxh3-64): the library function itself, as it runs once per key on the read path.
-value_sum = xxhash.xxh3_64_intdigest
+def _value_sum() -> Callable[[Any], int]:
+    # The native helper's xxh3 releases the GIL on large values (puts hashing in several threads run in parallel,
+    # and other Python threads meanwhile); python-xxhash holds it. The same function either way.
+    try:
+        from sfstore import _native
+
+        if _native.xxh3_available():
+            return _native.xxh3_64
+    except ImportError:
+        pass
+    return xxhash.xxh3_64_intdigest
+
+
+#: The checksum of a value (xxh3-64): a C function, called directly, as it runs once per key.
+value_sum: Callable[[Any], int] = _value_sum()

@@ -300,7 +300,8 @@ class IOEngine(ABC):
 
     def stats(self) -> dict[str, int]:
         """Counters since the engine was made: batches, requests, bytes_read, bytes_written, bytes_direct,
-        bytes_bounced, errors (requests that finished with an error)."""
+        bytes_bounced, errors (requests that finished with an error, checksum mismatches included),
+        bytes_verified (bytes of reads checked against a checksum), verify_failed (mismatches)."""
         return self._counters.snapshot()
 
     def close(self) -> None:

@@ -194,3 +194,20 @@ print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_native_xxh3_matches_xxhash_on_any_contiguous_buffer() -> None:
+    """The block store's value checksum is the native xxh3 where the helper has it: it must equal python-xxhash
+    on every buffer kind and size (the GIL-free path starts at 64 KiB)."""
+    from sfstore import _native
+
+    if not _native.xxh3_available():
+        pytest.skip("the native helper was built without xxhash.h")
+    import numpy as np
+
+    data = random.Random(18).randbytes(300_000)
+    arr = np.frombuffer(data, np.uint8).copy()
+    for obj in (b"", data[:100], data, memoryview(data)[7:200_007], bytearray(data), arr, arr[:65536]):
+        assert _native.xxh3_64(obj) == xxhash.xxh3_64_intdigest(obj)
+    with pytest.raises(E.InvalidRequestError):
+        _native.xxh3_64(arr[::2])  # not contiguous

@@ -21,11 +21,12 @@ reference, sfstore, ...):
   limit, ``BENCHMARKING.md`` rule 5).
 * ``put-block-vs-<ref>`` / ``get-block-vs-<ref>`` -- the NVMe tier: a ``BlockStore`` on an image file
   (``<dir>/kvcache-<size>.img``, prepared with random bytes once and reused, formatted with one size class of the
-  block size), under ``KVCacheStore(pinned_bytes=0)``, so nothing stays pinned: a put is the copy into a
-  pinned slot, its checksum and the write-through to the block store (``put()`` per batch waits for it), and the
-  run ends with ``BlockStore.flush()`` (``fdatasync``) inside the timed region; before each put run every key
-  is evicted from the store and the freed slots recycled (untimed). A get finds every block in the block store
-  only (each must come back from ``"block"``), on a cold cache (fsync + ``POSIX_FADV_DONTNEED``; O_DIRECT
+  block size), under ``KVCacheStore(pinned_bytes=0)``, so nothing stays pinned: a put writes each block straight
+  from the caller's memory (O_DIRECT), computes its xxh3-64 meanwhile and then writes its slot header (``put()``
+  per batch waits for it), and the run ends with ``BlockStore.flush()`` (``fdatasync``) inside the timed region;
+  before each put run every key is evicted from the store and the freed slots recycled (untimed). A get reads
+  every block from the block store straight into its destination, its checksum checked by the engine (each must
+  come back from ``"block"``), on a cold cache (fsync + ``POSIX_FADV_DONTNEED``; O_DIRECT
   anyway). The references, each on a cold cache too:
 
   - ``fio``: ``--rw=randwrite|randread --bs=<block> --iodepth=<qd> --direct=1 --ioengine=io_uring`` (writes with
