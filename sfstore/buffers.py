@@ -18,6 +18,7 @@ releasing it while such views are alive raises :class:`~sfstore.errors.BufferInU
 
 from __future__ import annotations
 
+import os
 import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ __all__ = [
     "RdmaRegistration",
     "as_buffer",
     "memory_capabilities",
+    "free_page_reporting",
     "native_available",
     "is_device_buffer",
     "device_nbytes",
@@ -267,14 +269,42 @@ def _read_meminfo(key: str) -> int | None:
     return None
 
 
+_VIRTIO_BALLOON_F_REPORTING = 5
+
+
+def free_page_reporting(sysfs: str = "/sys/bus/virtio/drivers/virtio_balloon") -> dict[str, Any]:
+    """Whether this (virtual) machine hands free memory back to its host (virtio-balloon free page reporting).
+
+    Where it does, blocks of 2 MiB and more that stay free a moment are given back to the host, and the first
+    touch of memory allocated from them stalls on the host (seconds per GiB measured on the development VMs).
+    Huge-page buffers draw exactly on such blocks, so large fresh buffers (a checkpoint load's) cost more there
+    than memory freed a moment ago. Read from the balloon device's negotiated feature bits.
+    """
+    try:
+        devices = sorted(d for d in os.listdir(sysfs) if d.startswith("virtio"))
+    except OSError:
+        return {"on": False, "reason": "no virtio-balloon device"}
+    for dev in devices:
+        try:
+            with open(os.path.join(sysfs, dev, "features")) as f:
+                bits = f.read().strip()
+        except OSError:
+            continue
+        if len(bits) > _VIRTIO_BALLOON_F_REPORTING and bits[_VIRTIO_BALLOON_F_REPORTING] == "1":
+            return {"on": True, "reason": f"virtio-balloon ({dev}) reports free pages to the host: the first touch "
+                                          "of fresh memory, huge pages above all, can stall on host faults"}
+    return {"on": False, "reason": f"virtio-balloon ({', '.join(devices) or 'no device'}) without free page reporting"}
+
+
 def memory_capabilities() -> dict[str, Any]:
-    """What this host allows for registered buffers: mlock (and ``RLIMIT_MEMLOCK``), huge pages, CUDA.
+    """What this host allows for registered buffers: mlock (and ``RLIMIT_MEMLOCK``), huge pages, CUDA, and
+    whether a virtual machine's free memory goes back to its host (:func:`free_page_reporting`).
 
     Tries one real 2 MiB pool buffer, so the answers are what the pool will get, not guesses.
     """
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     limit = None if soft == resource.RLIM_INFINITY else int(soft)
-    out: dict[str, Any] = {"memlock_limit": limit}
+    out: dict[str, Any] = {"memlock_limit": limit, "free_page_reporting": free_page_reporting()}
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             thp = f.read().strip()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -235,3 +236,22 @@ def test_as_buffer_views_tensors_without_copy() -> None:
         as_buffer("text")
     with pytest.raises(TypeError):
         as_buffer(torch.arange(10)[::2])
+
+
+def test_free_page_reporting_reads_the_balloon_feature_bits(tmp_path: Path) -> None:
+    """Read from the balloon device's negotiated features (a string of 0/1, bit 0 first); here against files laid
+    out as sysfs lays them out, then against this machine's own sysfs."""
+    from sfstore.buffers import free_page_reporting
+
+    assert free_page_reporting(str(tmp_path / "none"))["on"] is False
+    dev = tmp_path / "virtio0"
+    dev.mkdir()
+    (dev / "features").write_text("0110010100000000000000000000000010000000\n")  # bit 5: REPORTING
+    got = free_page_reporting(str(tmp_path))
+    assert got["on"] is True and "virtio0" in got["reason"]
+    (dev / "features").write_text("0110000100000000000000000000000010000000\n")
+    assert free_page_reporting(str(tmp_path))["on"] is False
+    real = free_page_reporting()
+    assert isinstance(real["on"], bool) and real["reason"]
+    caps = memory_capabilities()
+    assert caps["free_page_reporting"] == real
