@@ -211,3 +211,44 @@ def test_native_xxh3_matches_xxhash_on_any_contiguous_buffer() -> None:
         assert _native.xxh3_64(obj) == xxhash.xxh3_64_intdigest(obj)
     with pytest.raises(E.InvalidRequestError):
         _native.xxh3_64(arr[::2])  # not contiguous
+
+
+def test_checked_reads_from_many_threads(engine: IOEngine, target: Target) -> None:
+    """Several threads, each with batches of large checked reads in flight (queued checks shared by every waiter):
+    every batch ends, with the right bytes and the right verdicts."""
+    import threading
+
+    size = 256 << 10
+    data, fd = _file(target, "threads.bin", 32 * size, 19)
+    sums = [xxhash.xxh3_64_intdigest(data[i * size:(i + 1) * size]) for i in range(32)]
+    failures: list[str] = []
+
+    def worker(t: int) -> None:
+        rng = random.Random(t)
+        buf = mmap.mmap(-1, 8 * size)
+        try:
+            for _ in range(10):
+                picks = [rng.randrange(32) for _ in range(8)]
+                bad = rng.randrange(8)
+                want = [sums[p] for p in picks]
+                want[bad] ^= 1
+                futs = [engine.submit([Request.read(fd, p * size, size, buf, j * size)], checksums=[want[j]])
+                        for j, p in enumerate(picks)]
+                got = [f.results()[0] for f in futs]
+                expect = [size] * 8
+                expect[bad] = -errno.EBADMSG
+                if got != expect:
+                    failures.append(f"thread {t}: {got} != {expect}")
+                for j, p in enumerate(picks):
+                    if buf[j * size:(j + 1) * size] != data[p * size:(p + 1) * size]:
+                        failures.append(f"thread {t}: bytes of block {p} differ")
+        finally:
+            buf.close()
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads), "a batch never ended"
+    assert not failures, failures[:3]
