@@ -89,6 +89,7 @@ bool Batch::wait(double timeout_s) {
     std::unique_lock<std::mutex> lk(engine->wait_mu());
     for (;;) {
         if (done.load()) return true;
+        if (timeout_s >= 0 && std::chrono::steady_clock::now() >= until) return false;  // no helping past it
         if (engine->verify_jobs_pending()) {
             lk.unlock();
             engine->run_verify_job();  // any batch's: the engine's checks go faster, ours among them

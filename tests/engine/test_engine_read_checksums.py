@@ -252,3 +252,16 @@ def test_checked_reads_from_many_threads(engine: IOEngine, target: Target) -> No
         th.join(60)
     assert not any(th.is_alive() for th in threads), "a batch never ended"
     assert not failures, failures[:3]
+
+
+def test_wait_with_a_timeout_returns_in_time_while_checks_are_queued(engine: IOEngine, target: Target) -> None:
+    """A waiter helps with queued checks, but not past its timeout: wait(0) answers at once."""
+    size = 1 << 20
+    data, fd = _file(target, "timeout.bin", 12 * size, 20)
+    buf = mmap.mmap(-1, 12 * size)
+    reqs = [Request.read(fd, i * size, size, buf, i * size) for i in range(12)]
+    fut = engine.submit(reqs, checksums=[xxhash.xxh3_64_intdigest(data[i * size:(i + 1) * size]) for i in range(12)])
+    t0 = time.monotonic()
+    fut.wait(0)
+    assert time.monotonic() - t0 < 0.5
+    assert fut.get() == [size] * 12
