@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import struct
 import uuid as _uuid
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import xxhash
 
 from sfstore import errors
+from sfstore.checksums import xxh3_64
 
 __all__ = ["ClassRegion", "Layout", "SlotHeader", "State", "SnapshotEntry", "plan_layout", "round_up"]
 
@@ -48,10 +45,6 @@ SLOT_FIXED = _SLOT.size + _SUM.size
 def round_up(n: int, align: int) -> int:
     """``n`` rounded up to a multiple of ``align``."""
     return -(-n // align) * align
-
-
-def _sum(data: bytes | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data)
 
 
 @dataclass(frozen=True)
@@ -96,7 +89,7 @@ class Layout:
         body = _SUPER.pack(SUPER_MAGIC, VERSION, len(self.classes), self.lba, self.uuid, self.capacity, self.meta,
                            self.snapshot_offset, self.snapshot_bytes, self.data_start)
         body += b"".join(_CLASS.pack(c.size, c.offset, c.stride, c.count) for c in self.classes)
-        body += _SUM.pack(_sum(body))
+        body += _SUM.pack(xxh3_64(body))
         return body + bytes(self.meta - len(body))
 
     @classmethod
@@ -108,7 +101,7 @@ class Layout:
         if version != VERSION:
             raise errors.CorruptStoreError(f"{where}: block store version {version} is not supported (expected 1)")
         end = _SUPER.size + n * _CLASS.size
-        if n < 1 or end + _SUM.size > len(data) or _SUM.unpack_from(data, end)[0] != _sum(data[:end]):
+        if n < 1 or end + _SUM.size > len(data) or _SUM.unpack_from(data, end)[0] != xxh3_64(data[:end]):
             raise errors.CorruptStoreError(f"{where}: the block store's superblock is damaged (checksum mismatch)")
         regions = tuple(ClassRegion(*_CLASS.unpack_from(data, _SUPER.size + i * _CLASS.size)) for i in range(n))
         return cls(uid, lba, capacity, meta, snap_off, snap_bytes, data_start, regions)
@@ -157,13 +150,13 @@ class State:
     def encode(self, uid: bytes, size: int) -> bytes:
         body = _STATE.pack(STATE_MAGIC, uid, self.seq, int(self.clean), self.flushed_gen, self.next_gen,
                            self.snapshot_len, self.snapshot_sum, self.snapshot_entries)
-        body += _SUM.pack(_sum(body))
+        body += _SUM.pack(xxh3_64(body))
         return body + bytes(size - len(body))
 
     @classmethod
     def decode(cls, data: bytes | memoryview, uid: bytes) -> State | None:
         """The record in ``data``, or ``None`` when it is absent, torn or of another format."""
-        if bytes(data[:8]) != STATE_MAGIC or _SUM.unpack_from(data, _STATE.size)[0] != _sum(data[:_STATE.size]):
+        if bytes(data[:8]) != STATE_MAGIC or _SUM.unpack_from(data, _STATE.size)[0] != xxh3_64(data[:_STATE.size]):
             return None
         _, u, seq, clean, flushed, nxt, slen, ssum, sent = _STATE.unpack_from(data)
         if u != uid:
@@ -188,7 +181,7 @@ class SlotHeader:
                         self.cls, 0)
         end = _SLOT.size + len(self.key)
         buf[_SLOT.size:end] = self.key
-        _SUM.pack_into(buf, end, _sum(buf[:end]))
+        _SUM.pack_into(buf, end, xxh3_64(buf[:end]))
 
     def encode(self, uid: bytes) -> bytes:
         """The header's bytes (what :meth:`pack_into` writes): compared whole on every read of the slot."""
@@ -204,7 +197,7 @@ class SlotHeader:
             return None
         _magic, u, slot, gen, length, vsum, klen, c, _flags = _SLOT.unpack_from(buf)
         end = _SLOT.size + klen
-        if u != uid or end + _SUM.size > limit or _SUM.unpack_from(buf, end)[0] != _sum(buf[:end]):
+        if u != uid or end + _SUM.size > limit or _SUM.unpack_from(buf, end)[0] != xxh3_64(buf[:end]):
             return None
         return cls(slot, gen, length, vsum, c, bytes(buf[_SLOT.size:end]))
 
@@ -238,18 +231,5 @@ class SnapshotEntry:
         return out
 
 
-def _value_sum() -> Callable[[Any], int]:
-    # The native helper's xxh3 releases the GIL on large values (puts hashing in several threads run in parallel,
-    # and other Python threads meanwhile); python-xxhash holds it. The same function either way.
-    try:
-        from sfstore import _native
-
-        if _native.xxh3_available():
-            return _native.xxh3_64
-    except ImportError:
-        pass
-    return xxhash.xxh3_64_intdigest
-
-
-#: The checksum of a value (xxh3-64): a C function, called directly, as it runs once per key.
-value_sum: Callable[[Any], int] = _value_sum()
+#: The checksum of a value (xxh3-64).
+value_sum = xxh3_64

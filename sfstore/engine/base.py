@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 from sfstore import defaults, errors
 from sfstore.buffers import as_buffer
+from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "byte_view",
     "buffer_address",
     "fd_path",
+    "read_checksum_ok",
     "direct_io_alignment",
 ]
 
@@ -208,6 +210,12 @@ class IOFuture(ABC):
             f"request {index} of {len(self._described)} ({op} fd={fd} offset={offset} length={length}) failed"
         )
         return errors.os_error(err, context, fd_path(fd), errors.IOEngineError)
+
+
+def read_checksum_ok(data: Any, nbytes: int, length: int, checksum: int) -> bool:
+    """Whether a read of ``length`` bytes that moved ``nbytes`` of them to the start of ``data`` has ``checksum``
+    (xxh3-64): a short read never passes. What ``submit(..., checksums=...)`` checks where Python checks it."""
+    return nbytes == length and xxh3_64(data[:nbytes]) == checksum
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,11 +11,9 @@ from __future__ import annotations
 import errno
 from collections.abc import Sequence
 
-import xxhash
-
 from sfstore import _native, defaults, errors
 from sfstore.counters import Counters
-from sfstore.engine.base import IOEngine, IOFuture, Request, byte_view
+from sfstore.engine.base import IOEngine, IOFuture, Request, byte_view, read_checksum_ok
 
 __all__ = ["NativeEngine", "NativeIOFuture", "checksums_where", "native_status"]
 
@@ -79,7 +77,7 @@ class _CheckedAfterFuture(NativeIOFuture):
                 verified += raw[i]
                 start = r[5] if len(r) > 5 else 0
                 with byte_view(r[4]) as view:
-                    good = raw[i] == r[3] and xxhash.xxh3_64_intdigest(view[start:start + raw[i]]) == want
+                    good = read_checksum_ok(view[start:], raw[i], r[3], want)
                 if not good:
                     raw[i] = -errno.EBADMSG
                     failed += 1

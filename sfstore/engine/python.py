@@ -17,8 +17,6 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import xxhash
-
 from sfstore import defaults, errors
 from sfstore.engine.base import (
     CheckedRequest,
@@ -27,6 +25,7 @@ from sfstore.engine.base import (
     Request,
     Segment,
     plan_direct,
+    read_checksum_ok,
     validate_batch,
 )
 
@@ -260,7 +259,7 @@ class PythonEngine(IOEngine):
                     if item.length == 0:
                         item.release()
                         want = None if checksums is None else checksums[item.index]
-                        empty_ok = want is None or want == xxhash.xxh3_64_intdigest(b"")
+                        empty_ok = want is None or read_checksum_ok(b"", 0, 0, want)
                         batch.finish(item.index, 0 if empty_ok else -errno.EBADMSG, None)
                     else:
                         executor.submit(self._run_one, batch, item, plan,
@@ -289,7 +288,7 @@ class PythonEngine(IOEngine):
                 result, direct, bounced = self._run_direct(batch, item, plan)
             if checksum is not None:
                 self._counters.add(bytes_verified=result)
-                if result != item.length or xxhash.xxh3_64_intdigest(item.view[:result]) != checksum:
+                if not read_checksum_ok(item.view, result, item.length, checksum):
                     self._counters.add(verify_failed=1)
                     result = -errno.EBADMSG
         except OSError as exc:

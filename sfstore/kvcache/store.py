@@ -16,12 +16,11 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import xxhash
-
 from sfstore import defaults, errors
 from sfstore.blocks import BlockStore
 from sfstore.blocks.store import BlockStoreFuture
 from sfstore.buffers import as_buffer, is_device_buffer
+from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
 from sfstore.kvcache.tiers import PinnedTier, SharedTier, Slot
@@ -261,7 +260,7 @@ class KVCacheStore:
             if self.shared is not None:
                 for k, v in zip(ks, views, strict=True):
                     known = self.block.checksum(k) if self.block is not None else None
-                    self.shared.write_view(k, v, known if known is not None else xxhash.xxh3_64_intdigest(v))
+                    self.shared.write_view(k, v, known if known is not None else xxh3_64(v))
         except BaseException:
             self.counters.add(lower_tier_errors=1)
             raise
@@ -336,7 +335,7 @@ class KVCacheStore:
                 for k, s in slots:
                     # the block store checksummed the value already; hash again only without one
                     known = self.block.checksum(k) if self.block is not None else None
-                    s.checksum = known if known is not None else xxhash.xxh3_64_intdigest(s.data(n))
+                    s.checksum = known if known is not None else xxh3_64(s.data(n))
                     self.shared.write(k, s)
         except BaseException:
             self.counters.add(lower_tier_errors=1)

@@ -15,10 +15,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
 from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
+from sfstore.checksums import xxh3_64
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.paths.file import FilePath
 
@@ -47,13 +46,13 @@ class Slot:
 
 def encode_header(geom: KVGeometry, key: bytes, checksum: int) -> bytes:
     body = _HDR.pack(_MAGIC, 1, geom.fingerprint(), key, geom.block_bytes, checksum)
-    return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
+    return body + _SUM.pack(xxh3_64(body))
 
 
 def check_header(view: memoryview, geom: KVGeometry, key: bytes) -> int | None:
     """The block checksum in a slot's header when the header is intact and names ``key`` and ``geom``."""
     end = _HDR.size
-    if view[:8] != _MAGIC or _SUM.unpack_from(view, end)[0] != xxhash.xxh3_64_intdigest(view[:end]):
+    if view[:8] != _MAGIC or _SUM.unpack_from(view, end)[0] != xxh3_64(view[:end]):
         return None
     _m, version, fp, k, length, checksum = _HDR.unpack_from(view)
     if version != 1 or fp != geom.fingerprint() or k != key or length != geom.block_bytes:
@@ -231,7 +230,7 @@ class SharedTier:
                 checksum = check_header(memoryview(hbuf), self.geom, key)
             finally:
                 hbuf.release()
-        return got == [HEADER, n] and checksum is not None and xxhash.xxh3_64_intdigest(data[:n]) == checksum
+        return got == [HEADER, n] and checksum is not None and xxh3_64(data[:n]) == checksum
 
     def read_into(self, key: bytes, slot: Slot) -> bool:
         """Read the block into ``slot``; ``False`` for a missing, foreign or corrupt file (never returned)."""
@@ -241,7 +240,7 @@ class SharedTier:
         except errors.PathNotFoundError:
             return False
         checksum = check_header(memoryview(slot.header), self.geom, key)
-        if got != [HEADER, n] or checksum is None or xxhash.xxh3_64_intdigest(slot.data(n)) != checksum:
+        if got != [HEADER, n] or checksum is None or xxh3_64(slot.data(n)) != checksum:
             return False
         slot.checksum = checksum
         return True
