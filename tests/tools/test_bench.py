@@ -6,8 +6,6 @@ import importlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +23,7 @@ from tools.bench.common import (
 )
 from tools.bench.registry import Suite
 from tools.bench.suites.engine import QUICK_CASES, Case, all_cases, plan_offsets, select_cases
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    full_env = dict(os.environ if env is None else env)
-    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "tools.bench", *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+from tools.bench.testing import run_bench
 
 
 def test_case_names_cover_every_shape() -> None:
@@ -85,7 +75,7 @@ def test_pair_statistics() -> None:
 def test_refuses_memory_filesystems() -> None:
     with pytest.raises(BenchSetupError, match="/dev/shm"):
         check_bench_dir("/dev/shm/sfstore-bench")
-    proc = _bench("engine", "--dir", "/dev/shm/sfstore-bench", "--size", "16m", "--cases", "read-64k-qd8")
+    proc = run_bench("engine", "--dir", "/dev/shm/sfstore-bench", "--size", "16m", "--cases", "read-64k-qd8")
     assert proc.returncode == 2, proc.stderr
     assert "/dev/shm" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -100,7 +90,7 @@ def test_proc_mount_is_refused() -> None:
 def test_missing_fio_is_named(disk_dir: Path) -> None:
     env = dict(os.environ)
     env["PATH"] = str(disk_dir / "empty-path")
-    proc = _bench("engine", "--dir", str(disk_dir), "--size", "16m", "--cases", "read-64k-qd8", env=env)
+    proc = run_bench("engine", "--dir", str(disk_dir), "--size", "16m", "--cases", "read-64k-qd8", env=env)
     assert proc.returncode == 2, proc.stderr
     assert "apt-get install fio" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -148,7 +138,7 @@ def test_engine_suite_end_to_end(disk_dir: Path) -> None:
     if reason:
         pytest.skip(reason)
     out = disk_dir / "engine.json"
-    proc = _bench("engine", "--engine", "python", "--dir", str(disk_dir), "--size", "16m",
+    proc = run_bench("engine", "--engine", "python", "--dir", str(disk_dir), "--size", "16m",
                   "--cases", "read-64k-qd8,randwrite-4k-qd8", "--repeat", "1", "--json", str(out))
     if proc.returncode == 2 and "O_DIRECT" in proc.stderr:
         pytest.skip(f"this filesystem refuses O_DIRECT: {proc.stderr.strip()}")

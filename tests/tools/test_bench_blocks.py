@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +23,12 @@ from tools.bench.suites.blocks import (
     select_cases,
     working_set,
 )
+from tools.bench.testing import run_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 SIZE = 32 << 20
 
 
-def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "tools.bench", "blocks", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+_bench = functools.partial(run_bench, "blocks")
 
 
 def test_case_plan() -> None:

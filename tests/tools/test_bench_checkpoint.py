@@ -3,12 +3,10 @@ end-to-end run whose JSON has the common shape (sfstore sides measured, or "not 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +14,12 @@ import pytest
 
 from tools.bench.common import BenchSetupError
 from tools.bench.suites.checkpoint import QUICK_CASES, all_cases, evaluate_goals, llm_layout, select_cases
+from tools.bench.testing import run_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 
-def _bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "tools.bench", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+_bench = functools.partial(run_bench, timeout=600)
 
 
 @pytest.mark.parametrize("size", [32 * MIB, 2 << 30])

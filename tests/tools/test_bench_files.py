@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +14,14 @@ import pytest
 
 from tools.bench.common import BenchSetupError
 from tools.bench.suites.files import all_cases, prepare_dataset, quick_names, select_cases
+from tools.bench.testing import run_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 SIZE = 16 << 20
 COUNT = 200
 SMALL = 16 << 10
 
 
-def _bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "tools.bench", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+_bench = functools.partial(run_bench, timeout=600)
 
 
 def test_case_plan() -> None:

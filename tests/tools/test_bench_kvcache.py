@@ -3,12 +3,10 @@ connector handed to LMCache, refusals, and the suite end to end (``--quick --jso
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,15 +24,9 @@ from tools.bench.suites.kvcache import (
     evaluate_goals,
     select_cases,
 )
+from tools.bench.testing import run_bench
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "tools.bench", "kvcache", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+_bench = functools.partial(run_bench, "kvcache")
 
 
 def test_case_plan() -> None:

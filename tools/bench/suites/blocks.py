@@ -223,8 +223,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the blocks suite's options.
 

@@ -235,7 +235,6 @@ def _threads_arg(text: str) -> int | str:
     return value
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the engine suite's options.
 

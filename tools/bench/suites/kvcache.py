@@ -241,8 +241,6 @@ def probe_lmcache() -> str | None:
 # -- arguments -------------------------------------------------------------------------------------------------
 
 
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the kvcache suite's options.
 
