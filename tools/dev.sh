@@ -13,15 +13,7 @@ ROOT=$(pwd)
 VENV=${SFSTORE_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 
-say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
-
-retry() {  # retry a download-dependent command: registries are far away and sometimes flaky
-  local n=1
-  until "$@"; do
-    if [ $n -ge 4 ]; then say "failed after $n tries: $*"; return 1; fi
-    say "retrying in $((n * 5)) s ($n/3): $*"; sleep $((n * 5)); n=$((n + 1))
-  done
-}
+. tools/lib.sh
 
 apt_ensure() {  # install the Debian packages that are missing
   local missing=()

@@ -19,27 +19,9 @@ ROOT=$(pwd)
 VENV=${KVBENCH_VENV:-$ROOT/.venv-kvbench}
 MAIN=${SFSTORE_VENV:-$ROOT/.venv}
 
-say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+. tools/lib.sh
 
-retry() {  # registries are far away and sometimes flaky
-  local n=1
-  until "$@"; do
-    if [ $n -ge 4 ]; then say "failed after $n tries: $*"; return 1; fi
-    say "retrying in $((n * 5)) s ($n/3): $*"; sleep $((n * 5)); n=$((n + 1))
-  done
-}
-
-# The same interpreter as the main venv, so the in-tree native helper (built for its ABI) imports here too.
-if [ -x "$MAIN/bin/python" ]; then
-  PY=${PYTHON:-$("$MAIN/bin/python" -c 'import sys; print(sys._base_executable)')}
-else
-  PY=${PYTHON:-python3}
-  say "no $MAIN: run tools/dev.sh setup first, so that sfstore's native helper is built in the tree"
-fi
-if [ ! -x "$VENV/bin/python" ]; then
-  say "creating $VENV with $PY"
-  "$PY" -m venv "$VENV"
-fi
+side_venv "$VENV" "$MAIN"
 PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
 
 say "torch 2.13.0 (CPU), numpy, sfstore's dependencies"
@@ -62,9 +44,7 @@ retry "${PIP[@]}" --no-deps "lmcache==0.5.6"
 retry "${PIP[@]}" pyyaml numba msgspec sortedcontainers psutil py-cpuinfo "prometheus_client>=0.18,<=0.24.1" \
   requests aiohttp aiofile cachetools cryptography "pyzmq>=25" "transformers>=5.4" "numpy>=1.26,<=2.2.6"
 
-say "sfstore from $ROOT (a .pth file: the native helper built in the tree is used)"
-SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-printf '%s\n' "$ROOT" > "$SITE/sfstore-checkout.pth"
+link_checkout "$VENV" "$ROOT"
 
 say "checking"
 "$VENV/bin/python" - <<'EOF'

@@ -23,15 +23,7 @@ ROOT=$(pwd)
 VENV=${VLLM_VENV:-$ROOT/.venv-vllm}
 MAIN=${SFSTORE_VENV:-$ROOT/.venv}
 
-say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
-
-retry() {  # registries are far away and sometimes flaky
-  local n=1
-  until "$@"; do
-    if [ $n -ge 4 ]; then say "failed after $n tries: $*"; return 1; fi
-    say "retrying in $((n * 5)) s ($n/3): $*"; sleep $((n * 5)); n=$((n + 1))
-  done
-}
+. tools/lib.sh
 
 VLLM=vllm==0.33.0
 TORCH=torch==2.13.0
@@ -52,17 +44,7 @@ DEPS=(
   pytest==9.2.0 iniconfig==2.3.1 pluggy==1.7.0 Pygments==2.21.0
 )
 
-# The same interpreter as the main venv, so the in-tree native helper (built for its ABI) imports here too.
-if [ -x "$MAIN/bin/python" ]; then
-  PY=${PYTHON:-$("$MAIN/bin/python" -c 'import sys; print(sys._base_executable)')}
-else
-  PY=${PYTHON:-python3}
-  say "no $MAIN: run tools/dev.sh setup first, so that sfstore's native helper is built in the tree"
-fi
-if [ ! -x "$VENV/bin/python" ]; then
-  say "creating $VENV with $PY"
-  "$PY" -m venv "$VENV"
-fi
+side_venv "$VENV" "$MAIN"
 CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 printf '%s\n' "$TORCH" > "$CONSTRAINTS"
@@ -74,9 +56,7 @@ retry "${PIP[@]}" "$TORCH"
 say "$VLLM (--no-deps) and the ${#DEPS[@]} packages its connector machinery imports (--no-deps)"
 retry "${PIP[@]}" --no-deps "$VLLM" "${DEPS[@]}"
 
-say "sfstore from $ROOT (a .pth file: the native helper built in the tree is used)"
-SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-printf '%s\n' "$ROOT" > "$SITE/sfstore-checkout.pth"
+link_checkout "$VENV" "$ROOT"
 
 say "checking"
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'EOF' 2>&1 | grep -v -e '^WARNING' -e 'Triton' -e 'vllm._C'

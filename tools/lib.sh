@@ -1,0 +1,34 @@
+# Shell functions shared by tools/dev.sh and the side environments (tools/vllm-env.sh, tools/kvbench-env.sh).
+# Source it; it sets nothing else.
+
+say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+retry() {  # retry a download-dependent command: registries are far away and sometimes flaky
+  local n=1
+  until "$@"; do
+    if [ $n -ge 4 ]; then say "failed after $n tries: $*"; return 1; fi
+    say "retrying in $((n * 5)) s ($n/3): $*"; sleep $((n * 5)); n=$((n + 1))
+  done
+}
+
+side_venv() {  # side_venv VENV MAIN: create VENV (if missing) with the interpreter of the main venv MAIN
+  local venv=$1 main=$2 py
+  # The same interpreter as the main venv, so the in-tree native helper (built for its ABI) imports here too.
+  if [ -x "$main/bin/python" ]; then
+    py=${PYTHON:-$("$main/bin/python" -c 'import sys; print(sys._base_executable)')}
+  else
+    py=${PYTHON:-python3}
+    say "no $main: run tools/dev.sh setup first, so that sfstore's native helper is built in the tree"
+  fi
+  if [ ! -x "$venv/bin/python" ]; then
+    say "creating $venv with $py"
+    "$py" -m venv "$venv"
+  fi
+}
+
+link_checkout() {  # link_checkout VENV ROOT: sfstore from the checkout ROOT through a .pth file
+  local site
+  say "sfstore from $2 (a .pth file: the native helper built in the tree is used)"
+  site=$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  printf '%s\n' "$2" > "$site/sfstore-checkout.pth"
+}
