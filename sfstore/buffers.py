@@ -120,6 +120,16 @@ class RegisteredBufferPool:
         ``mlock_error``), ``hugetlb_buffers``, ``thp_buffers``, ``cuda_registered`` (with ``cuda_error``)."""
         return dict(self._pool.stats())
 
+    def keep_idle(self, n: int | None) -> int:
+        """Keep at most ``n`` idle buffers from now on (``None``: all of them, the default): the oldest idle
+        ones beyond ``n`` are freed now, and a buffer released while ``n`` are idle is freed instead of kept.
+        Returns the bytes freed now."""
+        if n is not None and n < 0:
+            from sfstore.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"keep_idle: n must be >= 0 or None, not {n}")
+        return int(self._pool.keep_idle(n))
+
     def close(self) -> None:
         """Free the idle buffers now; buffers still out are freed when released."""
         self._pool.close()

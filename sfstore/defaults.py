@@ -164,9 +164,11 @@ _SETTINGS_LIST = [
             "Threads `sfstore.checkpoint.save_async` copies tensors into its host buffers with, before it "
             "returns.", minimum=1),
     Setting("checkpoint_reuse_buffers", "bool", True,
-            "Keep a checkpoint save's registered host buffers for the next save, so it does not allocate and pin "
-            "them again: `save`'s ring and `save_async`'s copy of the tensor bytes (held between saves); off: "
-            "free them when each save ends."),
+            "Keep checkpoints' registered host buffers for the next save or load, so it does not allocate, fault "
+            "in and pin them again: `save`'s ring and `save_async`'s copy of the tensor bytes (held between "
+            "saves), and `load`'s shard buffers once their tensors are gone (as many of each size as the most "
+            "recent load took); `sfstore.checkpoint.free_buffers()` gives them back. Off: free them when each "
+            "save ends or each loaded buffer's tensors are gone."),
     Setting("block_image_size", "size", 256 << 20,
             "Size of the block path's image file when no NVMe namespace or block device is configured (the "
             "embedded default, `<data_dir>/hot/blocks.img`), preallocated when it is created.", minimum=1 << 20),

@@ -174,6 +174,28 @@ def test_close_frees_idle_buffers_and_later_returns(pool: RegisteredBufferPool) 
         pool.acquire()
 
 
+def test_keep_idle_frees_the_oldest_now_and_bounds_later_returns(pool: RegisteredBufferPool) -> None:
+    bufs = [pool.acquire() for _ in range(4)]
+    newest = bufs[-1].address
+    for b in bufs:
+        b.release()
+    assert pool.keep_idle(1) == 3 * pool.buffer_size  # (rounded to the page: buffer_size is a page multiple)
+    assert (pool.stats()["allocated"], pool.stats()["free"]) == (1, 1)
+    again = [pool.acquire() for _ in range(3)]
+    assert again[0].address == newest  # the most recently released one was kept
+    for b in again:
+        b.release()
+    assert (pool.stats()["allocated"], pool.stats()["free"]) == (1, 1)  # two freed as they came back
+    assert pool.keep_idle(None) == 0
+    more = [pool.acquire() for _ in range(3)]
+    for b in more:
+        b.release()
+    assert pool.stats()["free"] == 3
+    assert pool.keep_idle(0) == 3 * pool.buffer_size and pool.stats()["allocated"] == 0
+    with pytest.raises(errors.InvalidRequestError):
+        pool.keep_idle(-1)
+
+
 def test_mlock_is_attempted_and_reported(pool: RegisteredBufferPool) -> None:
     buf = pool.acquire()
     stats = pool.stats()

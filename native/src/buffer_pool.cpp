@@ -117,13 +117,17 @@ Region BufferPool::acquire(double timeout_s) {
     return r;
 }
 
+void BufferPool::drop_region(const Region& r) {
+    if (r.locked) locked_bytes_ -= r.mapped;
+    --allocated_;
+    free_region(r);
+}
+
 void BufferPool::release(const Region& r) {
     std::lock_guard<std::mutex> lk(mu_);
     --in_use_;
-    if (closed_) {
-        if (r.locked) locked_bytes_ -= r.mapped;
-        --allocated_;
-        free_region(r);
+    if (closed_ || free_.size() >= max_idle_) {
+        drop_region(r);
     } else {
         free_.push_back(r);
     }
@@ -133,13 +137,26 @@ void BufferPool::release(const Region& r) {
 void BufferPool::close() {
     std::lock_guard<std::mutex> lk(mu_);
     closed_ = true;
-    for (auto& r : free_) {
-        if (r.locked) locked_bytes_ -= r.mapped;
-        --allocated_;
-        free_region(r);
-    }
+    for (auto& r : free_) drop_region(r);
     free_.clear();
     cv_.notify_all();
+}
+
+size_t BufferPool::keep_idle(size_t n) {
+    std::lock_guard<std::mutex> lk(mu_);
+    max_idle_ = n;
+    size_t freed = 0;
+    if (free_.size() > n) {
+        // free_ is LIFO: the oldest idle buffers are at the front
+        size_t extra = free_.size() - n;
+        for (size_t i = 0; i < extra; ++i) {
+            freed += free_[i].mapped;
+            drop_region(free_[i]);
+        }
+        free_.erase(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(extra));
+    }
+    cv_.notify_all();
+    return freed;
 }
 
 PoolStats BufferPool::stats() {

@@ -4,6 +4,7 @@
 
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -41,14 +42,19 @@ public:
     Region acquire(double timeout_s);
     void release(const Region& r);
     void close();  // frees the idle buffers; buffers still out are freed when they come back
+    // Keeps at most `n` idle buffers from now on (SIZE_MAX: all, the default): frees the oldest idle ones
+    // beyond it now, and a buffer that comes back to a pool already holding `n` idle ones is freed.
+    // Returns the bytes freed now.
+    size_t keep_idle(size_t n);
     PoolStats stats();
     size_t buffer_size() const { return buffer_size_; }
 
 private:
     Region allocate();  // called with mu_ held
     void free_region(const Region& r);
+    void drop_region(const Region& r);  // free_region and the counts; called with mu_ held
 
-    size_t buffer_size_, max_buffers_;
+    size_t buffer_size_, max_buffers_, max_idle_ = SIZE_MAX;
     Mode huge_, lock_, cuda_;
     std::mutex mu_;
     std::condition_variable cv_;

@@ -496,6 +496,13 @@ NB_MODULE(_native, m) {
              },
              "timeout"_a = -1.0)
         .def("close", [](PyPool& self) { self.pool->close(); })
+        .def("keep_idle",
+             [](PyPool& self, nb::object n) {
+                 size_t keep = n.is_none() ? SIZE_MAX : nb::cast<size_t>(n);
+                 nb::gil_scoped_release nogil;  // munmap of many huge buffers takes a while
+                 return self.pool->keep_idle(keep);
+             },
+             "n"_a.none())
         .def_prop_ro("buffer_size", [](PyPool& self) { return self.pool->buffer_size(); })
         .def("stats", [](PyPool& self) {
             PoolStats s = self.pool->stats();

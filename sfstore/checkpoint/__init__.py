@@ -21,7 +21,9 @@ registered buffers, many requests in flight (the file path's ``chunk_size``/``pa
 default) whatever the shard size; ``save_async`` holds a copy of the state dict's tensor bytes; both keep these
 registered buffers for their next save (``checkpoint_reuse_buffers``, on by default: pinning memory again costs
 more than filling it). ``load`` returns views of buffers the size of the shards (about 1x the tensor bytes, no
-second copy).
+second copy); once all of a buffer's tensors are gone it is kept for the next load in the same way (as many of
+each size as the most recent load took). :func:`buffer_stats` shows what is kept, :func:`free_buffers` gives
+it back to the system.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sfstore.checkpoint import safetensors_format
+from sfstore.checkpoint._host import load_buffers as _load_buffers
 from sfstore.checkpoint.catalog import CheckpointInfo
 from sfstore.checkpoint.catalog import latest as _latest
 from sfstore.checkpoint.catalog import list_checkpoints as _list
 from sfstore.checkpoint.load import load as _load
 from sfstore.checkpoint.manifest import MANIFEST_NAME
-from sfstore.checkpoint.save import SaveFuture
+from sfstore.checkpoint.save import SaveFuture, _async_buffers, _ring_buffers
 from sfstore.checkpoint.save import save as _save
 from sfstore.checkpoint.save import save_async as _save_async
 
@@ -52,6 +55,8 @@ __all__ = [
     "load",
     "list",
     "latest",
+    "buffer_stats",
+    "free_buffers",
     "CheckpointInfo",
     "SaveFuture",
     "MANIFEST_NAME",
@@ -217,3 +222,35 @@ def latest(prefix: str | os.PathLike[str] = "") -> CheckpointInfo | None:
     ``load(latest(prefix))`` loads it.
     """
     return _latest(prefix)
+
+
+def buffer_stats() -> dict[str, int]:
+    """Bytes of registered host buffers this process keeps for its next checkpoint saves and loads
+    (``checkpoint_reuse_buffers``).
+
+    Returns
+    -------
+    dict
+        ``save_idle_bytes`` (``save``'s ring), ``save_async_idle_bytes`` (``save_async``'s copy of the tensor
+        bytes), ``load_idle_bytes`` (loads' shard buffers whose tensors are all gone), ``load_in_use_bytes``
+        (shard buffers still holding loaded tensors) and ``idle_bytes``, the sum of the three idle kinds: memory
+        that is resident (and locked where ``mlock`` allows) but holds nothing the caller uses.
+    """
+    load = _load_buffers.stats()
+    out = {
+        "save_idle_bytes": _ring_buffers.idle_bytes(),
+        "save_async_idle_bytes": _async_buffers.idle_bytes(),
+        "load_idle_bytes": load["idle_bytes"],
+        "load_in_use_bytes": load["in_use_bytes"],
+    }
+    out["idle_bytes"] = out["save_idle_bytes"] + out["save_async_idle_bytes"] + out["load_idle_bytes"]
+    return out
+
+
+def free_buffers() -> int:
+    """Give every idle kept buffer (:func:`buffer_stats`) back to the system now; returns the bytes freed.
+
+    Buffers still holding loaded tensors are freed when those tensors die. The next save or load allocates (and
+    pins) afresh, as its first one did.
+    """
+    return _ring_buffers.free() + _async_buffers.free() + _load_buffers.free()

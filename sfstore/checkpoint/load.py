@@ -4,7 +4,8 @@ Each shard is read with :meth:`FilePath.read_into_async` (O_DIRECT, ``chunk_size
 shards ahead) into a page-aligned registered buffer of the shard's size; its safetensors header is validated
 and matched against the manifest; with ``verify`` every tensor's and the shard's xxh3-64 is checked in one
 pass; and the tensors returned are views of that buffer (``torch.from_dlpack`` sliced and viewed as the
-dtype), so the memory is the shard's and nothing is copied. The buffer lives as long as any of its tensors.
+dtype), so the memory is the shard's and nothing is copied. The buffer lives as long as any of its tensors,
+then goes back to :data:`~sfstore.checkpoint._host.load_buffers` for the next load (``checkpoint_reuse_buffers``).
 
 ``into=``: each shard's header is read and checked, then every tensor's bytes are read straight into the
 existing tensor's memory (:meth:`FilePath.read_ranges_into`); tensors that are not CPU-contiguous (GPU
@@ -24,7 +25,7 @@ import xxhash
 from sfstore import errors
 from sfstore.checkpoint import _fs
 from sfstore.checkpoint import safetensors_format as stf
-from sfstore.checkpoint._host import HostBuffer
+from sfstore.checkpoint._host import HostBuffer, load_buffers
 from sfstore.checkpoint.catalog import CheckpointInfo, read_manifest
 from sfstore.checkpoint.manifest import Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import KeyPath, format_path, tensor_paths, unflatten
@@ -129,7 +130,7 @@ class _ShardReader:
             shard = self.shards[self.next]
             self.next += 1
             path = _shard_path(self.directory, self.fp, shard)
-            hb = HostBuffer(shard.size)
+            hb = load_buffers.take(shard.size)
             fut = self.fp.read_into_async(path, hb.buf, 0, shard.size)
             self.queue.append((shard, path, hb, fut))
 
@@ -324,7 +325,7 @@ def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, veri
             else:
                 bounce_at[rec.name] = bounce_size
                 bounce_size += rec.nbytes
-        hb = HostBuffer(bounce_size) if bounce_size else None
+        hb = load_buffers.take(bounce_size) if bounce_size else None
         ranges = []
         for rec in ordered:
             offset = header.data_start + header.entries[rec.name].begin
@@ -392,7 +393,7 @@ def _copy_into(dst: Any, src: Any) -> None:
 def _load_bare(fp: FilePath, path: str, device: torch.device) -> dict[str, Any]:
     """A plain ``.safetensors`` file: every tensor by name, as ``safetensors.torch.load_file`` reads it."""
     size = fp.size(path)
-    hb = HostBuffer(size)
+    hb = load_buffers.take(size)
     got = fp.read_into(path, hb.buf, 0, size)
     name = os.path.basename(path)
     if got != size:
@@ -431,14 +432,16 @@ def load(
     if os.path.isfile(path):
         if into is not None:
             raise errors.InvalidRequestError("load(into=...) needs an sfstore checkpoint, not a .safetensors file")
-        return _load_bare(fp, fp.resolve(path), dev)
+        with load_buffers.session():
+            return _load_bare(fp, fp.resolve(path), dev)
     manifest = read_manifest(fp, path)
-    if into is not None:
-        if dev.type != "cpu":
-            raise errors.InvalidRequestError("load(into=...) fills the given tensors where they are; omit device=")
-        tensors = _load_into(fp, path, manifest, into, verify)
-    else:
-        tensors = _load_checkpoint(fp, path, manifest, dev, verify)
+    if into is not None and dev.type != "cpu":
+        raise errors.InvalidRequestError("load(into=...) fills the given tensors where they are; omit device=")
+    with load_buffers.session():
+        if into is not None:
+            tensors = _load_into(fp, path, manifest, into, verify)
+        else:
+            tensors = _load_checkpoint(fp, path, manifest, dev, verify)
 
     def resolve(tag: str, name: str, key: KeyPath) -> Any:
         value = tensors[name]

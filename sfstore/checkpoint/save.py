@@ -559,6 +559,19 @@ class _IdleBuffers:
         for hb in old + ([] if keep else buffers):
             hb.release()
 
+    def idle_bytes(self) -> int:
+        """Bytes of the buffers kept for the next save."""
+        with self.lock:
+            return sum(hb.capacity for hb in self.idle) if self.pid == os.getpid() else 0
+
+    def free(self) -> int:
+        """Free the kept buffers now; returns their bytes."""
+        with self.lock:
+            old, self.idle = (self.idle if self.pid == os.getpid() else []), []
+        for hb in old:
+            hb.release()
+        return sum(hb.capacity for hb in old)
+
 
 _ring_buffers = _IdleBuffers()
 _async_buffers = _IdleBuffers()

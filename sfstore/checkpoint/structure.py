@@ -147,6 +147,10 @@ def flatten(state: Any) -> tuple[Any, list[Leaf]]:
         tree = enc(state, ())
     except RecursionError:
         raise InvalidRequestError("the state dict is nested too deeply to save") from None
+    finally:
+        # A recursive closure is a reference cycle (function -> cell -> function): without this it keeps the
+        # caller's tensors alive until a gc pass.
+        enc = None  # type: ignore[assignment]
     return tree, leaves
 
 
@@ -218,6 +222,10 @@ def unflatten(structure: Any, tensor: Callable[[str, str, KeyPath], Any]) -> Any
         return dec(structure, ())
     except RecursionError:
         raise _bad("structure is nested too deeply") from None
+    finally:
+        # As in flatten: break the recursive closure's cycle, which would keep the loaded tensors (and the shard
+        # buffers under them) alive until a gc pass.
+        dec = None  # type: ignore[assignment]
 
 
 def tensor_paths(structure: Any) -> list[tuple[KeyPath, str, str]]:

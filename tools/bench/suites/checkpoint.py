@@ -333,9 +333,20 @@ def _settle() -> None:
         pass
 
 
-def _timed(ctx: _Context, body: Callable[[], Any], after: Callable[[Any], None] | None = None) -> RunResult:
-    """Run ``body`` as the timed region (then ``after`` on its result, inside it); CPU and peak RSS around it."""
+def _kept(ctx: _Context, kind: str) -> int:
+    """Bytes of host buffers sfstore kept idle from earlier runs for a run of ``kind`` (``save``, ``save_async``,
+    ``load``; ``sfstore.checkpoint.buffer_stats``): resident before the run starts, so its peak RSS growth would
+    not show them, though the run uses them. Each sfstore side adds them to its growth."""
+    stats = getattr(ctx.core, "buffer_stats", None)
+    return int(stats()[f"{kind}_idle_bytes"]) if stats is not None else 0
+
+
+def _timed(ctx: _Context, body: Callable[[], Any], after: Callable[[Any], None] | None = None,
+           kept: str | None = None) -> RunResult:
+    """Run ``body`` as the timed region (then ``after`` on its result, inside it); CPU and peak RSS around it.
+    ``kept``: the kind of sfstore's kept buffers (:func:`_kept`) the run reuses, counted in its growth."""
     _settle()
+    reused = _kept(ctx, kept) if kept else 0
     rss = PeakRss()
     rss.start()
     meter = CpuMeter()
@@ -349,8 +360,10 @@ def _timed(ctx: _Context, body: Callable[[], Any], after: Callable[[Any], None] 
     growth = rss.growth()
     del result
     _settle()
-    return RunResult(bytes=ctx.tensor_bytes, ops=1, seconds=seconds, cpu_s=cpu,
-                     extra={"peak_rss_growth_bytes": growth, "peak_rss_method": rss.method})
+    extra: dict[str, Any] = {"peak_rss_growth_bytes": growth + reused, "peak_rss_method": rss.method}
+    if kept:
+        extra["reused_buffer_bytes"] = reused
+    return RunResult(bytes=ctx.tensor_bytes, ops=1, seconds=seconds, cpu_s=cpu, extra=extra)
 
 
 def _prepare_save(path: str) -> None:
@@ -386,7 +399,7 @@ def side_save(ctx: _Context) -> RunResult:
     core = _need_core(ctx)
     path = ctx.out("save")
     _prepare_save(path)
-    return _timed(ctx, lambda: core.save(ctx.sd, path, **_core_kwargs(ctx)))
+    return _timed(ctx, lambda: core.save(ctx.sd, path, **_core_kwargs(ctx)), kept="save")
 
 
 def side_save_async(ctx: _Context) -> RunResult:
@@ -394,6 +407,7 @@ def side_save_async(ctx: _Context) -> RunResult:
     path = ctx.out("save")
     _prepare_save(path)
     _settle()
+    reused = _kept(ctx, "save_async")
     rss = PeakRss()
     rss.start()
     meter = CpuMeter()
@@ -407,14 +421,15 @@ def side_save_async(ctx: _Context) -> RunResult:
     growth = rss.growth()
     return RunResult(bytes=ctx.tensor_bytes, ops=1, seconds=blocking, cpu_s=cpu,
                      extra={"blocking_seconds": blocking, "completed_seconds": completed,
-                            "cpu_note": "CPU until .get() completed", "peak_rss_growth_bytes": growth,
-                            "peak_rss_method": rss.method})
+                            "cpu_note": "CPU until .get() completed", "peak_rss_growth_bytes": growth + reused,
+                            "reused_buffer_bytes": reused, "peak_rss_method": rss.method})
 
 
 def side_load(ctx: _Context) -> RunResult:
     core = _need_core(ctx)
     _prepare_load(ctx, "save")
-    return _timed(ctx, lambda: core.load(ctx.out("save")), lambda r: _touch(r, ctx.digests, "sfstore.load"))
+    return _timed(ctx, lambda: core.load(ctx.out("save")), lambda r: _touch(r, ctx.digests, "sfstore.load"),
+                  kept="load")
 
 
 def _dcp() -> Any:
@@ -655,8 +670,10 @@ def _run_case(ctx: _Context, spec: CaseSpec, label: str, saved: set[str]) -> dic
         first, second = (run_ours, run_theirs) if i % 2 == 0 else (run_theirs, run_ours)
         first()
         second()
-    # Warm-up pairs are discarded: on a VM the first touch of fresh guest memory costs seconds per GiB, and it
-    # would land on whichever side happens to allocate first.
+    # Warm-up pairs are left out of the ratios (kept in the JSON and printed as notes): on a VM the first touch
+    # of fresh guest memory costs seconds per GiB, and sfstore keeps its buffers for the next save or load, so
+    # the first run of a process is not what the ones after it are.
+    warm_ours, warm_theirs = ours[:warmup], theirs[:warmup]
     if len(ours) > warmup:
         ours = ours[warmup:]
     if len(theirs) > warmup:
@@ -688,6 +705,9 @@ def _run_case(ctx: _Context, spec: CaseSpec, label: str, saved: set[str]) -> dic
                                                             "ratios": [], "ratio_of_medians": None}
     case = {"name": spec.name(label), "params": params, "sfstore": ours_doc, "reference_tool": ref_label,
             "reference": ref_doc, **stats}
+    if warm_ours or warm_theirs:
+        case["warmup"] = {"sfstore_bytes_per_s": [r.bytes / r.seconds for r in warm_ours if r.seconds > 0],
+                          "reference_bytes_per_s": [r.bytes / r.seconds for r in warm_theirs if r.seconds > 0]}
     if spec.ours == "save_async":
         fractions = [a.seconds / b.seconds for a, b in zip(ours[:n], theirs[:n], strict=True) if b.seconds > 0]
         case["blocking_fraction"] = _median(fractions)
@@ -801,6 +821,21 @@ def evaluate_goals(cases: Sequence[dict[str, Any]], label: str, tensor_bytes: in
                        float(max(values)) if values else None, limit, False, "MiB",
                        "not measured (sfstore.checkpoint.save did not run)"))
     return goals
+
+
+def warmup_notes(cases: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per case with warm-up pairs: each side's first run(s) in the process, which the ratios leave out
+    (fresh memory for both sides; for sfstore also the buffers it keeps for later runs being allocated)."""
+    lines = []
+    for c in cases:
+        warm = c.get("warmup")
+        if not warm or not warm["sfstore_bytes_per_s"] or not warm["reference_bytes_per_s"]:
+            continue
+        ours, theirs = warm["sfstore_bytes_per_s"], warm["reference_bytes_per_s"]
+        ratio = ours[0] / theirs[0] if theirs[0] else float("nan")
+        lines.append(f"{c['name']}: warm-up pair (first in the process, not in the ratio): sfstore "
+                     f"{ours[0] / GIB:.3f} GiB/s, {c['reference_tool']} {theirs[0] / GIB:.3f} GiB/s ({ratio:.2f}x)")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1008,6 +1043,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print()
     for g in goals:
         print(f"goal: {g['line']}", flush=True)
+    for line in warmup_notes(results):
+        print(f"note: {line}", flush=True)
     doc: dict[str, Any] = {"bench": "checkpoint", "machine": machine, "date": utc_now(), "state_dict": state_info,
                            "max_shard_bytes": shard, "cases": results, "acceptance": goals}
     if args.reliability:
