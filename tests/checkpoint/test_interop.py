@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch as st
 import torch
 import xxhash
-from conftest import ALL_DTYPES, SAFETENSORS_DTYPES, random_tensor, same
+from ckpt_helpers import ALL_DTYPES, SAFETENSORS_DTYPES, random_tensor, same
 
 from sfstore import checkpoint
 from sfstore.checkpoint import MANIFEST_NAME

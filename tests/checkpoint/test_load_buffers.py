@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import same
+from ckpt_helpers import same
 
 from sfstore import checkpoint, defaults
 from sfstore.buffers import native_available

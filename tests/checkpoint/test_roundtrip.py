@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ALL_DTYPES, random_tensor, same
+from ckpt_helpers import ALL_DTYPES, random_tensor, same
 
 from sfstore import checkpoint, defaults, errors
 from sfstore.checkpoint import MANIFEST_NAME
