@@ -76,9 +76,15 @@ def _check_header(header: stf.Header, shard: ShardRecord, records: list[TensorRe
             )
 
 
+def _header_mismatch(shard: ShardRecord) -> errors.CorruptCheckpointError:
+    return _corrupt(f"checksum mismatch in shard {shard.file} (its header bytes differ)", shard.file)
+
+
 def _verify(view: Any, header: stf.Header, shard: ShardRecord, records: dict[str, TensorRecord]) -> None:
-    """Check every tensor's xxh3-64, then the whole shard's (header and padding included), over ``view`` (the
-    shard's bytes). One C call per tensor and one per shard: no Python loop over the bytes."""
+    """Check every tensor's xxh3-64 and the header's over ``view`` (the shard's bytes): the header (validated to
+    be followed by tensors that cover the rest of the file exactly) and the tensors are every byte of the shard,
+    each read once. A version 1 manifest has no header sum: the whole shard's is checked instead (a second pass).
+    One C call per tensor: no Python loop over the bytes."""
     with memoryview(view) as raw, raw.cast("B") as mv:
         for entry in header.entries.values():
             with mv[header.data_start + entry.begin : header.data_start + entry.end] as piece:
@@ -86,9 +92,14 @@ def _verify(view: Any, header: stf.Header, shard: ShardRecord, records: dict[str
             if not ok:
                 raise _corrupt(f"checksum mismatch in tensor {entry.name!r} of shard {shard.file}", shard.file,
                                entry.name)
-        with mv[: shard.size] as whole:  # the buffer may be longer than the shard
-            if xxhash.xxh3_64_hexdigest(whole) != shard.xxh3_64:
-                raise _corrupt(f"checksum mismatch in shard {shard.file} (its header bytes differ)", shard.file)
+        if shard.header_xxh3_64 is not None:
+            with mv[: header.data_start] as head:
+                ok = xxhash.xxh3_64_hexdigest(head) == shard.header_xxh3_64
+        else:
+            with mv[: shard.size] as whole:  # the buffer may be longer than the shard
+                ok = xxhash.xxh3_64_hexdigest(whole) == shard.xxh3_64
+        if not ok:
+            raise _header_mismatch(shard)
 
 
 def _view(base: torch.Tensor, offset: int, nbytes: int, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -344,7 +355,9 @@ def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, veri
                 )
         bounce = hb.tensor() if hb is not None else None
         if verify:
-            whole = xxhash.xxh3_64(head_bytes)
+            # As _verify: the header's sum and the tensors' cover the shard (version 1: the whole shard's sum,
+            # streamed over the same pieces).
+            whole = xxhash.xxh3_64(head_bytes) if shard.header_xxh3_64 is None else None
             with memoryview(hb.buf if hb is not None else b"") as bmv:
                 bad: str | None = None
                 for rec in ordered:
@@ -352,14 +365,18 @@ def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, veri
                         piece = memoryview(direct[rec.name])
                     else:
                         piece = bmv[bounce_at[rec.name] : bounce_at[rec.name] + rec.nbytes]
-                    whole.update(piece)
+                    if whole is not None:
+                        whole.update(piece)
                     if bad is None and xxhash.xxh3_64(piece).hexdigest() != rec.xxh3_64:
                         bad = rec.name
                     piece.release()
             if bad is not None:
                 raise _corrupt(f"checksum mismatch in tensor {bad!r} of shard {shard.file}", shard.file, bad)
-            if whole.hexdigest() != shard.xxh3_64:
-                raise _corrupt(f"checksum mismatch in shard {shard.file} (its header bytes differ)", shard.file)
+            if whole is not None:
+                if whole.hexdigest() != shard.xxh3_64:
+                    raise _header_mismatch(shard)
+            elif xxhash.xxh3_64_hexdigest(head_bytes) != shard.header_xxh3_64:
+                raise _header_mismatch(shard)
         for rec in ordered:
             dests = by_name.get(rec.name, [])
             if rec.name in bounce_at:

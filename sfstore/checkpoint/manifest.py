@@ -1,10 +1,10 @@
 """The checkpoint manifest, ``sfstore-manifest.json``: what is in a checkpoint and how to check it.
 
-Schema (format version 1)::
+Schema (format version 2)::
 
     {
       "format": "sfstore-checkpoint",
-      "version": 1,
+      "version": 2,
       "created_ns": 1712345678123456789,          # time.time_ns() when the manifest was written
       "metadata": {"step": 1000},                 # the caller's metadata: plain JSON, string keys
       "structure": <node>,                        # the state dict's nesting (below)
@@ -14,8 +14,15 @@ Schema (format version 1)::
           "shape": [4096, 4096], "nbytes": 33554432, "xxh3_64": "9f0c3c1bd1c5e2a7"
         }
       },
-      "shards": [{"file": "shard-00000.safetensors", "size": 1073745920, "xxh3_64": "..."}]
+      "shards": [{"file": "shard-00000.safetensors", "size": 1073745920, "xxh3_64": "...",
+                  "header_xxh3_64": "..."}]
     }
+
+A shard's ``xxh3_64`` covers the whole file, ``header_xxh3_64`` its safetensors header (the 8-byte length, the
+JSON and its padding: everything before the first tensor byte). The tensors' sums and the header's cover every
+byte of a shard once, so a load checks those and reads each byte once; the whole-file sum is for tools that
+check a shard file on its own. Version 1 (no ``header_xxh3_64``) is still read: its loads check the whole-file
+sum as well.
 
 ``structure`` nodes: JSON ``null``, ``true``/``false``, integers, strings and arrays (lists) stand for
 themselves; every other node is an object with exactly one tag: ``{"float": "nan"}`` (``repr`` of the float, so
@@ -45,6 +52,7 @@ __all__ = [
     "MANIFEST_NAME",
     "FORMAT",
     "VERSION",
+    "READABLE_VERSIONS",
     "MAX_MANIFEST_BYTES",
     "NUMPY_DTYPES",
     "TensorRecord",
@@ -56,7 +64,9 @@ __all__ = [
 
 MANIFEST_NAME = "sfstore-manifest.json"
 FORMAT = "sfstore-checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Format versions this sfstore reads (it writes :data:`VERSION`)."""
 MAX_MANIFEST_BYTES = 1 << 30
 """Largest manifest read, in bytes."""
 
@@ -127,14 +137,19 @@ class TensorRecord:
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """One shard file: its plain name, size in bytes and xxh3-64 of the whole file (hex)."""
+    """One shard file: its plain name, size in bytes, xxh3-64 of the whole file and of its header (hex;
+    ``header_xxh3_64`` is ``None`` in version 1 manifests)."""
 
     file: str
     size: int
     xxh3_64: str
+    header_xxh3_64: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "size": self.size, "xxh3_64": self.xxh3_64}
+        out: dict[str, Any] = {"file": self.file, "size": self.size, "xxh3_64": self.xxh3_64}
+        if self.header_xxh3_64 is not None:
+            out["header_xxh3_64"] = self.header_xxh3_64
+        return out
 
 
 @dataclass
@@ -165,9 +180,12 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """The manifest as UTF-8 JSON (ASCII-escaped, so any string survives)."""
+        # Version 2 needs every shard's header sum; a manifest built without them (by hand, or read from version 1)
+        # is written as version 1.
+        version = VERSION if all(sh.header_xxh3_64 is not None for sh in self.shards) else 1
         obj = {
             "format": FORMAT,
-            "version": self.version,
+            "version": version,
             "created_ns": self.created_ns,
             "metadata": self.metadata,
             "structure": self.structure,
@@ -191,8 +209,9 @@ class Manifest:
         if obj.get("format") != FORMAT:
             raise _bad(f"format is {obj.get('format')!r}, not {FORMAT!r}")
         version = obj.get("version")
-        if version != VERSION:
-            raise _bad(f"format version {version!r} is not supported (this sfstore reads version {VERSION})")
+        if not _is_int(version) or version not in READABLE_VERSIONS:
+            raise _bad(f"format version {version!r} is not supported (this sfstore reads versions "
+                       f"{', '.join(map(str, READABLE_VERSIONS))})")
         expected = {"format", "version", "created_ns", "metadata", "structure", "tensors", "shards"}
         if set(obj) != expected:
             raise _bad(f"keys are {sorted(obj)}, expected {sorted(expected)}")
@@ -207,16 +226,18 @@ class Manifest:
             raise _bad("shards is not a list")
         shards: list[ShardRecord] = []
         seen: set[str] = set()
+        shard_keys = {"file", "size", "xxh3_64"} | ({"header_xxh3_64"} if version >= 2 else set())
         for s in shards_raw:
-            if not isinstance(s, dict) or set(s) != {"file", "size", "xxh3_64"}:
-                raise _bad(f"shard entry {s!r} must have exactly file, size and xxh3_64")
+            if not isinstance(s, dict) or set(s) != shard_keys:
+                raise _bad(f"shard entry {s!r} must have exactly {', '.join(sorted(shard_keys))}")
             name = check_plain_name(s["file"], "shard file")
             if name == MANIFEST_NAME or name in seen:
                 raise _bad(f"shard file {name!r} is listed twice or names the manifest")
             seen.add(name)
             if not _is_int(s["size"]) or s["size"] < 0:
                 raise _bad(f"shard {name!r}: size {s['size']!r} is not a non-negative integer")
-            shards.append(ShardRecord(name, s["size"], _check_hash(s["xxh3_64"], f"shard {name!r}")))
+            head = _check_hash(s["header_xxh3_64"], f"shard {name!r} header") if version >= 2 else None
+            shards.append(ShardRecord(name, s["size"], _check_hash(s["xxh3_64"], f"shard {name!r}"), head))
         tensors_raw = obj["tensors"]
         if not isinstance(tensors_raw, dict):
             raise _bad("tensors is not a JSON object")

@@ -324,7 +324,8 @@ class _Job:
                 for sh in plan.shards
                 for it in sh.items
             },
-            shards=[ShardRecord(sh.file, sh.size, sh.xxh3) for sh in plan.shards],
+            shards=[ShardRecord(sh.file, sh.size, sh.xxh3, xxhash.xxh3_64_hexdigest(sh.header))
+                    for sh in plan.shards],
         )
         # Tensors in the order the state dict holds them (shards order them by alignment).
         manifest.tensors = {it.name: manifest.tensors[it.name] for it in plan.items}

@@ -40,9 +40,21 @@ def replace_shard(ck: Path, data: bytes, name: str = SHARD) -> None:
     structure can give it away."""
     (ck / name).write_bytes(data)
     m = manifest(ck)
+    (n,) = struct.unpack("<Q", data[:8]) if len(data) >= 8 else (0,)
     for s in m["shards"]:
         if s["file"] == name:
             s["size"], s["xxh3_64"] = len(data), xxhash.xxh3_64(data).hexdigest()
+            if "header_xxh3_64" in s:
+                s["header_xxh3_64"] = xxhash.xxh3_64(data[: 8 + n]).hexdigest()
+    write_manifest(ck, m)
+
+
+def as_version_1(ck: Path) -> None:
+    """Rewrite the manifest as format version 1 wrote it: no header sums."""
+    m = manifest(ck)
+    m["version"] = 1
+    for s in m["shards"]:
+        del s["header_xxh3_64"]
     write_manifest(ck, m)
 
 
@@ -77,14 +89,54 @@ def test_flipped_data_byte_names_shard_and_tensor(tmp_path: Path) -> None:
     assert not torch.equal(checkpoint.load(ck, verify=False)["w"], torch.arange(64, dtype=torch.float32))
 
 
-def test_flipped_header_padding_byte_fails_the_shard_checksum(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [2, 1])
+def test_flipped_header_padding_byte_fails_the_shard_checksum(tmp_path: Path, version: int) -> None:
     ck = make(tmp_path)
+    if version == 1:
+        as_version_1(ck)  # no header sum: the whole shard's sum catches it
     data = bytearray((ck / SHARD).read_bytes())
     header = stf.parse_header(bytes(data), len(data), shard=SHARD)
     data[header.data_start - 2] = ord("\t")  # still valid JSON, same tensors
     (ck / SHARD).write_bytes(bytes(data))
     err = corrupt("checksum mismatch in shard", ck)
     assert err.shard == SHARD and err.tensor is None
+    into = {"w": torch.zeros(64), "b": torch.zeros(8, dtype=torch.int16)}
+    assert corrupt("checksum mismatch in shard", ck, into=into).tensor is None
+
+
+def test_saves_write_version_2_with_header_sums_and_version_1_still_loads(tmp_path: Path) -> None:
+    ck = make(tmp_path)
+    m = manifest(ck)
+    data = (ck / SHARD).read_bytes()
+    header = stf.parse_header(data, len(data), shard=SHARD)
+    assert m["version"] == 2
+    assert m["shards"][0]["header_xxh3_64"] == xxhash.xxh3_64(data[: header.data_start]).hexdigest()
+    assert m["shards"][0]["xxh3_64"] == xxhash.xxh3_64(data).hexdigest()  # the whole file's, for other tools
+    as_version_1(ck)
+    got = checkpoint.load(ck)
+    assert torch.equal(got["w"], torch.arange(64, dtype=torch.float32)) and got["n"] == 3
+    data2 = bytearray(data)
+    data2[header.data_start + header.entries["b"].begin] ^= 0x40
+    (ck / SHARD).write_bytes(bytes(data2))
+    assert corrupt("checksum mismatch in tensor 'b'", ck).tensor == "b"
+
+
+@pytest.mark.parametrize(
+    ("version", "drop_header_sum", "match"),
+    [(2, True, "must have exactly file, header_xxh3_64, size, xxh3_64"),
+     (1, False, "must have exactly file, size, xxh3_64"),
+     (3, False, "format version 3 is not supported"),
+     (True, False, "format version True is not supported")],
+)
+def test_manifest_versions_and_their_shard_fields(tmp_path: Path, version: Any, drop_header_sum: bool,
+                                                  match: str) -> None:
+    ck = make(tmp_path)
+    m = manifest(ck)
+    m["version"] = version
+    if drop_header_sum:
+        del m["shards"][0]["header_xxh3_64"]
+    write_manifest(ck, m)
+    corrupt(match, ck)
 
 
 def test_truncated_missing_and_extended_shards(tmp_path: Path) -> None:
