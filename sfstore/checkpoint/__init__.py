@@ -7,8 +7,8 @@
 
 A checkpoint is a directory: shard files in the safetensors format (``safetensors.torch.load_file`` reads each
 one) and a JSON manifest, ``sfstore-manifest.json`` (which tensor lives in which shard, dtype, shape, xxh3-64
-checksums per tensor and per shard, the state dict's nesting, the caller's metadata). Nothing is pickled,
-nothing is unpickled.
+checksums per tensor, per shard and per shard header, the state dict's nesting, the caller's metadata). Nothing
+is pickled, nothing is unpickled.
 
 Urls: ``"sf://a/b"`` or ``"a/b"`` is the directory ``a/b`` under the checkpoint root
 (``sfstore.open().file_path("checkpoint")``: ``<root>/checkpoints`` unless configured); ``"/x/y/name"`` or
