@@ -9,7 +9,8 @@ Blocks are those of a ``KVGeometry(num_layers=32, block_tokens=16, num_kv_heads=
 ``KVCacheStore.keys_for(tokens)``. The working set is ``--size`` bytes of blocks (default 1g, 256m with
 ``--quick``): N blocks, ``N / batch`` batches of seeded random token ids. Every side puts the same ``batch``
 source blocks (distinct random bytes, reused batch after batch) and gets into the same ``batch`` destinations
-(both page-aligned anonymous memory, numpy views), batch after batch, gets in a seeded random batch order.
+(both page-aligned anonymous memory, numpy views), batch after batch, gets in a seeded random batch order
+per pair.
 
 Cases, each ``--warmup`` (default 1, discarded) + ``--repeat`` pairs in ABBA order (sfstore, reference,
 reference, sfstore, ...):
@@ -436,9 +437,8 @@ class _Bench:
         counts = [min(self.batch, self.n - i) for i in range(0, self.n, self.batch)]
         self.tokens: list[list[int]] = [[rng.randrange(1, 32000) for _ in range(c * bt)] for c in counts]
         self.firsts = [sum(counts[:b]) for b in range(len(counts))]  # index of each batch's first block
-        order = list(range(len(counts)))
-        rng.shuffle(order)
-        self.get_order = order
+        self.get_order: list[int] = []
+        self.reorder(0)
         self.values = _Blocks(self.np, self.batch, self.block)
         self.dests = _Blocks(self.np, self.batch, self.block)
         self.values.raw[:] = self.np.frombuffer(rng.randbytes(self.batch * self.block), dtype=self.np.uint8)
@@ -449,6 +449,13 @@ class _Bench:
         self._lmcache: _LMCache | None = None
         self.unavailable: dict[str, str] = {}
         self.fio: str | None = None
+
+    def reorder(self, pair: int) -> None:
+        """The batch order of pair ``pair``'s gets: its own seeded shuffle, the same for both sides of the pair
+        (one order for every run would let the host's cache of the disk favour whichever side follows itself)."""
+        order = list(range(len(self.tokens)))
+        random.Random(f"{self.args.seed}-get-{pair}").shuffle(order)
+        self.get_order = order
 
     def keys_of(self, kv: Any) -> list[list[bytes]]:
         """The key batches (``kv.keys_for`` of each batch's tokens; every store here has the same model and
@@ -1247,6 +1254,7 @@ def _run_case(bench: _Bench, case: Case) -> dict[str, Any]:
     for i in range(args.warmup + args.repeat):
         if i == args.warmup:  # growth counts from the measured runs on: warm-up runs allocate what later reuse
             growth.update(ours=0, theirs=0)
+        bench.reorder(i)
         first, second = (ours_once, theirs_once) if i % 2 == 0 else (theirs_once, ours_once)
         first()
         second()
@@ -1259,6 +1267,7 @@ def _run_case(bench: _Bench, case: Case) -> dict[str, Any]:
         "model_id": _MODEL_ID, "repeat": args.repeat, "warmup_pairs": args.warmup, "seed": args.seed,
         "peak_rss_method": rss.method, "durable": case.writes and case.tier == "block",
         "fsync_in_timed_region": case.writes and case.tier == "block",
+        "get_order": "batches in a seeded random order per pair (seed-get-<pair>), the same for both sides of a pair",
     }
     if case.tier == "block":
         tier = b.block_tier()
