@@ -77,7 +77,9 @@ class RegisteredBufferPool:
     Notes
     -----
     Buffers are allocated lazily, on first :meth:`acquire`; allocation (``mmap`` + ``mlock`` + CUDA
-    registration) costs far more than reuse, so keep a pool alive for the life of a job.
+    registration) costs far more than reuse, so keep a pool alive for the life of a job. Buffers of 128 MiB and
+    more are faulted in at allocation by several threads (one per 64 MiB, up to the CPUs, at most 8): where the
+    first touch of memory is slow (a VM with free page reporting), one thread would pay it all.
     """
 
     def __init__(

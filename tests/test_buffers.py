@@ -196,6 +196,35 @@ def test_keep_idle_frees_the_oldest_now_and_bounds_later_returns(pool: Registere
         pool.keep_idle(-1)
 
 
+def _resident_pages(address: int, nbytes: int) -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-nbytes // 4096)
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) != 0:
+        pytest.skip(f"mincore failed: errno {ctypes.get_errno()}")
+    return sum(v & 1 for v in vec)
+
+
+def test_large_buffers_are_faulted_in_when_allocated_even_unlocked() -> None:
+    # Large buffers are populated by several threads at allocation (first touch can be slow on a VM), so they
+    # are resident before any I/O touches them, with mlock off too.
+    size = 256 * MiB
+    with RegisteredBufferPool(size, mlock="off", huge_pages="off", cuda_register="off") as p:
+        buf = p.acquire()
+        try:
+            assert _resident_pages(buf.address, size) == size // 4096
+        finally:
+            buf.release()
+    with RegisteredBufferPool(MiB, mlock="off", huge_pages="off", cuda_register="off") as p:
+        small = p.acquire()  # small buffers are left to fault in on first use
+        try:
+            assert _resident_pages(small.address, MiB) == 0
+        finally:
+            small.release()
+
+
 def test_mlock_is_attempted_and_reported(pool: RegisteredBufferPool) -> None:
     buf = pool.acquire()
     stats = pool.stats()

@@ -3,18 +3,48 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <thread>
+#include <vector>
 
 #include "common.hpp"
 #include "cuda_host.hpp"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
 
 namespace sfstore {
 
 namespace {
 constexpr size_t kHuge = size_t(2) << 20;
+constexpr size_t kPopulateShare = size_t(64) << 20;  // bytes per populating thread, at least
 size_t page_size() {
     static const size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     return p;
+}
+
+void populate_range(char* p, size_t n) {
+    if (madvise(p, n, MADV_POPULATE_WRITE) == 0) return;
+    const size_t step = page_size();  // an older kernel: touch every page (fresh memory is zeros already)
+    for (size_t off = 0; off < n; off += step) reinterpret_cast<volatile char*>(p)[off] = 0;
+}
+
+// Faults a large buffer in from several threads. Where the first touch of memory is slow (a VM whose host took
+// freed memory back: free page reporting) a single thread, mlock's or the first reader's, pays all of it.
+void populate(char* p, size_t n) {
+    size_t threads = std::min<size_t>({std::max(1u, std::thread::hardware_concurrency()), 8, n / kPopulateShare});
+    if (threads < 2) return;
+    size_t part = round_up((n + threads - 1) / threads, kHuge);
+    std::vector<std::thread> workers;
+    try {
+        for (size_t off = part; off < n; off += part) workers.emplace_back(populate_range, p + off, std::min(part, n - off));
+    } catch (const std::system_error&) {  // no threads to be had: this one does the rest below
+    }
+    populate_range(p, std::min(part, n));
+    for (size_t off = part * (workers.size() + 1); off < n; off += part) populate_range(p + off, std::min(part, n - off));
+    for (auto& w : workers) w.join();
 }
 }  // namespace
 
@@ -54,6 +84,7 @@ Region BufferPool::allocate() {
         r.ptr = static_cast<char*>(p);
         if (want_huge && madvise(p, r.mapped, MADV_HUGEPAGE) == 0) r.thp = true;
     }
+    populate(r.ptr, r.mapped);
     if (lock_ != Mode::Off) {
         if (mlock(r.ptr, r.mapped) == 0) {
             r.locked = true;
