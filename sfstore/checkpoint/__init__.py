@@ -41,6 +41,7 @@ from sfstore.checkpoint.catalog import list_checkpoints as _list
 from sfstore.checkpoint.load import load as _load
 from sfstore.checkpoint.manifest import MANIFEST_NAME
 from sfstore.checkpoint.save import SaveFuture, _async_buffers, _ring_buffers
+from sfstore.checkpoint.save import prepare_async as _prepare_async
 from sfstore.checkpoint.save import save as _save
 from sfstore.checkpoint.save import save_async as _save_async
 
@@ -52,6 +53,7 @@ Url = str | os.PathLike[str] | CheckpointInfo
 __all__ = [
     "save",
     "save_async",
+    "prepare_async",
     "load",
     "list",
     "latest",
@@ -159,6 +161,23 @@ def save_async(
     commits atomically on its own.
     """
     return _save_async(state_dict, url, max_shard_bytes=max_shard_bytes, overwrite=overwrite, metadata=metadata)
+
+
+def prepare_async(state_dict: Any, *, max_shard_bytes: int | None = None) -> int:
+    """Allocate and pin ahead the host buffers :func:`save_async` copies ``state_dict`` into.
+
+    The first ``save_async`` of a process allocates a copy of the tensor bytes (``mmap``, faulting in, ``mlock``,
+    CUDA registration) while the caller waits: on a VM whose host takes freed memory back this took seconds per
+    GiB. Call this once at start-up (with the state dict, or one of the same tensor sizes, and the same
+    ``max_shard_bytes``) and that first ``save_async`` only copies. Nothing is saved.
+
+    Returns
+    -------
+    int
+        Bytes of buffers now kept for the next ``save_async`` (:func:`buffer_stats`: ``save_async_idle_bytes``);
+        0 with ``checkpoint_reuse_buffers`` off, as nothing would be kept.
+    """
+    return _prepare_async(state_dict, max_shard_bytes)
 
 
 def load(url: Url, *, device: str | torch.device = "cpu", into: Any = None, verify: bool = True) -> Any:

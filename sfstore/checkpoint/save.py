@@ -641,6 +641,24 @@ def _write_staged(job: _Job, buffers: list[HostBuffer]) -> None:
         raise
 
 
+def prepare_async(state_dict: Any, max_shard_bytes: int | None = None) -> int:
+    """Allocate (and pin) the buffers a :func:`save_async` of ``state_dict`` copies into, and keep them for it;
+    see :func:`sfstore.checkpoint.prepare_async`."""
+    if not defaults.get("checkpoint_reuse_buffers"):
+        return 0
+    the_plan = plan(state_dict, max_shard_bytes, None)
+    buffers: list[HostBuffer] = []
+    try:
+        for shard in the_plan.shards:
+            buffers.append(_async_buffers.take(shard.size))
+    except BaseException:
+        for hb in buffers:
+            hb.release()
+        raise
+    _async_buffers.give_back(buffers, ok=True)
+    return sum(hb.capacity for hb in buffers)
+
+
 def save_async(
     state_dict: Any,
     url: str | os.PathLike[str] | CheckpointInfo,

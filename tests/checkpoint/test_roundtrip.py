@@ -351,6 +351,25 @@ def test_save_buffers_are_reused_or_freed(tmp_path: Path) -> None:
     assert same(checkpoint.load(tmp_path / "e"), state)
 
 
+def test_prepare_async_allocates_the_buffers_the_next_save_async_fills(tmp_path: Path) -> None:
+    import sys
+
+    save_mod = sys.modules["sfstore.checkpoint.save"]
+    checkpoint.free_buffers()
+    state = {"w": torch.randn(300_000), "opt": {"m": torch.randn(1000)}, "step": 7}
+    kept = checkpoint.prepare_async(state, max_shard_bytes=1 << 20)
+    buffers = list(save_mod._async_buffers.idle)
+    assert len(buffers) == 2 and kept == sum(b.capacity for b in buffers)  # a shard of its own for "w"
+    assert checkpoint.buffer_stats()["save_async_idle_bytes"] == kept
+    assert not (tmp_path / "a").exists()
+    checkpoint.save_async(state, tmp_path / "a", max_shard_bytes=1 << 20).get(60)
+    # The save copied into the prepared buffers (kept again after it): none was allocated anew.
+    assert sorted(map(id, save_mod._async_buffers.idle)) == sorted(map(id, buffers))
+    assert same(checkpoint.load(tmp_path / "a"), state)
+    with defaults.set(checkpoint_reuse_buffers=False):
+        assert checkpoint.prepare_async(state) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_tensors_round_trip(tmp_path: Path) -> None:
