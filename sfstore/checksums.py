@@ -12,7 +12,7 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["xxh3_64"]
+__all__ = ["xxh3_64", "xxh3_64_hex"]
 
 
 def _pick() -> Callable[[Any], int]:
@@ -29,3 +29,8 @@ def _pick() -> Callable[[Any], int]:
 #: ``xxh3_64(buffer) -> int`` of any contiguous buffer (bytes, memoryview, numpy array): a C function, called
 #: directly, as it runs once per block on the hot paths.
 xxh3_64: Callable[[Any], int] = _pick()
+
+
+def xxh3_64_hex(data: Any) -> str:
+    """:data:`xxh3_64` as 16 lowercase hex digits (how checkpoint manifests record it)."""
+    return f"{xxh3_64(data):016x}"

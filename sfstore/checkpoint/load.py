@@ -2,7 +2,7 @@
 
 Each shard is read with :meth:`FilePath.read_into_async` (O_DIRECT, ``chunk_size`` requests in parallel, a few
 shards ahead) into a page-aligned registered buffer of the shard's size; its safetensors header is validated
-and matched against the manifest; with ``verify`` every tensor's and the shard's xxh3-64 is checked in one
+and matched against the manifest; with ``verify`` every tensor's and the header's xxh3-64 is checked in one
 pass; and the tensors returned are views of that buffer (``torch.from_dlpack`` sliced and viewed as the
 dtype), so the memory is the shard's and nothing is copied. The buffer lives as long as any of its tensors,
 then goes back to :data:`~sfstore.checkpoint._host.load_buffers` for the next load (``checkpoint_reuse_buffers``).
@@ -29,6 +29,7 @@ from sfstore.checkpoint._host import HostBuffer, load_buffers
 from sfstore.checkpoint.catalog import CheckpointInfo, read_manifest
 from sfstore.checkpoint.manifest import Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import KeyPath, format_path, tensor_paths, unflatten
+from sfstore.checksums import xxh3_64_hex
 from sfstore.paths.file import FilePath, ReadFuture
 
 if TYPE_CHECKING:
@@ -88,16 +89,16 @@ def _verify(view: Any, header: stf.Header, shard: ShardRecord, records: dict[str
     with memoryview(view) as raw, raw.cast("B") as mv:
         for entry in header.entries.values():
             with mv[header.data_start + entry.begin : header.data_start + entry.end] as piece:
-                ok = xxhash.xxh3_64_hexdigest(piece) == records[entry.name].xxh3_64
+                ok = xxh3_64_hex(piece) == records[entry.name].xxh3_64
             if not ok:
                 raise _corrupt(f"checksum mismatch in tensor {entry.name!r} of shard {shard.file}", shard.file,
                                entry.name)
         if shard.header_xxh3_64 is not None:
             with mv[: header.data_start] as head:
-                ok = xxhash.xxh3_64_hexdigest(head) == shard.header_xxh3_64
+                ok = xxh3_64_hex(head) == shard.header_xxh3_64
         else:
             with mv[: shard.size] as whole:  # the buffer may be longer than the shard
-                ok = xxhash.xxh3_64_hexdigest(whole) == shard.xxh3_64
+                ok = xxh3_64_hex(whole) == shard.xxh3_64
         if not ok:
             raise _header_mismatch(shard)
 
@@ -367,15 +368,16 @@ def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, veri
                         piece = bmv[bounce_at[rec.name] : bounce_at[rec.name] + rec.nbytes]
                     if whole is not None:
                         whole.update(piece)
-                    if bad is None and xxhash.xxh3_64(piece).hexdigest() != rec.xxh3_64:
+                    if bad is None and xxh3_64_hex(piece) != rec.xxh3_64:
                         bad = rec.name
                     piece.release()
             if bad is not None:
                 raise _corrupt(f"checksum mismatch in tensor {bad!r} of shard {shard.file}", shard.file, bad)
             if whole is not None:
-                if whole.hexdigest() != shard.xxh3_64:
-                    raise _header_mismatch(shard)
-            elif xxhash.xxh3_64_hexdigest(head_bytes) != shard.header_xxh3_64:
+                ok = whole.hexdigest() == shard.xxh3_64
+            else:
+                ok = xxh3_64_hex(head_bytes) == shard.header_xxh3_64
+            if not ok:
                 raise _header_mismatch(shard)
         for rec in ordered:
             dests = by_name.get(rec.name, [])

@@ -161,8 +161,13 @@ class Manifest:
     structure: Any
     tensors: dict[str, TensorRecord]
     shards: list[ShardRecord]
-    version: int = VERSION
     _by_shard: dict[str, list[TensorRecord]] = field(default_factory=dict, repr=False)
+
+    @property
+    def version(self) -> int:
+        """The format version this manifest is written as: :data:`VERSION`, or 1 where a shard lacks its header
+        sum (read from version 1, or built without them)."""
+        return VERSION if all(sh.header_xxh3_64 is not None for sh in self.shards) else 1
 
     @property
     def tensor_bytes(self) -> int:
@@ -180,12 +185,9 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """The manifest as UTF-8 JSON (ASCII-escaped, so any string survives)."""
-        # Version 2 needs every shard's header sum; a manifest built without them (by hand, or read from version 1)
-        # is written as version 1.
-        version = VERSION if all(sh.header_xxh3_64 is not None for sh in self.shards) else 1
         obj = {
             "format": FORMAT,
-            "version": version,
+            "version": self.version,
             "created_ns": self.created_ns,
             "metadata": self.metadata,
             "structure": self.structure,
@@ -242,7 +244,7 @@ class Manifest:
         if not isinstance(tensors_raw, dict):
             raise _bad("tensors is not a JSON object")
         tensors = {name: _tensor_record(name, rec, seen) for name, rec in tensors_raw.items()}
-        man = cls(created, metadata, obj["structure"], tensors, shards, version)
+        man = cls(created, metadata, obj["structure"], tensors, shards)
         for _ in _walk(man.structure, tensors, 0):
             pass
         return man

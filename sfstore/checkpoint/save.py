@@ -42,6 +42,7 @@ from sfstore.checkpoint._host import HostBuffer, finish, round_size, submit, wri
 from sfstore.checkpoint.catalog import CheckpointInfo, info_for
 from sfstore.checkpoint.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import Leaf, flatten, format_path
+from sfstore.checksums import xxh3_64_hex
 from sfstore.engine import IOFuture, open_fd
 from sfstore.paths.file import FilePath, fsync_dir
 
@@ -324,7 +325,7 @@ class _Job:
                 for sh in plan.shards
                 for it in sh.items
             },
-            shards=[ShardRecord(sh.file, sh.size, sh.xxh3, xxhash.xxh3_64_hexdigest(sh.header))
+            shards=[ShardRecord(sh.file, sh.size, sh.xxh3, xxh3_64_hex(sh.header))
                     for sh in plan.shards],
         )
         # Tensors in the order the state dict holds them (shards order them by alignment).
