@@ -63,6 +63,9 @@ class Setting:
     doc: str
     choices: tuple[str, ...] = ()
     minimum: int | None = None
+    maximum: int | None = None
+    zero_means_auto: bool = False  # 0 is allowed (and means "decide from the hardware") below ``minimum``
+    multiple: int | None = None  # values must be multiples of this (O_DIRECT alignment)
 
     @property
     def env(self) -> str:
@@ -85,16 +88,27 @@ class Setting:
         if self.kind in ("int", "size"):
             if isinstance(raw, bool):
                 raise TypeError("expected an integer")
-            value = raw if isinstance(raw, int) else (_parse_size(raw) if self.kind == "size" else int(str(raw)))
-            if self.minimum is not None and value < self.minimum:
-                raise ValueError(f"must be at least {self.minimum}")
+            if not isinstance(raw, (int, str)):
+                raise TypeError(f"expected an integer, not {type(raw).__name__}")
+            if isinstance(raw, int):
+                value = raw
+            elif self.kind == "size":
+                value = _parse_size(raw)
+            else:
+                try:
+                    value = int(raw.strip())
+                except ValueError:
+                    raise ValueError(f"expected an integer, {self.range_text()}") from None
+            self._check_range(value)
             return value
         if self.kind == "sizes":
             items = raw.split(",") if isinstance(raw, str) else list(raw)
             sizes = tuple(sorted({x if isinstance(x, int) and not isinstance(x, bool) else _parse_size(str(x))
                                   for x in items}))
-            if not sizes or (self.minimum is not None and sizes[0] < self.minimum):
-                raise ValueError(f"expected one or more sizes, each at least {self.minimum}")
+            if not sizes:
+                raise ValueError("expected one or more sizes")
+            for size in sizes:
+                self._check_range(size)
             return sizes
         if self.kind == "choice":
             text = str(raw).strip().lower()
@@ -104,8 +118,54 @@ class Setting:
         if self.kind == "path":
             if not isinstance(raw, (str, os.PathLike)) or not str(raw):
                 raise TypeError("expected a non-empty path")
-            return os.path.abspath(os.path.expanduser(os.fspath(raw)))
+            text = os.fspath(raw)
+            if not isinstance(text, str) or "\x00" in text:
+                raise ValueError("expected a path without NUL bytes")
+            return os.path.abspath(os.path.expanduser(text))
         return str(raw)
+
+    def _check_range(self, value: int) -> None:
+        if value == 0 and self.zero_means_auto:
+            return
+        low, high = self.minimum, self.maximum
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise ValueError(f"expected {self.range_text()}")
+        if self.multiple and value % self.multiple:
+            raise ValueError(f"expected a multiple of {_size_text(self.multiple)}")
+
+    def allowed_text(self) -> str:
+        """The values this setting accepts, in words (the table's "Allowed" column)."""
+        if self.kind == "bool":
+            return "on/off"
+        if self.kind == "choice":
+            return ", ".join(f"`{c}`" for c in self.choices)
+        if self.kind == "path":
+            return "a directory"
+        if self.kind == "sizes":
+            return "sizes, each " + self.range_text()
+        return self.range_text() if self.kind in ("int", "size") else "text"
+
+    def range_text(self) -> str:
+        """The values allowed, in words (``"1 to 16384"``, ``"0 (auto) or 64 KiB to 1 GiB"``)."""
+        fmt = _size_text if self.kind in ("size", "sizes") else str
+        if self.minimum is None and self.maximum is None:
+            text = "any integer"
+        elif self.maximum is None:
+            text = f"at least {fmt(self.minimum)}"
+        elif self.minimum is None:
+            text = f"at most {fmt(self.maximum)}"
+        else:
+            text = f"{fmt(self.minimum)} to {fmt(self.maximum)}"
+        if self.multiple:
+            text += f", a multiple of {_size_text(self.multiple)}"
+        return f"0 (auto) or {text}" if self.zero_means_auto else text
+
+
+def _size_text(n: int | None) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n is not None and n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return str(n)
 
 
 _SETTINGS_LIST = [
@@ -117,11 +177,11 @@ _SETTINGS_LIST = [
             "or `auto` (the first of these that works here).",
             choices=("auto", "uring", "threads", "python")),
     Setting("queue_depth", "int", 32, "Requests the engine keeps in flight at once (io_uring ring size).",
-            minimum=1),
+            minimum=1, maximum=16384),
     Setting("uring_spin_us", "int", 0,
             "Microseconds the io_uring engine polls for completions before it sleeps (0: never poll). Polling "
-            "costs CPU while I/O is in flight but saves a wake-up per completion.", minimum=0),
-    Setting("io_threads", "int", 8, "Worker threads of the `threads` and `python` engines.", minimum=1),
+            "costs CPU while I/O is in flight but saves a wake-up per completion.", minimum=0, maximum=100_000),
+    Setting("io_threads", "int", 8, "Worker threads of the `threads` and `python` engines.", minimum=1, maximum=1024),
     Setting("direct_io", "choice", "auto",
             "Open files with O_DIRECT: `auto` (where the filesystem allows it), `on` (fail where it does not) "
             "or `off`.", choices=("auto", "on", "off")),
@@ -130,17 +190,19 @@ _SETTINGS_LIST = [
             "buffers; when off, such a request raises `AlignmentError`."),
     Setting("bounce_buffer_size", "size", 2 << 20,
             "Size of each engine bounce buffer; misaligned buffers move in pieces of this size (multiples of 2 MiB "
-            "get huge pages).", minimum=4096),
-    Setting("buffer_size", "size", 8 << 20, "Default size of a registered buffer in a pool.", minimum=4096),
+            "get huge pages).", minimum=4096, maximum=1 << 30),
+    Setting("buffer_size", "size", 8 << 20, "Default size of a registered buffer in a pool.", minimum=4096,
+            maximum=16 << 30),
     Setting("file_chunk_size", "size", 0,
             "Bytes per request when the file path moves a large file; 0: from the mount (a few NFS `rsize`, "
-            "8 MiB on a local filesystem).", minimum=0),
+            "8 MiB on a local filesystem).", minimum=4096, maximum=1 << 30, multiple=4096,
+            zero_means_auto=True),
     Setting("file_parallelism", "int", 0,
             "Requests the file path keeps in flight; 0: from the mount (16, or 16 per NFS `nconnect`, at most "
-            "64).", minimum=0),
+            "64).", minimum=1, maximum=1024, zero_means_auto=True),
     Setting("file_small_parallelism", "int", 64,
             "Files the file path reads at once when it reads many small files (through the page cache, on the "
-            "native thread pool when `engine` is `auto`).", minimum=1),
+            "native thread pool when `engine` is `auto`).", minimum=1, maximum=1024),
     Setting("huge_pages", "choice", "auto",
             "Back pool buffers of 2 MiB multiples with huge pages: `auto` (hugetlbfs pages if reserved, "
             "else transparent huge pages), `on` (fail without hugetlbfs pages) or `off`.",
@@ -153,16 +215,17 @@ _SETTINGS_LIST = [
             "reported no-op elsewhere), `on` (fail without a driver) or `off`.", choices=("auto", "on", "off")),
     Setting("checkpoint_shard_bytes", "size", 1 << 30,
             "Most tensor bytes per checkpoint shard file (`sfstore.checkpoint.save(max_shard_bytes=...)`); a "
-            "tensor larger than this gets a shard of its own.", minimum=1),
+            "tensor larger than this gets a shard of its own.", minimum=1, maximum=1 << 40),
     Setting("checkpoint_buffer_size", "size", 32 << 20,
             "Size of each registered buffer a synchronous checkpoint save streams shards through (fill one "
-            "while the others are written).", minimum=4096),
+            "while the others are written).", minimum=4096, maximum=4 << 30),
     Setting("checkpoint_buffers", "int", 6,
             "Registered buffers a synchronous checkpoint save cycles through: its extra memory is "
-            "`checkpoint_buffers` x `checkpoint_buffer_size` (less for small shards).", minimum=2),
+            "`checkpoint_buffers` x `checkpoint_buffer_size` (less for small shards).", minimum=2,
+            maximum=256),
     Setting("checkpoint_copy_threads", "int", 4,
             "Threads `sfstore.checkpoint.save_async` copies tensors into its host buffers with, before it "
-            "returns.", minimum=1),
+            "returns.", minimum=1, maximum=256),
     Setting("checkpoint_reuse_buffers", "bool", True,
             "Keep checkpoints' registered host buffers for the next save or load, so it does not allocate, fault "
             "in and pin them again: `save`'s ring and `save_async`'s copy of the tensor bytes (held between "
@@ -171,16 +234,18 @@ _SETTINGS_LIST = [
             "save ends or each loaded buffer's tensors are gone."),
     Setting("block_image_size", "size", 256 << 20,
             "Size of the block path's image file when no NVMe namespace or block device is configured (the "
-            "embedded default, `<data_dir>/hot/blocks.img`), preallocated when it is created.", minimum=1 << 20),
+            "embedded default, `<data_dir>/hot/blocks.img`), preallocated when it is created.", minimum=1 << 20,
+            maximum=1 << 50),
     Setting("block_size_classes", "sizes", (64 << 10, 256 << 10, 2 << 20),
             "Value size classes of a `BlockStore` (comma-separated sizes): a value goes to the smallest class "
-            "that holds it; each class gets an equal share of the device's bytes.", minimum=512),
+            "that holds it; each class gets an equal share of the device's bytes.", minimum=512,
+            maximum=1 << 30),
     Setting("kvcache_pinned_bytes", "size", 512 << 20,
             "Budget of a `KVCacheStore`'s pinned host tier (registered memory; least recently used blocks leave "
-            "it first).", minimum=0),
+            "it first; 0: no pinned tier).", minimum=0, maximum=4 << 40),
     Setting("block_max_key_bytes", "int", 256,
             "Longest key a `BlockStore` accepts (bytes, or a str's UTF-8 bytes); keys live in slot headers.",
-            minimum=1),
+            minimum=1, maximum=65536),
 ]
 
 SETTINGS: Mapping[str, Setting] = {s.name: s for s in _SETTINGS_LIST}
@@ -273,10 +338,10 @@ def as_dict() -> dict[str, Any]:
 
 def table(markdown: bool = True) -> str:
     """The documented table of settings (markdown by default)."""
-    rows = ["| Variable | Setting | Default | Meaning |", "|---|---|---|---|"]
+    rows = ["| Variable | Setting | Default | Allowed | Meaning |", "|---|---|---|---|---|"]
     for s in SETTINGS.values():
         default = "(see meaning)" if callable(s.default) else f"`{s.default}`"
-        rows.append(f"| `{s.env}` | `{s.name}` | {default} | {s.doc} |")
+        rows.append(f"| `{s.env}` | `{s.name}` | {default} | {s.allowed_text()} | {s.doc} |")
     return "\n".join(rows)
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import stat
 import sys
 import threading
 from collections.abc import Mapping
@@ -80,16 +81,73 @@ def find_config(config: str | os.PathLike[str] | None = None) -> str | None:
     return user if os.path.isfile(user) else None
 
 
+_MAX_CONFIG_BYTES = 1 << 20  # a config file is a few lines; more is not one
+
+
 def _load(path: str) -> dict[str, Any]:
+    """Parse the config file at ``path``; anything but a readable regular TOML file of UTF-8 text is a
+    :class:`~sfstore.errors.ConfigError` naming the file (a FIFO or device is refused without blocking)."""
     try:
-        with builtins.open(path, "rb") as f:
-            return tomllib.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except FileNotFoundError:
         raise errors.ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise errors.ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise errors.ConfigError(f"config file {path} is not a regular file")
+        if st.st_size > _MAX_CONFIG_BYTES:
+            raise errors.ConfigError(
+                f"config file {path} is {st.st_size} bytes; a config file is at most {_MAX_CONFIG_BYTES} bytes"
+            )
+        with builtins.open(fd, "rb", closefd=False) as f:
+            data = f.read(_MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise errors.ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise errors.ConfigError(f"config file {path} is larger than {_MAX_CONFIG_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise errors.ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}): not a TOML file") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise errors.ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise errors.ConfigError(f"config file {path} nests tables or arrays too deeply") from None
+
+
+def _subdir(source: str, key: str, value: str) -> str:
+    """A class's ``subdir``: a relative path that stays beneath ``root`` (no ``..``, not absolute)."""
+    parts = value.replace("\\", "/").split("/")
+    if os.path.isabs(value) or ".." in parts or "\x00" in value:
+        raise errors.ConfigError(
+            f"{source}: {key} = {value!r} must be a relative directory beneath root (no '..', not absolute); "
+            "use [classes.<name>] root = ... for a directory elsewhere"
+        )
+    return os.path.normpath(value) if value else ""
+
+
+def _setting_origin(name: str) -> str:
+    where = defaults.source(name)
+    return {"set": f"defaults.set or a config file's [settings] {name}", "default": "its default"}.get(where, where)
+
+
+def _ensure_directory(path: str, what: str) -> None:
+    """Make ``path`` a directory (or find it one), or raise a :class:`~sfstore.errors.ConfigError` saying whose
+    setting it is: a data directory of ``/dev/null`` or ``/proc/x`` is a configuration mistake, not an I/O error."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise errors.ConfigError(f"{what}: {path} exists and is not a directory") from None
     except OSError as exc:
-        raise errors.ConfigError(f"config file {path} cannot be read: {exc}") from None
+        raise errors.ConfigError(f"{what}: cannot create the directory {path}: {exc.strerror or exc}") from None
+    if not os.path.isdir(path):
+        raise errors.ConfigError(f"{what}: {path} is not a directory")
 
 
 def _expect(source: str, key: str, value: Any, kind: type | tuple[type, ...], what: str) -> Any:
@@ -135,7 +193,8 @@ class Router:
             root = _expect(source, "root", raw["root"], str, "a directory path")
             self.root, self._root_from = os.path.abspath(os.path.expanduser(root)), f"'root' in {source}"
         else:
-            self.root, self._root_from = defaults.get("data_dir"), "the embedded default data directory (data_dir)"
+            self.root = defaults.get("data_dir")
+            self._root_from = f"the embedded default data directory (data_dir, from {_setting_origin('data_dir')})"
         classes = _expect(source, "classes", raw.get("classes", {}), dict, "a table of data classes")
         self._classes: dict[str, dict[str, Any]] = {}
         for name, table in classes.items():
@@ -158,6 +217,8 @@ class Router:
             for key in ("root", "subdir"):
                 if key in table:
                     _expect(source, f"classes.{name}.{key}", table[key], str, "a directory path")
+            if "subdir" in table:
+                table = {**table, "subdir": _subdir(source, f"[classes.{name}] subdir", table["subdir"])}
             if "target" in table:
                 if path != "block":
                     raise errors.ConfigError(f"{source}: [classes.{name}] 'target' is for path = 'block' only")
@@ -218,10 +279,18 @@ class Router:
             if root is None:
                 raise errors.NotSupportedOnHostError(f"data class {data_class!r}: {reasons[0]}")
             made: StoragePath
+            table = self._classes.get(data_class, {})
+            if kind != "block":
+                _ensure_directory(root, f"the root of data class {data_class!r} ({reasons[0]})")
+            elif "target" not in table:
+                _ensure_directory(
+                    os.path.dirname(root),
+                    f"the block image's directory of data class {data_class!r} (under data_dir, from "
+                    f"{_setting_origin('data_dir')})",
+                )
             if kind == "block":
                 from sfstore.paths.block import BlockPath
 
-                table = self._classes.get(data_class, {})
                 if "target" not in table:
                     made = BlockPath(root)
                 else:

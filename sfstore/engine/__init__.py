@@ -109,6 +109,8 @@ def _resolve(choice: str, queue_depth: int, threads: int, origin: str) -> IOEngi
                 continue
             try:
                 return _create(name, queue_depth, threads)
+            except errors.ConfigError:
+                raise  # a bad setting is the caller's to fix, not a reason to pick another engine
             except (errors.SfstoreError, OSError, RuntimeError, ImportError) as exc:
                 skipped.append(f"{name}: {exc}")
         raise errors.EngineUnavailableError("no I/O engine can run here (" + "; ".join(skipped) + ")")
