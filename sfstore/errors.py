@@ -20,6 +20,7 @@ __all__ = [
     "AlignmentError",
     "BufferInUseError",
     "PoolExhaustedError",
+    "OutOfResourcesError",
     "EngineUnavailableError",
     "SfstoreOSError",
     "BadFileDescriptorError",
@@ -79,6 +80,12 @@ class BufferInUseError(SfstoreError, BufferError):
 
 class PoolExhaustedError(SfstoreError, MemoryError):
     """A buffer pool reached its ``max_buffers`` limit and no buffer was returned in time."""
+
+
+class OutOfResourcesError(SfstoreOSError, MemoryError):
+    """Memory or threads ran out (``errno`` ENOMEM or EAGAIN): a buffer, a bounce buffer or a thread an operation
+    needs could not be had. Raised instead of aborting; the object that raised it says whether it is still usable
+    (an engine that cannot go on raises :class:`EngineUnavailableError` from then on)."""
 
 
 class EngineUnavailableError(SfstoreError, RuntimeError):
@@ -196,6 +203,7 @@ _OS_CLASSES: dict[int, type[SfstoreOSError]] = {
 _ENGINE_CLASSES: dict[int, type[SfstoreOSError]] = {
     _errno.EBADMSG: ChecksumMismatchError,
     _errno.EBADF: BadFileDescriptorError,
+    _errno.ENOMEM: OutOfResourcesError,
     _errno.ENOSPC: NoSpaceError,
     _errno.EDQUOT: NoSpaceError,
 }
@@ -208,6 +216,8 @@ _NATIVE_KINDS: dict[str, type[SfstoreError]] = {
     "in_use": BufferInUseError,
     "exhausted": PoolExhaustedError,
     "registration": RegistrationError,
+    "resources": OutOfResourcesError,
+    "unavailable": EngineUnavailableError,
 }
 
 
@@ -235,7 +245,8 @@ def native_error(kind: str, err: int, message: str, path: str | None = None) -> 
 
     ``kind`` is ``"os"`` for an operating-system error (``err`` is the errno) or one of the request
     kinds (``"invalid"``, ``"too_small"``, ``"read_only"``, ``"alignment"``, ``"in_use"``,
-    ``"exhausted"``, ``"registration"``).
+    ``"exhausted"``, ``"registration"``, ``"resources"``: memory or threads ran out, ``"unavailable"``: the
+    engine is closed or stopped).
     """
     if kind == "os":
         return os_error(err, message, path, IOEngineError)
