@@ -82,18 +82,18 @@ class PoolExhaustedError(SfstoreError, MemoryError):
     """A buffer pool reached its ``max_buffers`` limit and no buffer was returned in time."""
 
 
-class OutOfResourcesError(SfstoreOSError, MemoryError):
-    """Memory or threads ran out (``errno`` ENOMEM or EAGAIN): a buffer, a bounce buffer or a thread an operation
-    needs could not be had. Raised instead of aborting; the object that raised it says whether it is still usable
-    (an engine that cannot go on raises :class:`EngineUnavailableError` from then on)."""
-
-
 class EngineUnavailableError(SfstoreError, RuntimeError):
     """The I/O engine asked for (``SFSTORE_ENGINE``) cannot run here; the message says why."""
 
 
 class SfstoreOSError(SfstoreError, OSError):
     """An operating-system error, with ``errno``, ``strerror`` and ``filename`` set as in ``OSError``."""
+
+
+class OutOfResourcesError(SfstoreOSError, MemoryError):
+    """Memory or threads ran out (``errno`` ENOMEM or EAGAIN): a buffer, a bounce buffer or a thread an operation
+    needs could not be had. Raised instead of aborting; the object that raised it says whether it is still usable
+    (an engine that cannot go on raises :class:`EngineUnavailableError` from then on)."""
 
 
 class BadFileDescriptorError(SfstoreOSError):
