@@ -32,6 +32,7 @@ __all__ = [
     "AccessDeniedError",
     "IsADirectoryPathError",
     "NotADirectoryPathError",
+    "NotARegularFileError",
     "PathEscapeError",
     "IOTimeoutError",
     "RegistrationError",
@@ -130,6 +131,13 @@ class IsADirectoryPathError(SfstoreOSError, IsADirectoryError):
 
 class NotADirectoryPathError(SfstoreOSError, NotADirectoryError):
     """A directory operation named something that is not one (ENOTDIR)."""
+
+
+class NotARegularFileError(SfstoreOSError):
+    """A read named something that is not a regular file: a FIFO, socket or device (errno ``EINVAL``).
+
+    It is refused after an ``O_NONBLOCK`` open and ``fstat``, so a FIFO without a writer cannot hang the caller.
+    """
 
 
 class PathEscapeError(SfstoreError, PermissionError):
