@@ -18,6 +18,7 @@ releasing it while such views are alive raises :class:`~sfstore.errors.BufferInU
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 from dataclasses import dataclass
@@ -68,9 +69,12 @@ class RegisteredBufferPool:
     Parameters
     ----------
     buffer_size : int, optional
-        Bytes per buffer (default ``defaults.get("buffer_size")``). Multiples of 2 MiB can use huge pages.
+        Bytes per buffer, within the ``buffer_size`` setting's range (4 KiB to 16 GiB); ``None`` (the default):
+        ``defaults.get("buffer_size")``. ``0`` or a negative size is refused (it never meant the default).
+        Multiples of 2 MiB can use huge pages.
     max_buffers : int, optional
-        Most buffers the pool allocates; :meth:`acquire` then waits for one to come back. ``None``: no limit.
+        Most buffers the pool allocates (at least 1); :meth:`acquire` then waits for one to come back.
+        ``None``: no limit.
     huge_pages, mlock, cuda_register : {"auto", "on", "off"}, optional
         Override the settings of the same names. ``"on"`` makes a refusal an error instead of a report.
 
@@ -95,15 +99,28 @@ class RegisteredBufferPool:
             from sfstore.errors import EngineUnavailableError
 
             raise EngineUnavailableError(f"registered buffers need sfstore._native: {_NATIVE_ERROR}")
-        size = defaults.SETTINGS["buffer_size"].parse(buffer_size, "RegisteredBufferPool") if buffer_size else None
-        self.buffer_size: int = size or defaults.get("buffer_size")
+        if buffer_size is None:
+            self.buffer_size: int = int(defaults.get("buffer_size"))
+        else:
+            self.buffer_size = int(
+                defaults.SETTINGS["buffer_size"].parse(buffer_size, "RegisteredBufferPool(buffer_size=...)")
+            )
+        if max_buffers is not None and (
+            isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1
+        ):
+            from sfstore.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"RegisteredBufferPool: max_buffers must be an integer of at least 1, or None for no limit, "
+                f"not {max_buffers!r}"
+            )
         modes = {}
         for name, value in (("huge_pages", huge_pages), ("mlock", mlock), ("cuda_register", cuda_register)):
             setting = defaults.SETTINGS[name]
             modes[name] = _MODES[setting.parse(value, "RegisteredBufferPool") if value else defaults.get(name)]
         self._pool = _native.BufferPool(
             self.buffer_size,
-            max_buffers or 0,
+            0 if max_buffers is None else max_buffers,
             huge=modes["huge_pages"],
             mlock=modes["mlock"],
             cuda=modes["cuda_register"],
@@ -112,10 +129,19 @@ class RegisteredBufferPool:
     def acquire(self, timeout: float | None = None) -> RegisteredBuffer:
         """Take a buffer (the most recently released first), allocating one if none is free.
 
-        Raises :class:`~sfstore.errors.PoolExhaustedError` when ``max_buffers`` are out and none comes back
-        within ``timeout`` seconds (``None``: wait forever).
+        ``timeout`` is how long to wait for one when ``max_buffers`` are out: seconds (``0``: do not wait),
+        ``None`` or ``inf``: wait forever.
+
+        Raises
+        ------
+        sfstore.errors.PoolExhaustedError
+            ``max_buffers`` are out and none came back within ``timeout`` seconds.
+        sfstore.errors.InvalidRequestError
+            ``timeout`` is negative, NaN or not a number.
+        sfstore.errors.OutOfResourcesError
+            The memory for a new buffer could not be had (``errno`` ENOMEM).
         """
-        return self._pool.acquire(-1.0 if timeout is None else float(timeout))
+        return self._pool.acquire(_acquire_timeout(timeout))
 
     def stats(self) -> dict[str, Any]:
         """Counters: ``allocated``, ``in_use``, ``free``, ``locked_bytes``, ``mlock_failures`` (with the last
@@ -126,10 +152,10 @@ class RegisteredBufferPool:
         """Keep at most ``n`` idle buffers from now on (``None``: all of them, the default): the oldest idle
         ones beyond ``n`` are freed now, and a buffer released while ``n`` are idle is freed instead of kept.
         Returns the bytes freed now."""
-        if n is not None and n < 0:
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
             from sfstore.errors import InvalidRequestError
 
-            raise InvalidRequestError(f"keep_idle: n must be >= 0 or None, not {n}")
+            raise InvalidRequestError(f"keep_idle: n must be an integer >= 0 or None, not {n!r}")
         return int(self._pool.keep_idle(n))
 
     def close(self) -> None:
@@ -141,6 +167,25 @@ class RegisteredBufferPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _acquire_timeout(timeout: Any) -> float:
+    """The native pool's wait: seconds, or ``-1.0`` for no end (``None``, ``inf``)."""
+    if timeout is None:
+        return -1.0
+    from sfstore.errors import InvalidRequestError
+
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InvalidRequestError(f"acquire: timeout must be a number of seconds or None, not {timeout!r}")
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int beyond any float
+        seconds = float("inf") if timeout > 0 else float("-inf")
+    if math.isnan(seconds) or seconds < 0:
+        raise InvalidRequestError(
+            f"acquire: timeout must be >= 0 seconds, or None to wait without end, not {timeout!r}"
+        )
+    return -1.0 if math.isinf(seconds) else seconds
 
 
 @dataclass

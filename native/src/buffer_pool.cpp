@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -39,8 +40,9 @@ void populate(char* p, size_t n) {
     size_t part = round_up((n + threads - 1) / threads, kHuge);
     std::vector<std::thread> workers;
     try {
+        workers.reserve(threads);
         for (size_t off = part; off < n; off += part) workers.emplace_back(populate_range, p + off, std::min(part, n - off));
-    } catch (const std::system_error&) {  // no threads to be had: this one does the rest below
+    } catch (...) {  // no threads (or no memory for their list) to be had: this one does the rest below
     }
     populate_range(p, std::min(part, n));
     for (size_t off = part * (workers.size() + 1); off < n; off += part) populate_range(p + off, std::min(part, n - off));
@@ -51,6 +53,9 @@ void populate(char* p, size_t n) {
 BufferPool::BufferPool(size_t buffer_size, size_t max_buffers, Mode huge, Mode lock, Mode cuda)
     : buffer_size_(buffer_size), max_buffers_(max_buffers), huge_(huge), lock_(lock), cuda_(cuda) {
     if (buffer_size == 0) throw SfError("invalid", EINVAL, "buffer_size must be positive");
+    if (buffer_size > kMaxBufferSize)
+        throw SfError("invalid", EINVAL, "buffer_size must be at most " + std::to_string(kMaxBufferSize) + " bytes, not " +
+                                             std::to_string(buffer_size));
 }
 
 BufferPool::~BufferPool() {
@@ -58,6 +63,8 @@ BufferPool::~BufferPool() {
 }
 
 Region BufferPool::allocate() {
+    // Room to keep every buffer idle later: release() (on an engine thread too) then never allocates.
+    free_.reserve(allocated_ + 1);
     Region r;
     r.size = buffer_size_;
     // Huge pages only for whole multiples of 2 MiB: a smaller buffer would waste the rest of the page.
@@ -79,43 +86,48 @@ Region BufferPool::allocate() {
         void* p = mmap(nullptr, r.mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) {
             int e = errno;
-            throw SfError("os", e, "mmap of a " + std::to_string(r.mapped) + "-byte buffer failed");
+            throw SfError(e == ENOMEM ? "resources" : "os", e,
+                          "mmap of a " + std::to_string(r.mapped) + "-byte buffer failed: " + errno_text(e));
         }
         r.ptr = static_cast<char*>(p);
         if (want_huge && madvise(p, r.mapped, MADV_HUGEPAGE) == 0) r.thp = true;
     }
+    try {
+        finish_allocation(r);
+    } catch (...) {
+        free_region(r);
+        throw;
+    }
+    if (r.hugetlb) ++hugetlb_;
+    if (r.thp) ++thp_;
+    if (r.locked) locked_bytes_ += r.mapped;
+    if (r.cuda) ++cuda_n_;
+    ++allocated_;
+    return r;
+}
+
+void BufferPool::finish_allocation(Region& r) {
     populate(r.ptr, r.mapped);
     if (lock_ != Mode::Off) {
         if (mlock(r.ptr, r.mapped) == 0) {
             r.locked = true;
-            locked_bytes_ += r.mapped;
         } else {
             int e = errno;
             ++mlock_failures_;
             mlock_error_ = "mlock: " + errno_text(e) + " (RLIMIT_MEMLOCK too small? see `ulimit -l`)";
-            if (lock_ == Mode::On) {
-                munmap(r.ptr, r.mapped);
-                throw SfError("os", e, "mlock required (mlock=on) but refused: " + mlock_error_);
-            }
+            if (lock_ == Mode::On) throw SfError("os", e, "mlock required (mlock=on) but refused: " + mlock_error_);
         }
     }
     if (cuda_ != Mode::Off) {
         std::string why;
         if (cuda::host_register(r.ptr, r.mapped, &why)) {
             r.cuda = true;
-            ++cuda_n_;
         } else {
             cuda_error_ = why;
-            if (cuda_ == Mode::On) {
-                free_region(r);
+            if (cuda_ == Mode::On)
                 throw SfError("registration", EIO, "CUDA registration required (cuda_register=on) but " + why);
-            }
         }
     }
-    if (r.hugetlb) ++hugetlb_;
-    if (r.thp) ++thp_;
-    ++allocated_;
-    return r;
 }
 
 void BufferPool::free_region(const Region& r) {
@@ -124,6 +136,8 @@ void BufferPool::free_region(const Region& r) {
 }
 
 Region BufferPool::acquire(double timeout_s) {
+    if (std::isnan(timeout_s)) throw SfError("invalid", EINVAL, "timeout must be a number of seconds, not NaN");
+    if (timeout_s > kForever) timeout_s = -1;  // beyond what a clock can add without overflowing: forever
     std::unique_lock<std::mutex> lk(mu_);
     if (closed_) throw SfError("invalid", EINVAL, "the buffer pool is closed");
     auto ready = [&] { return !free_.empty() || max_buffers_ == 0 || allocated_ < max_buffers_ || closed_; };

@@ -14,6 +14,9 @@ namespace sfstore {
 
 enum class Mode { Off = 0, Auto = 1, On = 2 };
 
+// The largest buffer a pool hands out (the settings table, sfstore/defaults.py, allows at most 16 GiB).
+constexpr size_t kMaxBufferSize = size_t(1) << 40;
+
 struct Region {
     char* ptr = nullptr;
     size_t size = 0;      // usable bytes (the pool's buffer size)
@@ -51,6 +54,7 @@ public:
 
 private:
     Region allocate();  // called with mu_ held
+    void finish_allocation(Region& r);  // fault in, lock, register; throws with r still mapped
     void free_region(const Region& r);
     void drop_region(const Region& r);  // free_region and the counts; called with mu_ held
 

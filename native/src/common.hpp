@@ -13,7 +13,7 @@ namespace sfstore {
 
 // An error with a kind the Python side maps to a typed class (sfstore.errors.native_error):
 // "os" (err is an errno), "invalid", "too_small", "read_only", "alignment", "in_use", "exhausted",
-// "registration".
+// "registration", "resources" (memory or threads ran out: err is ENOMEM or EAGAIN).
 struct SfError : std::runtime_error {
     std::string kind;
     int err;
@@ -28,6 +28,9 @@ inline std::string errno_text(int e) {
     const char* s = strerror_r(e, buf, sizeof buf);
     return std::string(s);
 }
+
+// Waits longer than this (seconds, about 30 years) are waits without end: adding more to a clock overflows it.
+constexpr double kForever = 1e9;
 
 inline bool is_aligned(uint64_t v, uint64_t a) { return a <= 1 || (v % a) == 0; }
 inline uint64_t round_down(uint64_t v, uint64_t a) { return a <= 1 ? v : v - (v % a); }

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 #include "checksum.hpp"
@@ -85,6 +86,8 @@ std::vector<int64_t> Batch::results() const {
 }
 
 bool Batch::wait(double timeout_s) {
+    if (std::isnan(timeout_s)) timeout_s = 0;  // callers refuse NaN; here it only looks
+    else if (timeout_s > kForever) timeout_s = -1;
     auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s < 0 ? 0 : timeout_s);
     std::unique_lock<std::mutex> lk(engine->wait_mu());
     for (;;) {
@@ -106,7 +109,7 @@ bool Batch::wait(double timeout_s) {
     }
 }
 
-void Batch::finish_one() {
+void Batch::finish_one() noexcept {
     if (remaining.fetch_sub(1) == 1) {
         for (int fd : reopened_fds) ::close(fd);
         reopened_fds.clear();
@@ -122,8 +125,19 @@ void Batch::finish_one() {
 
 std::shared_ptr<Engine> Engine::create(const std::string& backend, unsigned queue_depth, unsigned threads,
                                        size_t bounce_size, unsigned spin_us) {
-    if (queue_depth == 0 || threads == 0) throw SfError("invalid", EINVAL, "queue_depth and threads must be >= 1");
-    std::shared_ptr<Engine> e(new Engine(round_up(std::max<size_t>(bounce_size, 4096), 4096)));
+    if (queue_depth < 1 || queue_depth > kMaxQueueDepth)
+        throw SfError("invalid", EINVAL, "queue_depth must be 1 to " + std::to_string(kMaxQueueDepth) + ", not " +
+                                             std::to_string(queue_depth));
+    if (threads < 1 || threads > kMaxThreads)
+        throw SfError("invalid", EINVAL,
+                      "threads must be 1 to " + std::to_string(kMaxThreads) + ", not " + std::to_string(threads));
+    if (spin_us > kMaxSpinUs)
+        throw SfError("invalid", EINVAL,
+                      "spin_us must be 0 to " + std::to_string(kMaxSpinUs) + ", not " + std::to_string(spin_us));
+    if (bounce_size < 4096 || bounce_size > kMaxBounce)
+        throw SfError("invalid", EINVAL, "bounce_buffer_size must be 4096 to " + std::to_string(kMaxBounce) +
+                                             " bytes, not " + std::to_string(bounce_size));
+    std::shared_ptr<Engine> e(new Engine(round_up(bounce_size, 4096)));
     e->owner_pid_ = getpid();
     if (backend == "uring") {
         e->backend_ = make_uring_backend(e.get(), queue_depth, spin_us);
@@ -185,7 +199,8 @@ void add_bounced(Batch& b, uint32_t req, bool write, int fd, uint64_t cover_s, u
 }  // namespace
 
 std::shared_ptr<Batch> Engine::start(std::vector<RequestSpec> reqs, const std::unordered_map<int, FdInfo>& infos) {
-    if (closed_) throw SfError("invalid", EINVAL, "the I/O engine is closed");
+    if (closed_) throw SfError("unavailable", EIO, "the I/O engine is closed");
+    if (backend_->broken()) throw SfError("unavailable", EIO, "the I/O engine stopped after an internal failure");
     auto b = std::make_shared<Batch>();
     b->engine = shared_from_this();
     b->reqs = std::move(reqs);
@@ -280,19 +295,36 @@ std::shared_ptr<Batch> Engine::start(std::vector<RequestSpec> reqs, const std::u
     std::vector<Op*> ptrs;
     ptrs.reserve(b->ops.size());
     for (auto& op : b->ops) ptrs.push_back(&op);
-    backend_->submit(ptrs);
+    try {
+        backend_->submit(ptrs);  // every op or none: on a throw the batch never reached the backend
+    } catch (...) {
+        for (int fd : b->reopened_fds) ::close(fd);
+        b->reopened_fds.clear();
+        throw;
+    }
     return b;
 }
 
-void Engine::prepare(Op* op) {
-    if (op->prepared) return;
+int Engine::prepare(Op* op) noexcept {
+    if (op->prepared) return 0;
+    if (op->mode != OpMode::BounceRead && op->mode != OpMode::BounceWrite) {
+        op->prepared = true;
+        return 0;
+    }
+    // On a backend's thread: a failure must end this op, never leave the thread.
+    try {
+        op->bounce = bounce_pool_.acquire(-1);
+    } catch (const SfError& e) {
+        return e.err ? e.err : ENOMEM;
+    } catch (...) {
+        return ENOMEM;
+    }
     op->prepared = true;
-    if (op->mode != OpMode::BounceRead && op->mode != OpMode::BounceWrite) return;
-    op->bounce = bounce_pool_.acquire(-1);
     if (op->mode == OpMode::BounceWrite) std::memcpy(op->bounce.ptr, op->mem, op->len);
+    return 0;
 }
 
-bool Engine::complete(Op* op, int64_t res) {
+bool Engine::complete(Op* op, int64_t res) noexcept {
     Batch& b = *op->batch;
     if (res < 0) {
         int expected = 0;
@@ -339,28 +371,33 @@ bool Engine::complete(Op* op, int64_t res) {
     return false;
 }
 
-void Engine::finish_op(Op* op) {
+void Engine::finish_op(Op* op) noexcept {
     if (op->bounce.ptr) {
         bounce_pool_.release(op->bounce);
         op->bounce = Region{};
     }
     Batch& b = *op->batch;
     if (b.ops_left && b.ops_left[op->req].fetch_sub(1) == 1) {
+        bool queued = false;
         if (b.reqs[op->req].deferred) {
-            {
+            try {
                 std::lock_guard<std::mutex> lk(verify_mu_);
                 verify_queue_.emplace_back(&b, op->req);  // the batch stays alive: it is not done until checked
                 verify_queued_ += 1;
+                queued = true;
+            } catch (...) {  // no memory for the queue: check it here and now instead
             }
-            notify_waiters();
-        } else {
+            if (queued) notify_waiters();
+        }
+        if (!queued) {
             verify(b, op->req);
+            if (b.reqs[op->req].deferred) b.finish_one();  // the check it was counted for is done
         }
     }
     b.finish_one();
 }
 
-bool Engine::run_verify_job() {
+bool Engine::run_verify_job() noexcept {
     std::pair<Batch*, uint32_t> job;
     {
         std::lock_guard<std::mutex> lk(verify_mu_);
@@ -374,7 +411,7 @@ bool Engine::run_verify_job() {
     return true;
 }
 
-void Engine::verify(Batch& b, uint32_t req) {
+void Engine::verify(Batch& b, uint32_t req) noexcept {
     const RequestSpec& r = b.reqs[req];
     if (!r.verify || b.errs[req].load() != 0) return;
     uint64_t n = static_cast<uint64_t>(b.bytes[req].load());

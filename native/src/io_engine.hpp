@@ -19,6 +19,14 @@ namespace sfstore {
 
 class Engine;
 
+// The largest values Engine::create accepts (the settings table, sfstore/defaults.py, has the same bounds): the
+// ring of depth + 2 entries stays within io_uring's 32768; more threads or a longer spin is a mistake, not a
+// tuning.
+constexpr unsigned kMaxQueueDepth = 16384;
+constexpr unsigned kMaxThreads = 1024;
+constexpr unsigned kMaxSpinUs = 100000;
+constexpr size_t kMaxBounce = size_t(1) << 30;
+
 // One request as the caller gave it, already validated.
 struct RequestSpec {
     bool write;
@@ -75,7 +83,7 @@ struct Batch {
 
     std::vector<int64_t> results() const;  // bytes (>= 0) or -errno per request
     bool wait(double timeout_s);           // < 0: forever; meanwhile the waiter helps check read checksums
-    void finish_one();                     // one op or one deferred check is done
+    void finish_one() noexcept;            // one op or one deferred check is done
 };
 
 struct EngineStats {
@@ -83,12 +91,17 @@ struct EngineStats {
         bytes_bounced{0}, errors{0}, bytes_verified{0}, verify_failed{0};
 };
 
-// The backend runs ops; it calls Engine::complete for each result.
+// The backend runs ops; it calls Engine::complete for each result. Its threads never let an exception out
+// (an exception leaving a std::thread's function aborts the process): what fails on them ends the op it was
+// for with an errno, or stops the backend, which then refuses batches (broken()).
 class Backend {
 public:
     virtual ~Backend() = default;
+    // Takes every op or none: throws SfError("unavailable") once shut down or broken, std::bad_alloc when the
+    // hand-over itself cannot get memory.
     virtual void submit(const std::vector<Op*>& ops) = 0;
     virtual void shutdown() = 0;
+    virtual bool broken() const { return false; }
     virtual const char* name() const = 0;
     virtual unsigned depth() const = 0;
 };
@@ -103,6 +116,8 @@ struct FdInfo {
 class Engine : public std::enable_shared_from_this<Engine> {
 public:
     // backend: "uring" or "threads". queue_depth: ops in flight (uring) or worker threads (threads).
+    // Throws SfError: "invalid" for arguments out of range, "resources" (ENOMEM, EAGAIN) when memory or threads
+    // ran out, "os" when the kernel refused the ring.
     static std::shared_ptr<Engine> create(const std::string& backend, unsigned queue_depth, unsigned threads,
                                           size_t bounce_size, unsigned spin_us);
     ~Engine();
@@ -110,21 +125,22 @@ public:
     // Plans and starts a validated batch. `infos` holds the descriptor facts gathered at validation.
     std::shared_ptr<Batch> start(std::vector<RequestSpec> reqs, const std::unordered_map<int, FdInfo>& infos);
     // Called by backends: returns true when the op must be issued again for its remaining bytes.
-    bool complete(Op* op, int64_t res);
-    // Called by backends before issuing an op: takes its bounce buffer and copies write data in.
-    void prepare(Op* op);
+    bool complete(Op* op, int64_t res) noexcept;
+    // Called by backends before issuing an op: takes its bounce buffer and copies write data in. Returns 0, or
+    // the errno to end the op with (ENOMEM: no bounce buffer could be had).
+    int prepare(Op* op) noexcept;
     // Checksums of large reads are not computed on the backend's completion path but queued, so that the
     // threads waiting for batches (idle otherwise) share the hashing with the service thread, which hashes only
     // when it has no completion to handle. Backends with a single completion thread (uring) turn this on.
     void set_defer_verify(bool on) { defer_verify_ = on; }
     // Runs one queued check, if any; returns whether it ran one.
-    bool run_verify_job();
+    bool run_verify_job() noexcept;
     bool verify_jobs_pending() const { return verify_queued_.load() > 0; }
     // Every waiter sleeps on one condition of the engine, woken when any batch ends or a check is queued, so
     // that all of them can help with any batch's checks.
     std::mutex& wait_mu() { return wait_mu_; }
     std::condition_variable& wait_cv() { return wait_cv_; }
-    void notify_waiters() {
+    void notify_waiters() noexcept {
         { std::lock_guard<std::mutex> lk(wait_mu_); }
         wait_cv_.notify_all();
     }
@@ -140,9 +156,9 @@ private:
     // costs more than the copy on a virtual machine), mlocked where allowed.
     Engine(size_t bounce_size)
         : bounce_size_(bounce_size), bounce_pool_(bounce_size, 0, Mode::Auto, Mode::Auto, Mode::Off) {}
-    void finish_op(Op* op);
+    void finish_op(Op* op) noexcept;
     // Checks a finished read's bytes against its checksum (on the backend's thread, off the caller's).
-    void verify(Batch& b, uint32_t req);
+    void verify(Batch& b, uint32_t req) noexcept;
 
     size_t bounce_size_;
     BufferPool bounce_pool_;
@@ -162,7 +178,7 @@ private:
 // kernel reports it, else the block device's logical block size, else 4096.
 FdInfo describe_fd(int fd);  // throws SfError("os", EBADF) for a closed descriptor
 
-// Whether io_uring can run here; `reason` says why or why not.
+// Whether io_uring can run here; `reason` says why or why not. Probes once per process, on a thread of its own.
 bool uring_available(std::string* reason);
 
 std::unique_ptr<Backend> make_thread_backend(Engine* engine, unsigned threads);

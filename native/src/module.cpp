@@ -8,6 +8,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cmath>
+#include <new>
+#include <system_error>
 #include <unordered_map>
 
 #include "buffer_pool.hpp"
@@ -68,7 +71,7 @@ struct PyBuffer {
     ~PyBuffer() { detach(); }
 
     void check_live() const {
-        if (released) throw nb::value_error("operation on a released buffer");
+        if (released) raise_sf("invalid", EINVAL, "operation on a released buffer");
     }
     // Gives the memory back (root) or lets go of the parent (view). The caller checked `exports`.
     void detach() {
@@ -112,7 +115,7 @@ struct DlContext {
 
 void dl_release(DlContext* ctx) {
     // Consumers may free the tensor on any thread.
-    PyGILState_STATE st = PyGILState_Ensure();
+    PyGILState_STATE st = ensure_gil();  // parks this thread if the interpreter is finalizing
     ctx->buf->exports--;
     Py_DECREF(ctx->owner);
     PyGILState_Release(st);
@@ -205,7 +208,7 @@ nb::object buffer_getitem(nb::handle self, nb::handle key) {
     Py_ssize_t start, stop, step, len;
     if (PySlice_GetIndicesEx(key.ptr(), static_cast<Py_ssize_t>(b->size), &start, &stop, &step, &len) < 0)
         throw nb::python_error();
-    if (step != 1) throw nb::value_error("buffer slices must be contiguous (step 1)");
+    if (step != 1) raise_sf("invalid", EINVAL, "buffer slices must be contiguous (step 1)");
     PyBuffer v;
     v.ptr = b->ptr + start;
     v.size = static_cast<size_t>(len);
@@ -246,7 +249,7 @@ struct PyFuture {
     ~PyFuture() {
         // The kernel may still be writing into these buffers: never let them go before the batch ends.
         if (batch && !views.empty()) {
-            nb::gil_scoped_release nogil;
+            NoGil nogil;
             batch->wait(-1);
         }
         release_views();
@@ -270,12 +273,70 @@ struct ViewSet {
 };
 
 int64_t as_int(PyObject* o, size_t i, const char* field) {
-    long long v = PyLong_AsLongLong(o);
-    if (v == -1 && PyErr_Occurred()) {
+    // Anything with __index__ (numpy integers too), but not bool.
+    nb::object idx = PyBool_Check(o) ? nb::object() : nb::steal(PyNumber_Index(o));
+    if (!idx.is_valid()) {
         PyErr_Clear();
-        raise_sf("invalid", EINVAL, "request " + std::to_string(i) + ": " + field + " must be an integer");
+        raise_sf("invalid", EINVAL, "request " + std::to_string(i) + ": " + field + " must be an integer, not " +
+                                        Py_TYPE(o)->tp_name);
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(idx.ptr(), &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        raise_sf("invalid", EINVAL,
+                 "request " + std::to_string(i) + ": " + field + " is out of range (" +
+                     (overflow < 0 ? "below -2**63" : "at least 2**63") + ")");
     }
     return v;
+}
+
+// An integer argument in [lo, hi], else a typed error naming it (instead of nanobind's TypeError).
+int64_t int_arg(nb::handle o, const char* what, int64_t lo, int64_t hi) {
+    auto bad = [&] {
+        raise_sf("invalid", EINVAL, std::string(what) + " must be an integer from " + std::to_string(lo) + " to " +
+                                        std::to_string(hi) + ", not " + std::string(nb::repr(o).c_str()));
+    };
+    nb::object idx = PyBool_Check(o.ptr()) ? nb::object() : nb::steal(PyNumber_Index(o.ptr()));
+    if (!idx.is_valid()) {
+        PyErr_Clear();
+        bad();
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(idx.ptr(), &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        bad();
+    }
+    if (v < lo || v > hi) bad();
+    return v;
+}
+
+// A file descriptor argument: an int from 0 to 2**31-1, else a typed EBADF.
+int fd_arg(nb::handle o) {
+    nb::object idx = PyBool_Check(o.ptr()) ? nb::object() : nb::steal(PyNumber_Index(o.ptr()));
+    if (!idx.is_valid()) {
+        PyErr_Clear();
+        raise_sf("invalid", EINVAL, "fd must be an integer, not " + std::string(Py_TYPE(o.ptr())->tp_name));
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(idx.ptr(), &overflow);
+    if (overflow || v < 0 || v > INT32_MAX) {
+        PyErr_Clear();
+        raise_sf("os", EBADF, "fd " + std::string(nb::repr(o).c_str()) + " is not a file descriptor");
+    }
+    return static_cast<int>(v);
+}
+
+// A timeout in seconds: a number (not NaN); < 0 waits forever.
+double timeout_arg(nb::handle o) {
+    double t = PyFloat_AsDouble(o.ptr());
+    if ((t == -1.0 && PyErr_Occurred()) || PyBool_Check(o.ptr())) {
+        PyErr_Clear();
+        raise_sf("invalid", EINVAL, "timeout must be a number of seconds, not " + std::string(nb::repr(o).c_str()));
+    }
+    if (std::isnan(t)) raise_sf("invalid", EINVAL, "timeout must be a number of seconds, not NaN");
+    return t;
 }
 
 std::string req_name(size_t i, bool write, int fd) {
@@ -283,27 +344,32 @@ std::string req_name(size_t i, bool write, int fd) {
 }
 
 PyFuture engine_submit(PyEngine& self, nb::handle requests, bool bounce, nb::handle checksums) {
-    nb::object seq = nb::steal(PySequence_Fast(requests.ptr(), "requests must be a sequence of Request tuples"));
+    // A tuple of our own: converting a buffer may run Python code (torch, __dlpack__) that changes a list.
+    if (PyUnicode_Check(requests.ptr()) || PyBytes_Check(requests.ptr()))
+        raise_sf("invalid", EINVAL, "requests must be a sequence of Request tuples, not a string");
+    nb::object seq = nb::steal(PySequence_Tuple(requests.ptr()));
     if (!seq.is_valid()) {
         PyErr_Clear();
         raise_sf("invalid", EINVAL, "requests must be a sequence of Request tuples");
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
-    PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+    Py_ssize_t n = PyTuple_GET_SIZE(seq.ptr());
+    PyObject** items = &PyTuple_GET_ITEM(seq.ptr(), 0);
     nb::object sums;
     PyObject** sum_items = nullptr;
     if (!checksums.is_none()) {
         if (!xxh3_available())
             raise_sf("invalid", EINVAL, "checksums: this build has no xxh3 (libxxhash-dev was missing at build time)");
-        sums = nb::steal(PySequence_Fast(checksums.ptr(), "checksums must be a sequence"));
+        if (PyUnicode_Check(checksums.ptr()) || PyBytes_Check(checksums.ptr()))
+            raise_sf("invalid", EINVAL, "checksums must be a sequence of int or None, one per request");
+        sums = nb::steal(PySequence_Tuple(checksums.ptr()));
         if (!sums.is_valid()) {
             PyErr_Clear();
             raise_sf("invalid", EINVAL, "checksums must be a sequence of int or None, one per request");
         }
-        if (PySequence_Fast_GET_SIZE(sums.ptr()) != n)
-            raise_sf("invalid", EINVAL, "checksums: " + std::to_string(PySequence_Fast_GET_SIZE(sums.ptr())) +
+        if (PyTuple_GET_SIZE(sums.ptr()) != n)
+            raise_sf("invalid", EINVAL, "checksums: " + std::to_string(PyTuple_GET_SIZE(sums.ptr())) +
                                             " given for " + std::to_string(n) + " requests");
-        sum_items = PySequence_Fast_ITEMS(sums.ptr());
+        sum_items = n ? &PyTuple_GET_ITEM(sums.ptr(), 0) : nullptr;
     }
     std::vector<RequestSpec> specs;
     specs.reserve(static_cast<size_t>(n));
@@ -318,10 +384,10 @@ PyFuture engine_submit(PyEngine& self, nb::handle requests, bool bounce, nb::han
             raise_sf("invalid", EINVAL,
                      "request " + std::to_string(i) + ": expected Request(op, fd, offset, length, buffer, buffer_offset)");
         PyObject* opo = PyTuple_GET_ITEM(item, 0);
-        const char* op = PyUnicode_Check(opo) ? PyUnicode_AsUTF8(opo) : nullptr;
+        // Compared without converting: a str that cannot be UTF-8 (a lone surrogate) is just another wrong op.
         bool write;
-        if (op && std::strcmp(op, "read") == 0) write = false;
-        else if (op && std::strcmp(op, "write") == 0) write = true;
+        if (PyUnicode_Check(opo) && PyUnicode_CompareWithASCIIString(opo, "read") == 0) write = false;
+        else if (PyUnicode_Check(opo) && PyUnicode_CompareWithASCIIString(opo, "write") == 0) write = true;
         else raise_sf("invalid", EINVAL, "request " + std::to_string(i) + ": op must be 'read' or 'write'");
         int64_t fd = as_int(PyTuple_GET_ITEM(item, 1), i, "fd");
         int64_t offset = as_int(PyTuple_GET_ITEM(item, 2), i, "offset");
@@ -356,7 +422,12 @@ PyFuture engine_submit(PyEngine& self, nb::handle requests, bool bounce, nb::han
                 try {
                     conv = nb::module_::import_("sfstore.buffers").attr("as_buffer")(nb::handle(bufobj));
                 } catch (nb::python_error& e) {
-                    raise_sf("invalid", EINVAL, who() + ": unusable buffer: " + std::string(nb::str(e.value()).c_str()));
+                    std::string why = "unusable buffer";
+                    try {
+                        why += ": " + std::string(nb::str(e.value()).c_str());
+                    } catch (...) {  // a message that cannot be shown
+                    }
+                    raise_sf("invalid", EINVAL, who() + ": " + why);
                 }
                 if (PyObject_GetBuffer(conv.ptr(), &v, PyBUF_SIMPLE) < 0) {
                     PyErr_Clear();
@@ -396,13 +467,9 @@ PyFuture engine_submit(PyEngine& self, nb::handle requests, bool bounce, nb::han
     }
     PyFuture fut;
     {
-        nb::gil_scoped_release nogil;
-        try {
-            fut.batch = self.engine->start(std::move(specs), infos);
-        } catch (const SfError& e) {
-            nb::gil_scoped_acquire gil;
-            throw to_python(e);
-        }
+        // An SfError (or bad_alloc) passes through here with the GIL taken back; the translator types it.
+        NoGil nogil;
+        fut.batch = self.engine->start(std::move(specs), infos);
     }
     fut.views = std::move(vs.views);
     vs.views.clear();
@@ -438,6 +505,11 @@ NB_MODULE(_native, m) {
             std::rethrow_exception(p);
         } catch (const SfError& e) {
             to_python(e).restore();
+        } catch (const std::bad_alloc&) {
+            to_python(SfError("resources", ENOMEM, "out of memory in sfstore's native helper")).restore();
+        } catch (const std::system_error& e) {
+            int err = e.code().value() ? e.code().value() : EAGAIN;
+            to_python(SfError("resources", err, std::string("sfstore's native helper: ") + e.what())).restore();
         }
     });
 
@@ -466,22 +538,22 @@ NB_MODULE(_native, m) {
 
     nb::class_<PyPool>(m, "BufferPool")
         .def("__init__",
-             [](PyPool* self, size_t buffer_size, size_t max_buffers, int huge, int lock, int cuda) {
-                 new (self) PyPool{std::make_shared<BufferPool>(buffer_size, max_buffers, static_cast<Mode>(huge),
-                                                                static_cast<Mode>(lock), static_cast<Mode>(cuda))};
+             [](PyPool* self, nb::handle buffer_size, nb::handle max_buffers, nb::handle huge, nb::handle lock,
+                nb::handle cuda) {
+                 auto size = static_cast<size_t>(int_arg(buffer_size, "buffer_size", 1, int64_t(kMaxBufferSize)));
+                 auto most = static_cast<size_t>(int_arg(max_buffers, "max_buffers", 0, INT64_MAX));
+                 auto mode = [](nb::handle o, const char* what) { return static_cast<Mode>(int_arg(o, what, 0, 2)); };
+                 new (self) PyPool{std::make_shared<BufferPool>(size, most, mode(huge, "huge"), mode(lock, "mlock"),
+                                                                mode(cuda, "cuda"))};
              },
              "buffer_size"_a, "max_buffers"_a = 0, "huge"_a = 1, "mlock"_a = 1, "cuda"_a = 1)
         .def("acquire",
-             [](PyPool& self, double timeout) {
+             [](PyPool& self, nb::handle timeout) {
+                 double t = timeout_arg(timeout);
                  Region r;
                  {
-                     nb::gil_scoped_release nogil;
-                     try {
-                         r = self.pool->acquire(timeout);
-                     } catch (const SfError& e) {
-                         nb::gil_scoped_acquire gil;
-                         throw to_python(e);
-                     }
+                     NoGil nogil;
+                     r = self.pool->acquire(t);
                  }
                  PyBuffer b;
                  b.pool = self.pool;
@@ -498,8 +570,8 @@ NB_MODULE(_native, m) {
         .def("close", [](PyPool& self) { self.pool->close(); })
         .def("keep_idle",
              [](PyPool& self, nb::object n) {
-                 size_t keep = n.is_none() ? SIZE_MAX : nb::cast<size_t>(n);
-                 nb::gil_scoped_release nogil;  // munmap of many huge buffers takes a while
+                 size_t keep = n.is_none() ? SIZE_MAX : static_cast<size_t>(int_arg(n, "n", 0, INT64_MAX));
+                 NoGil nogil;  // munmap of many huge buffers takes a while
                  return self.pool->keep_idle(keep);
              },
              "n"_a.none())
@@ -531,11 +603,12 @@ NB_MODULE(_native, m) {
                  return d;
              })
         .def("wait",
-             [](PyFuture& f, double timeout) {
+             [](PyFuture& f, nb::handle timeout) {
+                 double t = timeout_arg(timeout);
                  bool d;
                  {
-                     nb::gil_scoped_release nogil;
-                     d = f.batch->wait(timeout);
+                     NoGil nogil;
+                     d = f.batch->wait(t);
                  }
                  if (d) f.release_views();
                  return d;
@@ -547,7 +620,7 @@ NB_MODULE(_native, m) {
              })
         .def("results", [](PyFuture& f) {
             {
-                nb::gil_scoped_release nogil;
+                NoGil nogil;
                 f.batch->wait(-1);
             }
             f.release_views();
@@ -556,28 +629,50 @@ NB_MODULE(_native, m) {
 
     nb::class_<PyEngine>(m, "IOEngine")
         .def("__init__",
-             [](PyEngine* self, const std::string& backend, unsigned queue_depth, unsigned threads, size_t bounce,
-                unsigned spin_us) {
-                 new (self) PyEngine{Engine::create(backend, queue_depth, threads, bounce, spin_us)};
+             [](PyEngine* self, nb::handle backend, nb::handle queue_depth, nb::handle threads, nb::handle bounce,
+                nb::handle spin_us) {
+                 std::string name;
+                 if (PyUnicode_Check(backend.ptr()) && PyUnicode_CompareWithASCIIString(backend.ptr(), "uring") == 0)
+                     name = "uring";
+                 else if (PyUnicode_Check(backend.ptr()) &&
+                          PyUnicode_CompareWithASCIIString(backend.ptr(), "threads") == 0)
+                     name = "threads";
+                 else
+                     raise_sf("invalid", EINVAL,
+                              "backend must be 'uring' or 'threads', not " + std::string(nb::repr(backend).c_str()));
+                 auto qd = static_cast<unsigned>(int_arg(queue_depth, "queue_depth", 1, kMaxQueueDepth));
+                 auto th = static_cast<unsigned>(int_arg(threads, "threads", 1, kMaxThreads));
+                 auto bb = static_cast<size_t>(int_arg(bounce, "bounce_buffer_size", 4096, int64_t(kMaxBounce)));
+                 auto spin = static_cast<unsigned>(int_arg(spin_us, "spin_us", 0, kMaxSpinUs));
+                 std::shared_ptr<Engine> engine;
+                 {
+                     NoGil nogil;  // starting threads and setting up a ring can take a while
+                     engine = Engine::create(name, qd, th, bb, spin);
+                 }
+                 new (self) PyEngine{std::move(engine)};
              },
              "backend"_a, "queue_depth"_a, "threads"_a, "bounce_buffer_size"_a, "spin_us"_a = 0)
         .def("submit", &engine_submit, "requests"_a, "bounce"_a = true, "checksums"_a = nb::none())
         .def("stats", &engine_stats)
         .def("close", [](PyEngine& self) {
-            nb::gil_scoped_release nogil;
+            NoGil nogil;
             self.engine->close();
         })
         .def_prop_ro("backend", [](PyEngine& self) { return std::string(self.engine->backend_name()); })
         .def_prop_ro("queue_depth", [](PyEngine& self) { return self.engine->depth(); });
 
-    m.def("dio_alignment", [](int fd) {
-        FdInfo fi = describe_fd(fd);
+    m.def("dio_alignment", [](nb::handle fd) {
+        FdInfo fi = describe_fd(fd_arg(fd));
         return std::make_pair(fi.mem_align, fi.off_align);
     }, "fd"_a, "O_DIRECT alignment of an open descriptor: (memory, file offset/length).");
-    m.def("fd_is_direct", [](int fd) { return describe_fd(fd).direct; }, "fd"_a);
+    m.def("fd_is_direct", [](nb::handle fd) { return describe_fd(fd_arg(fd)).direct; }, "fd"_a);
     m.def("uring_status", [] {
         std::string why;
-        bool ok = uring_available(&why);
+        bool ok;
+        {
+            NoGil nogil;  // the first call probes on a thread of its own and waits for it
+            ok = uring_available(&why);
+        }
         return std::make_pair(ok, why);
     });
     m.def("cuda_status", [] {
@@ -591,9 +686,12 @@ NB_MODULE(_native, m) {
             // An uninitialised bytes object and a writable view of its storage, so a file can be read straight
             // into the bytes a caller gets back (no second copy). Only for a bytes object nobody else has seen:
             // fill it through the view, drop the view, then hand the bytes out.
-            if (n < 0) throw nb::value_error("negative size");
+            if (n < 0) raise_sf("invalid", EINVAL, "bytes_for_filling: n must be >= 0, not " + std::to_string(n));
             PyObject* b = PyBytes_FromStringAndSize(nullptr, n);
-            if (!b) throw nb::python_error();
+            if (!b) {
+                PyErr_Clear();
+                raise_sf("resources", ENOMEM, "no memory for a bytes object of " + std::to_string(n) + " bytes");
+            }
             nb::object bytes = nb::steal(b);
             PyObject* mv = PyMemoryView_FromMemory(PyBytes_AS_STRING(b), n, PyBUF_WRITE);
             if (!mv) throw nb::python_error();
@@ -602,23 +700,33 @@ NB_MODULE(_native, m) {
         "n"_a);
     m.def(
         "open_beneath",
-        [](int dirfd, const std::string& path, int flags, unsigned mode) {
+        [](int dirfd, nb::handle path_obj, int flags, unsigned mode) {
+            // str (undecodable bytes as surrogate escapes, as os.fsdecode makes them), bytes or os.PathLike.
+            PyObject* encoded = nullptr;
+            if (!PyUnicode_FSConverter(path_obj.ptr(), &encoded)) {
+                PyErr_Clear();
+                raise_sf("invalid", EINVAL,
+                         "open_beneath: path must be a str, bytes or os.PathLike without NUL bytes, not " +
+                             std::string(nb::repr(path_obj).c_str()));
+            }
+            nb::object holder = nb::steal(encoded);
+            const std::string path(PyBytes_AS_STRING(encoded), static_cast<size_t>(PyBytes_GET_SIZE(encoded)));
             // openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS): the kernel refuses (EXDEV) any resolution that
             // would leave dirfd, symlinks and ".." included, in one system call (Linux 5.6+; ENOSYS before).
             struct {
                 uint64_t flags, mode, resolve;
             } how{static_cast<uint64_t>(flags | O_CLOEXEC), flags & O_CREAT ? mode : 0, 0x08 | 0x02};
-            int fd;
+            int fd, e = 0;
             {
-                nb::gil_scoped_release nogil;
+                NoGil nogil;
                 do {
                     fd = static_cast<int>(syscall(437 /* SYS_openat2 */, dirfd, path.c_str(), &how, sizeof how));
                 } while (fd < 0 && errno == EINTR);
+                if (fd < 0) e = errno;
             }
             if (fd < 0) {
-                int e = errno;
+                errno = e;
                 PyErr_SetFromErrnoWithFilename(PyExc_OSError, path.c_str());
-                (void)e;
                 throw nb::python_error();
             }
             return fd;
@@ -638,7 +746,7 @@ NB_MODULE(_native, m) {
             uint64_t h;
             if (v.len >= (64 << 10)) {
                 // The view pins the memory (no resize while exported): other Python threads may run meanwhile.
-                nb::gil_scoped_release nogil;
+                NoGil nogil;
                 h = xxh3_64(v.buf, static_cast<size_t>(v.len));
             } else {
                 h = xxh3_64(v.buf, static_cast<size_t>(v.len));

@@ -4,8 +4,10 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
+#include "common.hpp"
 #include "io_engine.hpp"
 
 namespace sfstore {
@@ -14,14 +16,31 @@ namespace {
 class ThreadBackend final : public Backend {
 public:
     ThreadBackend(Engine* engine, unsigned threads) : engine_(engine), n_(threads) {
-        for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+        // Every worker or none: a pool that could start only some of them (threads or memory ran out) stops
+        // those and says so, rather than run on with fewer than asked for or leave a thread joinable.
+        try {
+            workers_.reserve(threads);
+            for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+        } catch (const std::system_error& e) {
+            size_t started = workers_.size();
+            shutdown();
+            int err = e.code().value() ? e.code().value() : EAGAIN;
+            throw SfError("resources", err,
+                          "cannot start thread " + std::to_string(started + 1) + " of " + std::to_string(threads) +
+                              " of the threads engine: " + errno_text(err) +
+                              " (thread or memory limits: ulimit -u / -v; fewer io_threads may fit)");
+        } catch (const std::bad_alloc&) {
+            shutdown();
+            throw SfError("resources", ENOMEM, "out of memory starting the threads engine's workers");
+        }
     }
     ~ThreadBackend() override { shutdown(); }
 
     void submit(const std::vector<Op*>& ops) override {
         {
             std::lock_guard<std::mutex> lk(mu_);
-            queue_.insert(queue_.end(), ops.begin(), ops.end());
+            if (stop_) throw SfError("unavailable", EIO, "the threads engine is closed");
+            queue_.insert(queue_.end(), ops.begin(), ops.end());  // all or nothing (bad_alloc to the caller)
         }
         if (ops.size() == 1) cv_.notify_one();
         else cv_.notify_all();
@@ -30,18 +49,20 @@ public:
     void shutdown() override {
         {
             std::lock_guard<std::mutex> lk(mu_);
-            if (stop_) return;
+            if (stop_ && workers_.empty()) return;
             stop_ = true;  // workers drain the queue before they leave
         }
         cv_.notify_all();
         for (auto& t : workers_) t.join();
+        workers_.clear();
     }
 
     const char* name() const override { return "threads"; }
     unsigned depth() const override { return n_; }
 
 private:
-    void run() {
+    // A worker's whole life; nothing here throws (engine calls are noexcept), so nothing escapes the thread.
+    void run() noexcept {
         for (;;) {
             Op* op;
             {
@@ -51,7 +72,11 @@ private:
                 op = queue_.front();
                 queue_.pop_front();
             }
-            engine_->prepare(op);
+            // A bounce buffer that cannot be had (memory ran out) ends this op with ENOMEM; the engine goes on.
+            if (int err = engine_->prepare(op)) {
+                engine_->complete(op, -static_cast<int64_t>(err));
+                continue;
+            }
             for (;;) {
                 ssize_t r = op->write ? pwrite(op->fd, op->io_ptr(), op->io_len(), static_cast<off_t>(op->io_off()))
                                       : pread(op->fd, op->io_ptr(), op->io_len(), static_cast<off_t>(op->io_off()));

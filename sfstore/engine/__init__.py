@@ -109,8 +109,10 @@ def _resolve(choice: str, queue_depth: int, threads: int, origin: str) -> IOEngi
                 continue
             try:
                 return _create(name, queue_depth, threads)
-            except errors.ConfigError:
-                raise  # a bad setting is the caller's to fix, not a reason to pick another engine
+            except (errors.ConfigError, errors.OutOfResourcesError):
+                # A bad setting is the caller's to fix, and memory or threads that ran out will not be there
+                # for the next engine either: neither is a reason to pick another engine.
+                raise
             except (errors.SfstoreError, OSError, RuntimeError, ImportError) as exc:
                 skipped.append(f"{name}: {exc}")
         raise errors.EngineUnavailableError("no I/O engine can run here (" + "; ".join(skipped) + ")")
@@ -119,8 +121,8 @@ def _resolve(choice: str, queue_depth: int, threads: int, origin: str) -> IOEngi
         raise errors.EngineUnavailableError(f"the {choice} I/O engine ({origin}) cannot run here: {why}")
     try:
         return _create(choice, queue_depth, threads)
-    except errors.EngineUnavailableError:
-        raise
+    except (errors.EngineUnavailableError, errors.ConfigError, errors.OutOfResourcesError):
+        raise  # typed already; OutOfResourcesError keeps its errno (ENOMEM, EAGAIN)
     except (OSError, RuntimeError, ImportError) as exc:
         raise errors.EngineUnavailableError(f"the {choice} I/O engine ({origin}) failed to start: {exc}") from exc
 
@@ -148,7 +150,9 @@ def get_engine(name: str | None = None, *, queue_depth: int | None = None, threa
     sfstore.errors.EngineUnavailableError
         The engine asked for cannot run here (the message says why), or none can (``auto``).
     sfstore.errors.ConfigError
-        An unknown engine name, or a queue depth or thread count below 1.
+        An unknown engine name, or a queue depth or thread count outside the settings' ranges.
+    sfstore.errors.OutOfResourcesError
+        Memory or threads ran out starting the engine (``errno`` ENOMEM or EAGAIN); nothing was started.
     """
     if name is not None:
         choice = str(defaults.SETTINGS["engine"].parse(name, "get_engine(name=...)"))

@@ -12,6 +12,7 @@ import ctypes
 import errno
 import fcntl
 import importlib
+import math
 import os
 import stat
 import struct
@@ -42,6 +43,7 @@ __all__ = [
     "fd_path",
     "read_checksum_ok",
     "direct_io_alignment",
+    "wait_seconds",
 ]
 
 STATS_KEYS: tuple[str, ...] = (
@@ -132,6 +134,38 @@ class EngineStats(Counters):
 # Futures
 
 
+def wait_seconds(timeout: Any, what: str = "timeout") -> float | None:
+    """A future's wait, in seconds: ``None`` or ``inf`` wait without end (``None``); a negative wait only looks
+    (``0.0``, as :mod:`concurrent.futures` and :mod:`threading` take it).
+
+    Raises
+    ------
+    sfstore.errors.InvalidRequestError
+        ``timeout`` is NaN, a bool, or not a real number (named ``what`` in the message).
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        try:
+            value = float(timeout.__float__()) if not isinstance(timeout, bool) else None
+        except (AttributeError, TypeError, ValueError, OverflowError):
+            value = None
+        if value is None:
+            raise errors.InvalidRequestError(
+                f"{what} must be a number of seconds or None, not {type(timeout).__name__}"
+            ) from None
+    else:
+        try:
+            value = float(timeout)
+        except OverflowError:  # an int beyond any float: as good as forever
+            return None if timeout > 0 else 0.0
+    if math.isnan(value):
+        raise errors.InvalidRequestError(f"{what} must be a number of seconds or None, not NaN")
+    if math.isinf(value):
+        return None if value > 0 else 0.0
+    return max(0.0, value)
+
+
 class IOFuture(ABC):
     """The pending result of one submitted batch.
 
@@ -158,7 +192,10 @@ class IOFuture(ABC):
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the batch has finished or ``timeout`` seconds passed; return whether it finished."""
+        """Wait until the batch has finished or ``timeout`` seconds passed; return whether it finished.
+
+        ``None`` (or ``inf``) waits without end, a negative ``timeout`` only looks; NaN raises
+        :class:`~sfstore.errors.InvalidRequestError` (see :func:`wait_seconds`)."""
 
     @abstractmethod
     def results(self, timeout: float | None = None) -> list[int]:

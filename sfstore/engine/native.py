@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from sfstore import _native, defaults, errors
 from sfstore.counters import Counters
-from sfstore.engine.base import IOEngine, IOFuture, Request, byte_view, read_checksum_ok
+from sfstore.engine.base import IOEngine, IOFuture, Request, byte_view, read_checksum_ok, wait_seconds
 
 __all__ = ["NativeEngine", "NativeIOFuture", "checksums_where", "native_status"]
 
@@ -44,7 +44,8 @@ class NativeIOFuture(IOFuture):
         return self._handle.done()
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._handle.wait(-1.0 if timeout is None else max(0.0, float(timeout)))
+        seconds = wait_seconds(timeout)
+        return self._handle.wait(-1.0 if seconds is None else seconds)
 
     def transferred(self) -> tuple[int, int]:
         return self._handle.transferred()
@@ -110,6 +111,12 @@ class NativeEngine(IOEngine):
     """
 
     def __init__(self, backend: str, queue_depth: int, threads: int) -> None:
+        if backend not in ("uring", "threads"):
+            raise errors.InvalidRequestError(f"NativeEngine: backend must be 'uring' or 'threads', not {backend!r}")
+        # Out-of-range values are the caller's mistake, named as such (not a nanobind TypeError, nor a reason
+        # for engine=auto to pick another engine).
+        queue_depth = int(defaults.SETTINGS["queue_depth"].parse(queue_depth, "NativeEngine(queue_depth=...)"))
+        threads = int(defaults.SETTINGS["io_threads"].parse(threads, "NativeEngine(threads=...)"))
         ok, why = native_status().get(backend, (False, f"unknown native backend {backend!r}"))
         if not ok:
             raise errors.EngineUnavailableError(f"the {backend} engine cannot run here: {why}")

@@ -27,6 +27,7 @@ from sfstore.engine.base import (
     plan_direct,
     read_checksum_ok,
     validate_batch,
+    wait_seconds,
 )
 
 __all__ = ["PythonEngine"]
@@ -49,10 +50,10 @@ class _PythonFuture(IOFuture):
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._event.wait(timeout)
+        return self._event.wait(wait_seconds(timeout))
 
     def results(self, timeout: float | None = None) -> list[int]:
-        if not self._event.wait(timeout):
+        if not self._event.wait(wait_seconds(timeout)):
             raise self.timeout_error(timeout)
         return list(self._results)
 
@@ -262,15 +263,38 @@ class PythonEngine(IOEngine):
                         empty_ok = want is None or read_checksum_ok(b"", 0, 0, want)
                         batch.finish(item.index, 0 if empty_ok else -errno.EBADMSG, None)
                     else:
-                        executor.submit(self._run_one, batch, item, plan,
-                                        None if checksums is None else checksums[item.index])
+                        self._queue(executor, batch, item, plan, None if checksums is None else checksums[item.index])
                     started += 1
+        except errors.OutOfResourcesError:
+            # No worker could start: nothing of the batch ran or will run (its queue was dropped).
+            for item, _ in work:
+                item.release()
+            raise
         except BaseException:
             for item, _ in work[started:]:
                 item.release()
                 batch.finish(item.index, -errno.ECANCELED, None)
             raise
         return future
+
+    def _queue(self, executor: ThreadPoolExecutor, batch: _Batch, item: CheckedRequest, plan: list[Segment] | None,
+               checksum: int | None) -> None:
+        """Hand one request to the workers; a worker thread that cannot start is a typed error, not a bare
+        ``RuntimeError``. Called with ``self._lock`` held."""
+        try:
+            executor.submit(self._run_one, batch, item, plan, checksum)
+        except RuntimeError as exc:
+            # The item is queued before the executor tries to start a thread for it: with a worker alive it
+            # runs in its turn. With none, nothing would ever run it: drop the executor and its queue.
+            if getattr(executor, "_threads", None):
+                return
+            self._executor = None
+            executor.shutdown(wait=False, cancel_futures=True)
+            item.release()
+            raise errors.OutOfResourcesError(
+                errno.EAGAIN, f"the python engine cannot start a worker thread ({exc}; thread or memory limits: "
+                "ulimit -u / -v)"
+            ) from None
 
     # -- execution (worker threads) ------------------------------------------------------------------------
 

@@ -1,0 +1,127 @@
+"""Pipe writes after sfstore I/O: sfstore leaves no trace on the caller's threads (issue 14, defect 1).
+
+A thread that sets up, submits to or tears down an io_uring is on that ring's task list; the kernel's deferred
+teardown of the ring then queues work to it with ``TWA_SIGNAL``, which interrupts the thread's next blocking
+system call once. A blocking ``write`` of a large payload to a slow pipe reader came back short with no error
+(65,536 of 624,640 bytes): a ``pipe:`` producer lost data. Here, in a fresh interpreter, every kind of sfstore
+I/O (``sf://`` writes, reads and many-file reads, the io_uring probe, every engine created, used and closed) is
+followed at once by a large blocking write to a slow reader, which must complete in full every time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from reliability_helpers import run_child
+
+PAYLOAD = 624_640  # the size the defect was found with (bytes)
+
+_CHILD = r"""
+import json, os, sys, threading, time
+
+rounds = int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS
+PAYLOAD = PAYLOAD_SIZE
+
+import fsspec
+from sfstore import _native
+from sfstore.engine import Request, get_engine
+from sfstore.engine.native import NativeEngine
+from sfstore.engine.python import PythonEngine
+
+fs = fsspec.filesystem("sf", skip_instance_cache=True)
+scratch = os.path.join(os.environ["SFSTORE_ROOT"], "scratch.bin")
+
+def sf_write(i):
+    fs.pipe_file(f"w/{i % 7}.bin", os.urandom(100_000 + i))
+
+def sf_read(i):
+    fs.pipe_file("r/one.bin", b"x" * 200_000)
+    assert len(fs.cat_file("r/one.bin")) == 200_000
+
+def sf_many(i):
+    for k in range(12):
+        fs.pipe_file(f"m/{k}.bin", bytes([k]) * (5_000 + k))
+    got = fs.cat([f"m/{k}.bin" for k in range(12)])
+    assert len(got) == 12
+
+def probe(i):
+    ok, why = _native.uring_status()
+
+def engine(name):
+    def run(i):
+        if name == "python":
+            e = PythonEngine(4, 2)
+        else:
+            e = NativeEngine(name, 4, 2)
+        fd = os.open(scratch, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            buf = bytearray(os.urandom(8192))
+            e.submit([Request.write(fd, 0, 8192, buf)]).get()
+            out = bytearray(8192)
+            e.submit([Request.read(fd, 0, 8192, out)]).get()
+            assert out == buf
+        finally:
+            e.close()
+            os.close(fd)
+    return run
+
+def shared_engine(i):
+    e = get_engine()
+    fd = os.open(scratch, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        e.submit([Request.write(fd, 0, 4096, bytearray(4096))]).get()
+    finally:
+        os.close(fd)
+
+ops = [("sf_write", sf_write), ("sf_read", sf_read), ("sf_many", sf_many), ("probe", probe),
+       ("uring", engine("uring")), ("threads", engine("threads")), ("python", engine("python")),
+       ("shared_engine", shared_engine)]
+if not _native.uring_status()[0]:
+    ops = [op for op in ops if op[0] != "uring"]
+
+def pipe_write():
+    # A slow reader: the writer fills the 64 KiB pipe and blocks many times before the payload is through.
+    r, w = os.pipe()
+    got = [0]
+    def reader():
+        while True:
+            time.sleep(0.0005)
+            d = os.read(r, 65536)
+            if not d:
+                break
+            got[0] += len(d)
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        n = os.write(w, b"y" * PAYLOAD)
+    finally:
+        os.close(w)
+        t.join()
+        os.close(r)
+    return n, got[0]
+
+short = []
+for i in range(rounds):
+    name, op = ops[i % len(ops)]
+    op(i)
+    n, got = pipe_write()
+    if n != PAYLOAD or got != PAYLOAD:
+        short.append({"round": i, "after": name, "written": n, "received": got})
+print(json.dumps({"rounds": rounds, "ops": [o[0] for o in ops], "short": short}))
+"""
+
+
+def test_large_pipe_writes_complete_after_every_kind_of_sfstore_io(tmp_path: Path, scale: int) -> None:
+    rounds = 100 * scale
+    root = tmp_path / "root"
+    root.mkdir()
+    code = _CHILD.replace("ROUNDS", str(rounds)).replace("PAYLOAD_SIZE", str(PAYLOAD))
+    env = {"SFSTORE_ROOT": str(root), "SFSTORE_DATA_DIR": str(tmp_path / "data"),
+           "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "SFSTORE_CONFIG": ""}
+    result = run_child(code, env=env, timeout=120 + 2 * rounds)
+    assert result.signal is None, result.stderr
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["rounds"] == rounds
+    assert report["short"] == [], f"{len(report['short'])}/{rounds} pipe writes came back short: {report['short']}"
