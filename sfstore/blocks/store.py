@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,6 +56,17 @@ _WAIT_SECONDS = 60.0  # how long a put waits for a slot held by other threads' r
 _ZERO_COPY_MIN = 64 << 10  # values this large (and LBA-multiple) move between storage and the caller's memory
 _WAVE = 16  # values per engine batch: verifying/copying one wave overlaps the I/O of the next
 _WAVE_BYTES = 32 << 20  # ... and fewer when they are large, so the first I/O starts (and the last check ends) soon
+_WAVES_IN_FLIGHT = 3  # waves read ahead of the one being verified: bounds the staging buffers a batch holds
+
+
+def _listed(items: Any, what: str) -> list[Any]:
+    """``items`` (a batch: any iterable but a str or bytes-like, which would be taken apart) as a list."""
+    if isinstance(items, (str, bytes, bytearray, memoryview)):
+        raise errors.InvalidRequestError(f"{what} must be a sequence (a list), not one {type(items).__name__}")
+    try:
+        return list(items)
+    except TypeError:
+        raise errors.InvalidRequestError(f"{what} must be a sequence, not {type(items).__name__}") from None
 
 
 def _waves(sizes: list[int]) -> list[tuple[int, int]]:
@@ -434,7 +445,10 @@ class BlockStore:
     # -- keys and values -----------------------------------------------------------------------------------------
     def _key(self, key: Any) -> bytes:
         if isinstance(key, str):
-            k = key.encode()
+            try:
+                k = key.encode()
+            except UnicodeEncodeError as exc:  # a lone surrogate has no UTF-8 form
+                raise errors.InvalidKeyError(f"a block store key must be valid unicode: {exc}") from None
         elif isinstance(key, (bytes, bytearray, memoryview)):
             k = bytes(key)
         else:
@@ -490,9 +504,15 @@ class BlockStore:
             Every slot of every class that fits is being read or written right now.
         """
         self._check_open()
-        pairs = items.items() if isinstance(items, Mapping) else items
+        pairs = items.items() if isinstance(items, Mapping) else _listed(items, "put_many: items")
         batch: dict[bytes, memoryview] = {}
-        for key, value in pairs:
+        for pair in pairs:
+            try:
+                key, value = pair
+            except (TypeError, ValueError):
+                raise errors.InvalidRequestError(
+                    f"put_many: items are (key, value) pairs or a mapping, not {type(pair).__name__}"
+                ) from None
             k = self._key(key)
             mv = self._view(value, False, "value of key", k)
             if mv.nbytes > self.max_value_bytes:
@@ -534,7 +554,7 @@ class BlockStore:
     ) -> BlockStoreFuture[None]:
         """:meth:`put_many` in a background thread. The values must stay unchanged until the future is done."""
         self._check_open()
-        listed = list(items.items() if isinstance(items, Mapping) else items)
+        listed = list(items.items()) if isinstance(items, Mapping) else _listed(items, "put_many_async: items")
         return BlockStoreFuture(self._pool_executor().submit(self.put_many, listed, durable=durable))
 
     def _reserve(
@@ -702,14 +722,22 @@ class BlockStore:
     def get_many(self, keys: Sequence[Key]) -> list[bytes | None]:
         """The values of ``keys`` (copies; ``None`` for a missing key), read in one batch."""
         self._check_open()
-        ks = [self._key(k) for k in keys]
+        ks = [self._key(k) for k in _listed(keys, "get_many: keys")]
         entries = self._acquire(ks)
         out = self._read_entries(entries, None, pinned=True)
         return [v if isinstance(v, bytes) else None for v in out]
 
-    def get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int | None]:
+    def get_into(
+        self, keys: Sequence[Key], buffers: Sequence[Any], *, keep_on_miss: bool = False
+    ) -> list[int | None]:
         """Read the values of ``keys`` into ``buffers`` (registered buffers, numpy arrays, CPU torch tensors,
         anything writable with the buffer protocol); return each value's length, ``None`` for a miss.
+
+        A value that fails verification (a torn or damaged slot) is dropped and is a miss. Large values read
+        straight into the caller's buffer (no copy) are verified there, so by default a miss may leave that
+        buffer overwritten. With ``keep_on_miss`` every value is read into a registered staging buffer and
+        copied into its buffer only once verified: a miss leaves its buffer exactly as it was, at the cost of
+        one copy per value.
 
         Raises
         ------
@@ -718,7 +746,15 @@ class BlockStore:
         sfstore.errors.InvalidRequestError
             ``keys`` and ``buffers`` differ in length, or a buffer is not contiguous.
         """
+        return self._get_into(keys, buffers, keep_on_miss)[0]
+
+    def _get_into(
+        self, keys: Sequence[Key], buffers: Sequence[Any], keep_on_miss: bool
+    ) -> tuple[list[int | None], int]:
+        """:meth:`get_into`, and how many of the values were dropped as corrupt (for the KV cache's counters)."""
         self._check_open()
+        keys = _listed(keys, "get_into: keys")
+        buffers = _listed(buffers, "get_into: buffers")
         if len(keys) != len(buffers):
             raise errors.InvalidRequestError(f"get_into: {len(keys)} keys but {len(buffers)} buffers")
         ks = [self._key(k) for k in keys]
@@ -730,13 +766,18 @@ class BlockStore:
                 raise errors.BufferTooSmallError(
                     f"get_into: the value of key {k!r} is {e.length} bytes; its buffer holds {v.nbytes}"
                 )
-        got = self._read_entries(entries, views, pinned=True)
-        return [v if isinstance(v, int) else None for v in got]
+        corrupt = [0]
+        got = self._read_entries(entries, views, pinned=True, direct=not keep_on_miss, corrupt=corrupt)
+        return [v if isinstance(v, int) else None for v in got], corrupt[0]
 
-    def get_into_async(self, keys: Sequence[Key], buffers: Sequence[Any]) -> BlockStoreFuture[list[int | None]]:
+    def get_into_async(
+        self, keys: Sequence[Key], buffers: Sequence[Any], *, keep_on_miss: bool = False
+    ) -> BlockStoreFuture[list[int | None]]:
         """:meth:`get_into` in a background thread; the buffers are filled when the future is done."""
         self._check_open()
-        return BlockStoreFuture(self._pool_executor().submit(self.get_into, list(keys), list(buffers)))
+        ks = _listed(keys, "get_into_async: keys")
+        bufs = _listed(buffers, "get_into_async: buffers")
+        return BlockStoreFuture(self._pool_executor().submit(self.get_into, ks, bufs, keep_on_miss=keep_on_miss))
 
     def _acquire(self, keys: list[bytes]) -> list[_Entry | None]:
         with self._lock:
@@ -760,21 +801,58 @@ class BlockStore:
             self._slot_freed.notify_all()
 
     def _read_entries(
-        self, entries: list[_Entry | None], dests: list[memoryview] | None, pinned: bool
+        self, entries: list[_Entry | None], dests: list[memoryview] | None, pinned: bool, *, direct: bool = True,
+        corrupt: list[int] | None = None,
     ) -> list[bytes | int | None]:
         """Read, verify and deliver each entry (to ``dests`` or as bytes); drop the ones that fail their checks.
 
         Looked-up entries are ``pinned`` (``readers``) by the caller and unpinned here; evicted victims are not
-        in the index and their slots are reserved, so they need no pin.
+        in the index and their slots are reserved, so they need no pin. ``direct``: large values may read
+        straight into ``dests`` (else every value goes through a staging buffer and lands only verified).
+        ``corrupt[0]`` is increased by the number of values dropped as corrupt.
         """
         hdr = self._hdr
         lba = self.layout.lba
         out: list[bytes | int | None] = [None] * len(entries)
         live = [i for i, e in enumerate(entries) if e is not None]
-        # per wave: its future and, per request, (entry index, staging buffer or None when direct, engine-checked)
-        waves: list[tuple[BlockFuture, list[tuple[int, Any, bool]]]] = []
-        held: list[Any] = []  # staging buffers to release
+        # per wave: its future, per request (entry index, staging buffer or None when direct, engine-checked),
+        # and its staging buffers (released once the wave is delivered: at most _WAVES_IN_FLIGHT waves of them)
+        waves: deque[tuple[BlockFuture, list[tuple[int, Any, bool]], list[Any]]] = deque()
         hits = misses = nbytes = 0
+
+        def deliver(fut: BlockFuture, items: list[tuple[int, Any, bool]]) -> None:
+            nonlocal hits, misses, nbytes
+            results = fut.results()
+            for j, (i, buf, engine_checked) in enumerate(items):
+                e = entries[i]
+                assert e is not None
+                got = results[j]
+                if got < 0 and got != -errno.EBADMSG:
+                    raise fut.error_for(j, -got)
+                if buf is None:
+                    good = got >= 0 if engine_checked else value_sum(dests[i][: e.length]) == e.vsum  # type: ignore[index]
+                else:
+                    view = memoryview(buf)
+                    want = e.header or self._header_bytes(e)
+                    value = view[hdr:hdr + e.length]
+                    good = got >= 0 and view[: len(want)] == want and value_sum(value) == e.vsum
+                    if good:
+                        if dests is None:
+                            out[i] = bytes(value)
+                        else:
+                            dests[i][: e.length] = value
+                    del value, view
+                if not good:
+                    self._drop_corrupt(e)
+                    if corrupt is not None:
+                        corrupt[0] += 1
+                    misses += 1
+                    continue
+                if dests is not None:
+                    out[i] = e.length
+                hits += 1
+                nbytes += e.length
+
         try:
             sizes = [entries[i].length for i in live]  # type: ignore[union-attr]
             classes = self._classes
@@ -782,63 +860,57 @@ class BlockStore:
                 items: list[tuple[int, Any, bool]] = []
                 reqs: list[tuple[str, int, int, Any, int]] = []
                 sums: list[int | None] = []
-                for i in live[first:last]:
-                    e = entries[i]
-                    assert e is not None
-                    c = classes[e.cls]
-                    off = c.offset + e.slot * c.stride
-                    n = -(-e.length // lba) * lba
-                    if dests is not None and dests[i].nbytes >= n:
-                        # The value straight into the caller's buffer (any size that fits it rounded to the LBA),
-                        # verified against the checksum the index holds (64 bits: a slot with any other content
-                        # fails it), so the header needs no read: it is what a recovery scan reads. The engine
-                        # checks it where the read completes when the read is exactly the value; a value that
-                        # fails leaves the caller's buffer overwritten.
-                        engine_checked = n == e.length
-                        items.append((i, None, engine_checked))
-                        reqs.append(("read", off + hdr, n, dests[i], 0))
-                        sums.append(e.vsum if engine_checked else None)
-                        continue
-                    buf = c.pool.acquire()
-                    held.append(buf)
-                    items.append((i, buf, False))
-                    reqs.append(("read", off, hdr + n, buf, 0))
-                    sums.append(None)
-                waves.append((self.path.submit(reqs, check=False, checksums=sums), items))
-            for fut, items in waves:
-                results = fut.results()
-                for j, (i, buf, engine_checked) in enumerate(items):
-                    e = entries[i]
-                    assert e is not None
-                    got = results[j]
-                    if got < 0 and got != -errno.EBADMSG:
-                        raise fut.error_for(j, -got)
-                    if buf is None:
-                        good = got >= 0 if engine_checked else value_sum(dests[i][: e.length]) == e.vsum  # type: ignore[index]
-                    else:
-                        view = memoryview(buf)
-                        want = e.header or self._header_bytes(e)
-                        value = view[hdr:hdr + e.length]
-                        good = view[: len(want)] == want and value_sum(value) == e.vsum
-                        if good:
-                            if dests is None:
-                                out[i] = bytes(value)
-                            else:
-                                dests[i][: e.length] = value
-                        del value, view
-                    if not good:
-                        self._drop_corrupt(e)
-                        misses += 1
-                        continue
-                    if dests is not None:
-                        out[i] = e.length
-                    hits += 1
-                    nbytes += e.length
+                held: list[Any] = []
+                try:
+                    for i in live[first:last]:
+                        e = entries[i]
+                        assert e is not None
+                        c = classes[e.cls]
+                        off = c.offset + e.slot * c.stride
+                        n = -(-e.length // lba) * lba
+                        if direct and dests is not None and dests[i].nbytes >= n:
+                            # The value straight into the caller's buffer (any size that fits it rounded to the
+                            # LBA), verified against the checksum the index holds (64 bits: a slot with any other
+                            # content fails it), so the header needs no read: it is what a recovery scan reads.
+                            # The engine checks it where the read completes when the read is exactly the value;
+                            # a value that fails leaves the caller's buffer overwritten.
+                            engine_checked = n == e.length
+                            items.append((i, None, engine_checked))
+                            reqs.append(("read", off + hdr, n, dests[i], 0))
+                            sums.append(e.vsum if engine_checked else None)
+                            continue
+                        buf = c.pool.acquire()
+                        held.append(buf)
+                        items.append((i, buf, False))
+                        reqs.append(("read", off, hdr + n, buf, 0))
+                        sums.append(None)
+                    fut = self.path.submit(reqs, check=False, checksums=sums)
+                except BaseException:
+                    for b in held:
+                        b.release()
+                    raise
+                waves.append((fut, items, held))
+                if len(waves) > _WAVES_IN_FLIGHT:
+                    fut0, items0, held0 = waves.popleft()
+                    try:
+                        deliver(fut0, items0)
+                    finally:
+                        fut0.wait()
+                        for b in held0:
+                            b.release()
+            while waves:
+                fut0, items0, held0 = waves.popleft()
+                try:
+                    deliver(fut0, items0)
+                finally:
+                    fut0.wait()
+                    for b in held0:
+                        b.release()
         finally:
-            for fut, _items in waves:
-                fut.wait()
-            for b in held:
-                b.release()
+            for fut0, _items, held0 in waves:
+                fut0.wait()
+                for b in held0:
+                    b.release()
             if pinned:
                 self._unpin(entries)
         misses += len(entries) - len(live)

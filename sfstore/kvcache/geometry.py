@@ -17,6 +17,7 @@ DTYPE_SIZES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
 }
 KEY_BYTES = 32
+MAX_BLOCK_BYTES = 1 << 30  # one block is one registered slot: far above any model's (MiBs), far below a host
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,14 @@ class KVGeometry:
                 raise errors.InvalidRequestError(f"KVGeometry.{name} must be a positive int, not {v!r}")
         if self.kv not in (1, 2):
             raise errors.InvalidRequestError(f"KVGeometry.kv must be 1 (MLA) or 2 (K and V), not {self.kv}")
-        if self.dtype not in DTYPE_SIZES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise errors.InvalidRequestError(
                 f"KVGeometry.dtype must be one of {', '.join(DTYPE_SIZES)}, not {self.dtype!r}"
+            )
+        if self.block_bytes > MAX_BLOCK_BYTES:
+            raise errors.InvalidRequestError(
+                f"KVGeometry: a block of {self.block_shape} {self.dtype} is {self.block_bytes} bytes; at most "
+                f"{MAX_BLOCK_BYTES} (1 GiB) fit a pinned slot"
             )
 
     @property
@@ -62,6 +68,11 @@ class KVGeometry:
     @property
     def layer_elements(self) -> int:
         return self.kv * self.block_tokens * self.num_kv_heads * self.head_dim
+
+    @property
+    def block_elements(self) -> int:
+        """Elements of one block (``num_layers * layer_elements``)."""
+        return self.num_layers * self.layer_elements
 
     @property
     def layer_bytes(self) -> int:

@@ -30,9 +30,34 @@ __all__ = ["KVCacheStore", "TIERS"]
 TIERS = ("pinned", "block", "shared")
 _COUNTERS = (
     "puts", "gets", "misses", "hits_pinned", "hits_block", "hits_shared", "promotions", "evictions",
-    "bytes_put", "bytes_got", "bytes_device_staged", "corrupt_dropped", "lower_tier_errors",
+    "bytes_put", "bytes_got", "bytes_device_staged", "corrupt_dropped", "unreadable", "lower_tier_errors",
 )
 _LATENCY_SAMPLES = 4096
+
+
+# what numpy/cupy arrays may carry a geometry's dtype in: its own, or the unsigned int of its size where numpy
+# has no such dtype (bfloat16, float8; ml_dtypes' arrays name theirs); uint8 bytes of a whole block always
+_ARRAY_DTYPES = {
+    "bfloat16": ("bfloat16", "uint16"),
+    "float8_e4m3fn": ("float8_e4m3fn", "uint8"),
+    "float8_e5m2": ("float8_e5m2", "uint8"),
+}
+
+
+def _listed(items: Any, what: str) -> list[Any]:
+    """A batch argument as a list; a str or bytes-like (which iteration would take apart) or a non-iterable is
+    an :class:`~sfstore.errors.InvalidRequestError`."""
+    if isinstance(items, (str, bytes, bytearray, memoryview)):
+        raise errors.InvalidRequestError(f"{what} must be a sequence (a list), not one {type(items).__name__}")
+    try:
+        return list(items)
+    except TypeError:
+        raise errors.InvalidRequestError(f"{what} must be a sequence, not {type(items).__name__}") from None
+
+
+def _check_timeout(timeout: float | None, what: str) -> None:
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
+        raise errors.InvalidRequestError(f"{what}: timeout must be None or seconds >= 0, not {timeout!r}")
 
 
 def _percentile(samples: Sequence[float], q: float) -> float | None:
@@ -84,12 +109,29 @@ class KVCacheStore:
         fsync_shared: bool = False,
         shared_on: Any = None,
     ) -> None:
+        if not isinstance(geometry, KVGeometry):
+            raise errors.InvalidRequestError(
+                f"KVCacheStore: geometry must be a KVGeometry, not {type(geometry).__name__}"
+            )
+        if not isinstance(model_id, str):
+            raise errors.InvalidRequestError(f"KVCacheStore: model_id must be a str, not {type(model_id).__name__}")
+        if pinned_bytes is None:
+            budget = int(defaults.get("kvcache_pinned_bytes"))
+        elif isinstance(pinned_bytes, int) and not isinstance(pinned_bytes, bool) and pinned_bytes >= 0:
+            budget = pinned_bytes
+        else:
+            raise errors.InvalidRequestError(
+                f"KVCacheStore: pinned_bytes must be an int >= 0 (0: no pinned tier), not {pinned_bytes!r}"
+            )
+        try:
+            namespace = model_id.encode() + b"\0" + geometry.fingerprint()
+        except UnicodeEncodeError as exc:
+            raise errors.InvalidRequestError(f"KVCacheStore: model_id must be valid unicode: {exc}") from None
+        if isinstance(block_store, str) or not (block_store is None or isinstance(block_store, BlockStore)):
+            raise errors.ConfigError(f"block_store must be a BlockStore or None, not {block_store!r}")
         self.geometry = geometry
         self.model_id = model_id
-        budget = defaults.get("kvcache_pinned_bytes") if pinned_bytes is None else int(pinned_bytes)
         self.pinned = PinnedTier(geometry, budget)
-        if isinstance(block_store, str):
-            raise errors.ConfigError(f"block_store must be a BlockStore or None, not {block_store!r}")
         if block_store is not None and block_store.max_value_bytes < geometry.block_bytes:
             raise errors.ConfigError(
                 f"the block store's largest size class ({block_store.max_value_bytes} bytes) cannot hold a KV block "
@@ -98,7 +140,7 @@ class KVCacheStore:
         self.block: BlockStore | None = block_store
         self.shared = (SharedTier(geometry, shared_dir, fsync=fsync_shared, on=shared_on)
                        if shared_dir is not None else None)
-        self.namespace = model_id.encode() + b"\0" + geometry.fingerprint()
+        self.namespace = namespace
         self.counters = Counters(_COUNTERS)
         self._lat: dict[str, deque[float]] = {op: deque(maxlen=_LATENCY_SAMPLES) for op in ("put", "get")}
         self._lock = threading.Lock()
@@ -139,7 +181,7 @@ class KVCacheStore:
 
     def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         out = []
-        for k in keys:
+        for k in _listed(keys, "keys"):
             if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
                 raise errors.InvalidKeyError(
                     f"a KV block key is {KEY_BYTES} bytes (from keys_for), not {type(k).__name__} "
@@ -150,6 +192,7 @@ class KVCacheStore:
 
     def contains(self, key: bytes) -> bool:
         """Whether any tier has the block."""
+        self._check_open()
         k = self._check_keys([key])[0]
         if k in self.pinned:
             return True
@@ -160,6 +203,7 @@ class KVCacheStore:
     def lookup(self, token_ids: Sequence[int] | Any, extra: Iterable[Any] = ()) -> int:
         """How many leading tokens of ``token_ids`` have their KV blocks in some tier (a multiple of
         ``block_tokens``): the prefix an engine can load instead of computing."""
+        self._check_open()
         n = 0
         for k in self.keys_for(token_ids, extra):
             if not self.contains(k):
@@ -168,26 +212,78 @@ class KVCacheStore:
         return n * self.geometry.block_tokens
 
     # -- blocks in and out --------------------------------------------------------------------------------------
-    def _source(self, block: Any, what: str) -> tuple[Any, bool]:
-        """``(object to copy from, is on a GPU)`` after checking size, dtype and element count."""
+    def _source(self, block: Any, what: str, writable: bool = False) -> tuple[Any, bool]:
+        """``(object to copy from or to, is on a GPU)`` after checking ``block`` against the geometry.
+
+        A block is a torch tensor of the geometry's dtype, of ``block_shape`` (any strides) or flat; a numpy or
+        cupy array of the geometry's dtype (``uint16`` carries bfloat16 bits and ``uint8`` float8 bits, which
+        numpy lacks) of ``block_shape`` or flat, or ``uint8`` of ``block_bytes``; or any other contiguous
+        buffer of exactly ``block_bytes``. ``writable``: a destination (read-only memory is refused).
+        """
         g = self.geometry
         mod = type(block).__module__ or ""
-        if mod.startswith("torch") or hasattr(block, "__cuda_array_interface__"):
-            dtype = str(getattr(block, "dtype", "")).replace("torch.", "")
+        if mod.startswith("torch") and hasattr(block, "device") and hasattr(block, "dtype"):
+            dtype = str(block.dtype).replace("torch.", "")
+            shape = tuple(block.shape)
+            if block.device.type not in ("cpu", "cuda"):
+                raise errors.InvalidRequestError(
+                    f"{what}: a tensor on the {block.device.type} device; blocks are CPU or CUDA tensors"
+                )
             if dtype != g.dtype:
-                raise errors.InvalidRequestError(f"{what}: dtype {dtype}, but the geometry's is {g.dtype}")
-        elif mod.startswith("numpy"):
-            if block.dtype.itemsize != g.itemsize:
-                raise errors.InvalidRequestError(f"{what}: dtype {block.dtype}, but the geometry's is {g.dtype}")
-        device = is_device_buffer(block)
-        nbytes = (block.numel() * block.element_size()) if mod.startswith("torch") else None
-        if nbytes is None:
-            nbytes = int(getattr(block, "nbytes", 0)) if device else memoryview(as_buffer(block)).nbytes
-        if nbytes != g.block_bytes:
+                raise errors.InvalidRequestError(
+                    f"{what}: dtype {dtype} {shape}, but the geometry's dtype is {g.dtype} {g.block_shape}"
+                )
+            if shape != g.block_shape and shape != (g.block_elements,):
+                raise self._shape_error(what, shape, dtype, block.numel() * block.element_size())
+            return block, block.device.type == "cuda"
+        if hasattr(block, "dtype") and hasattr(block, "shape") and (
+                mod.startswith(("numpy", "cupy")) or hasattr(block, "__cuda_array_interface__")):
+            dtype = str(block.dtype)
+            shape = tuple(block.shape)
+            carriers = _ARRAY_DTYPES.get(g.dtype, (g.dtype,))
+            if dtype not in carriers and dtype != "uint8":
+                raise errors.InvalidRequestError(
+                    f"{what}: array dtype {dtype}, but the geometry's dtype is {g.dtype} (arrays: "
+                    f"{' or '.join(dict.fromkeys((*carriers, 'uint8')))} bytes)"
+                )
+            nbytes = int(block.nbytes)
+            flat = (g.block_bytes // int(block.dtype.itemsize),)
+            if nbytes != g.block_bytes or (shape != flat and (block.dtype.itemsize != g.itemsize
+                                                              or shape != g.block_shape)):
+                raise self._shape_error(what, shape, dtype, nbytes)
+            flags = getattr(block, "flags", None)
+            if flags is not None and not flags.c_contiguous:
+                raise errors.InvalidRequestError(f"{what}: the array is not contiguous (copy it, or pass a tensor)")
+            if writable and flags is not None and not flags.writeable:
+                raise errors.ReadOnlyBufferError(f"{what}: the destination array is read-only")
+            return block, is_device_buffer(block)
+        if is_device_buffer(block):
             raise errors.InvalidRequestError(
-                f"{what}: {nbytes} bytes, but a block of {g.block_shape} {g.dtype} is {g.block_bytes} bytes"
+                f"{what}: a GPU {type(block).__name__} is not a block (pass a CUDA torch tensor or a cupy array)"
             )
-        return block, device
+        try:
+            mv = memoryview(as_buffer(block))
+        except TypeError:
+            raise errors.InvalidRequestError(
+                f"{what}: a {type(block).__name__} is not a block (a tensor, an array or a buffer of "
+                f"{g.block_bytes} bytes)"
+            ) from None
+        if not mv.c_contiguous:
+            raise errors.InvalidRequestError(f"{what}: the buffer is not contiguous")
+        if mv.nbytes != g.block_bytes:
+            raise errors.InvalidRequestError(
+                f"{what}: {mv.nbytes} bytes, but a block of {g.block_shape} {g.dtype} is {g.block_bytes} bytes"
+            )
+        if writable and mv.readonly:
+            raise errors.ReadOnlyBufferError(f"{what}: the destination buffer is read-only")
+        return block, False
+
+    def _shape_error(self, what: str, shape: tuple[int, ...], dtype: str, nbytes: int) -> errors.InvalidRequestError:
+        g = self.geometry
+        return errors.InvalidRequestError(
+            f"{what}: shape {shape} {dtype} ({nbytes} bytes), but a block is {g.block_shape} {g.dtype} "
+            f"({g.block_bytes} bytes), or flat ({g.block_elements},)"
+        )
 
     def _copy_in(self, slot: Slot, block: Any, device: bool, offset: int = 0, nbytes: int | None = None) -> None:
         n = self.geometry.block_bytes if nbytes is None else nbytes
@@ -221,10 +317,11 @@ class KVCacheStore:
             import torch
 
             flat = torch.frombuffer(src, dtype=torch.uint8, count=n)
-            if block.is_contiguous():
-                block.reshape(-1).view(torch.uint8).copy_(flat)
-            else:
-                block.copy_(flat.view(block.dtype).view(block.shape))
+            with torch.no_grad():  # a destination that requires grad is still just memory to fill
+                if block.is_contiguous():
+                    block.reshape(-1).view(torch.uint8).copy_(flat)
+                else:
+                    block.copy_(flat.view(block.dtype).view(block.shape))
             if block.device.type != "cpu":
                 self.counters.add(bytes_device_staged=n)
             return
@@ -271,9 +368,10 @@ class KVCacheStore:
         """The checked keys and ``(block, on a GPU)`` of a put."""
         self._check_open()
         ks = self._check_keys(keys)
-        if len(ks) != len(blocks):
-            raise errors.InvalidRequestError(f"put: {len(ks)} keys but {len(blocks)} blocks")
-        return ks, [self._source(b, f"block {i}") for i, b in enumerate(blocks)]
+        bs = _listed(blocks, "put: blocks")
+        if len(ks) != len(bs):
+            raise errors.InvalidRequestError(f"put: {len(ks)} keys but {len(bs)} blocks")
+        return ks, [self._source(b, f"put: block {i}") for i, b in enumerate(bs)]
 
     def _direct_views(self, sources: list[tuple[Any, bool]]) -> list[memoryview] | None:
         """Byte views of the (checked) blocks when they can move without the pinned tier: there is none, and every
@@ -346,11 +444,33 @@ class KVCacheStore:
             self._lat["put"].append(time.perf_counter() - t0)
 
     def wait_for_puts(self, timeout: float | None = None) -> None:
-        """Wait until every block put so far reached its lower tiers; raise the first error."""
+        """Wait until every block put so far reached its lower tiers; raise the first error.
+
+        Raises :class:`~sfstore.errors.IOTimeoutError` when they had not after ``timeout`` seconds (the writes
+        go on; a later call waits for them again).
+        """
+        _check_timeout(timeout, "wait_for_puts")
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending, self._writes = self._writes, []
-        for f in pending:
-            f.result(timeout)
+        try:
+            for i, f in enumerate(pending):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    f.result(left)
+                except TimeoutError:
+                    if f.done():
+                        raise
+                    with self._lock:
+                        self._writes = pending[i:] + self._writes
+                    pending = []
+                    raise errors.IOTimeoutError(
+                        f"wait_for_puts: the lower-tier writes had not finished after {timeout} s"
+                    ) from None
+        finally:
+            if pending:  # an error: the writes not waited for yet stay pending for the next call or close()
+                with self._lock:
+                    self._writes = [w for w in pending if not w.done()] + self._writes
 
     # -- per layer --------------------------------------------------------------------------------------------
     def put_layer(self, keys: Sequence[bytes], layer: int, tensors: Sequence[Any]) -> None:
@@ -362,7 +482,7 @@ class KVCacheStore:
         g = self.geometry
         ks = self._layer_args("put_layer", keys, layer, tensors)
         done: list[tuple[bytes, Slot]] = []
-        for k, t in zip(ks, tensors, strict=True):
+        for k, t in zip(ks, list(tensors), strict=True):
             with self._lock:
                 slot, layers = self._partial.get(k) or (None, set())
                 if slot is None:
@@ -392,20 +512,22 @@ class KVCacheStore:
         dtype, a layer's element count)."""
         self._check_open()
         g = self.geometry
-        if not 0 <= layer < g.num_layers:
-            raise errors.InvalidRequestError(f"{op}: layer {layer} is not in [0, {g.num_layers})")
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < g.num_layers:
+            raise errors.InvalidRequestError(f"{op}: layer {layer!r} is not an int in [0, {g.num_layers})")
         ks = self._check_keys(keys)
+        tensors = _listed(tensors, f"{op}: tensors")
         if len(ks) != len(tensors):
             raise errors.InvalidRequestError(f"{op}: {len(ks)} keys but {len(tensors)} tensors")
         for i, t in enumerate(tensors):
-            if not (type(t).__module__ or "").startswith("torch"):
+            if not (type(t).__module__ or "").startswith("torch") or not hasattr(t, "device"):
                 raise errors.InvalidRequestError(
                     f"{op}: tensor {i}: per-layer transfers take torch tensors, not {type(t).__name__}"
                 )
             dtype = str(t.dtype).replace("torch.", "")
-            if dtype != g.dtype or t.numel() != g.layer_elements:
+            if dtype != g.dtype or t.numel() != g.layer_elements or t.device.type not in ("cpu", "cuda"):
                 raise errors.InvalidRequestError(
-                    f"{op}: tensor {i}: {tuple(t.shape)} {dtype}, but a layer of a block is {g.layer_shape} {g.dtype}"
+                    f"{op}: tensor {i}: {tuple(t.shape)} {dtype} on {t.device.type}, but a layer of a block is "
+                    f"{g.layer_shape} {g.dtype} (CPU or CUDA)"
                 )
         return ks
 
@@ -415,7 +537,7 @@ class KVCacheStore:
         g = self.geometry
         ks = self._layer_args("get_layer_into", keys, layer, tensors)
         slots, tiers = self._fetch(ks, count=False)
-        self._deliver(slots, tensors, layer * g.layer_bytes, g.layer_bytes)
+        self._deliver(slots, list(tensors), layer * g.layer_bytes, g.layer_bytes)
         return tiers
 
     def _deliver(self, slots: list[Slot | None], dests: Sequence[Any], offset: int, nbytes: int) -> None:
@@ -432,12 +554,19 @@ class KVCacheStore:
     # -- get --------------------------------------------------------------------------------------------------
     def get_into(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[str | None]:
         """Copy each block into ``blocks`` (caller-owned, ``block_bytes`` each, CPU or CUDA); return for each key
-        the tier it came from (``"pinned"``, ``"block"``, ``"shared"``) or ``None`` for a miss (left as is)."""
+        the tier it came from (``"pinned"``, ``"block"``, ``"shared"``) or ``None`` for a miss.
+
+        A miss leaves its destination exactly as it was: a block reaches the caller's memory only once verified.
+        A block that fails verification in a lower tier (counted in ``corrupt_dropped``) or cannot be read there
+        (a directory, FIFO or symlink out of the shared directory at its name: ``unreadable``) is a miss for
+        that key alone; the other keys of the batch are unaffected.
+        """
         self._check_open()
         ks = self._check_keys(keys)
-        if len(ks) != len(blocks):
-            raise errors.InvalidRequestError(f"get_into: {len(ks)} keys but {len(blocks)} blocks")
-        dests = [self._source(b, f"destination block {i}") for i, b in enumerate(blocks)]
+        bs = _listed(blocks, "get_into: blocks")
+        if len(ks) != len(bs):
+            raise errors.InvalidRequestError(f"get_into: {len(ks)} keys but {len(bs)} blocks")
+        dests = [self._source(b, f"get_into: block {i}", writable=True) for i, b in enumerate(bs)]
         t0 = time.perf_counter()
         views = self._direct_views(dests)
         if views is not None and all(not v.readonly for v in views):
@@ -445,34 +574,45 @@ class KVCacheStore:
             self._lat["get"].append(time.perf_counter() - t0)
             return tiers
         slots, tiers = self._fetch(ks, count=True)
-        self._deliver(slots, blocks, 0, self.geometry.block_bytes)
+        self._deliver(slots, bs, 0, self.geometry.block_bytes)
         self.counters.add(bytes_got=self.geometry.block_bytes * sum(1 for s in slots if s is not None))
         self._lat["get"].append(time.perf_counter() - t0)
         return tiers
 
     def _get_direct(self, keys: list[bytes], views: list[memoryview]) -> list[str | None]:
-        """get_into without a pinned tier: straight into the caller's host buffers, verified there."""
+        """get_into without a pinned tier: from the lower tiers into the caller's host buffers.
+
+        Each block lands in the caller's buffer only once verified (the block store's staging buffers, the
+        shared tier's scratch buffer): one host copy per block, which keeps a missed key's buffer as it was.
+        """
         n = self.geometry.block_bytes
         tiers: list[str | None] = [None] * len(keys)
+        corrupt = unreadable = 0
         if self.block is not None:
-            got = self.block.get_into(keys, views)
+            got, corrupt = self.block._get_into(keys, views, keep_on_miss=True)
             tiers = ["block" if g == n else None for g in got]
         if self.shared is not None:
             found = []
             for i, t in enumerate(tiers):
-                if t is None and self.shared.read_view(keys[i], views[i]):
+                if t is not None:
+                    continue
+                status = self.shared.read_view(keys[i], views[i])
+                if status == "hit":
                     tiers[i] = "shared"
                     found.append((keys[i], views[i]))
+                corrupt += status == "corrupt"
+                unreadable += status == "unreadable"
             if found and self.block is not None:
                 self.block.put_many(found)  # promotion: the next get finds them in the block store
                 self.counters.add(promotions=len(found))
         self.counters.add(gets=len(keys), misses=tiers.count(None), hits_block=tiers.count("block"),
-                          hits_shared=tiers.count("shared"), bytes_got=n * (len(keys) - tiers.count(None)))
+                          hits_shared=tiers.count("shared"), bytes_got=n * (len(keys) - tiers.count(None)),
+                          corrupt_dropped=corrupt, unreadable=unreadable)
         return tiers
 
     def prefetch(self, keys: Sequence[bytes]) -> BlockStoreFuture[list[str | None]]:
         """Bring the blocks into the pinned tier in the background; ``.get()`` gives the tier of each."""
-        self._check_open()
+        self._check_open()  # (an empty batch is a valid no-op, as in every call)
         ks = self._check_keys(keys)
 
         def run() -> list[str | None]:
@@ -490,11 +630,19 @@ class KVCacheStore:
         slots: list[Slot | None] = [self.pinned.get(k) for k in keys]
         tiers: list[str | None] = ["pinned" if s is not None else None for s in slots]
         missing = [i for i, s in enumerate(slots) if s is None]
+        corrupt = unreadable = 0
         if missing and self.block is not None:
             present = [i for i in missing if self.block.contains(keys[i])]
             if present:
                 fresh = [self.pinned.take() for _ in present]
-                got = self.block.get_into([keys[i] for i in present], [s.data(n) for s in fresh])
+                try:
+                    got, corrupt = self.block._get_into([keys[i] for i in present], [s.data(n) for s in fresh],
+                                                        keep_on_miss=False)  # into slots, not the caller's
+                except BaseException:
+                    for s in fresh:
+                        self.pinned.drop(s)
+                    self._unpin_all(slots)
+                    raise
                 for i, s, length in zip(present, fresh, got, strict=True):
                     if length == n:  # verified by the block store against the checksum it holds
                         self.pinned.insert(keys[i], s, self.block.checksum(keys[i]) or 0)
@@ -506,22 +654,36 @@ class KVCacheStore:
             promote: list[tuple[bytes, Slot]] = []
             for i in missing:
                 s = self.pinned.take()
-                if self.shared.read_into(keys[i], s):
+                try:
+                    status = self.shared.read_into(keys[i], s)
+                except BaseException:
+                    self.pinned.drop(s)
+                    self._unpin_all(slots)
+                    raise
+                if status == "hit":
                     self.pinned.insert(keys[i], s, s.checksum)
                     slots[i], tiers[i] = s, "shared"
                     promote.append((keys[i], s))
                 else:
                     self.pinned.drop(s)
+                    corrupt += status == "corrupt"
+                    unreadable += status == "unreadable"
             if promote and self.block is not None:
                 for _k, s in promote:
                     s.readers += 1  # released by the background write
                 self._executor.submit(self._promote_to_block, promote)
+        self.counters.add(corrupt_dropped=corrupt, unreadable=unreadable)
         if count:
             self.counters.add(
                 gets=len(keys), misses=sum(1 for t in tiers if t is None),
                 hits_pinned=tiers.count("pinned"), hits_block=tiers.count("block"), hits_shared=tiers.count("shared"),
             )
         return slots, tiers
+
+    def _unpin_all(self, slots: list[Slot | None]) -> None:
+        for s in slots:
+            if s is not None:
+                self.pinned.unpin(s)
 
     def _promote_to_block(self, items: list[tuple[bytes, Slot]]) -> None:
         n = self.geometry.block_bytes
@@ -538,8 +700,9 @@ class KVCacheStore:
     # -- housekeeping ---------------------------------------------------------------------------------------------
     def evict(self, keys: Sequence[bytes], tiers: Iterable[str] = TIERS) -> int:
         """Remove the blocks from ``tiers``; return how many (block, tier) copies were removed."""
+        self._check_open()
         ks = self._check_keys(keys)
-        chosen = set(tiers)
+        chosen = set(_listed(tiers, "evict: tiers"))
         bad = chosen - set(TIERS)
         if bad:
             raise errors.InvalidRequestError(f"evict: unknown tier(s) {sorted(bad)}; tiers are {TIERS}")
@@ -599,6 +762,8 @@ class KVCacheStore:
             for slot, _layers in partial:
                 self.pinned.drop(slot)
             self.pinned.close()
+            if self.shared is not None:
+                self.shared.close()
 
     def __enter__(self) -> KVCacheStore:
         return self

@@ -8,14 +8,16 @@ the block store with no copy.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import stat
 import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.checksums import xxh3_64
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
@@ -162,6 +164,13 @@ class SharedTier:
     ``<dir>/<key[0:1] hex>/<key hex>.kvb``: a 4096-byte header (magic, geometry, key, length, xxh3-64) and the
     block. Files are published atomically (temporary name, then rename): a reader in any process or node sees
     a whole block or none, and a killed writer leaves only a temporary file, which listings ignore.
+
+    Reads never leave the directory and never block on what is not a block file: each file is opened beneath
+    the directory's descriptor (``openat2`` with ``RESOLVE_BENEATH``: ``..`` and symlinks that lead out are
+    refused by the kernel) with ``O_NONBLOCK`` (a FIFO does not wait for a writer), and only a regular file of
+    exactly a block's size is read. A read answers ``"hit"``, ``"missing"``, ``"corrupt"`` (a regular file that
+    fails verification: wrong size, header or checksum; it is removed, so a later put publishes the block
+    again) or ``"unreadable"`` (a directory, FIFO, socket, a symlink out, or a read that failed).
     """
 
     def __init__(
@@ -176,18 +185,161 @@ class SharedTier:
             self.prefix = os.fspath(directory).strip("/") + "/"
             self.fp.resolve(self.prefix)  # refuses a directory outside it
         self.fsync = fsync
+        self.slot_bytes = -(-geom.block_bytes // 4096) * 4096
+        self._dirfd: int | None = None
+        self._dir_lock = threading.Lock()
+        # A shared read lands in a scratch buffer and reaches the caller's memory only once verified (one copy);
+        # a write's header is staged in a registered buffer. Both pools allocate on first use and reuse.
+        self._scratch = RegisteredBufferPool(HEADER + self.slot_bytes)
+        self._headers = RegisteredBufferPool(HEADER)
 
     def name(self, key: bytes) -> str:
+        """The block file's name under the file path's root."""
         h = key.hex()
         return f"{self.prefix}{h[:2]}/{h}.kvb"
 
+    # -- opening beneath the directory ------------------------------------------------------------------------
+    def _dir(self) -> int:
+        """A descriptor of the tier's directory (opened once, beneath the file path's root)."""
+        fd = self._dirfd
+        if fd is not None:
+            return fd
+        with self._dir_lock:
+            if self._dirfd is None:
+                try:
+                    os.makedirs(self.fp.resolve(self.prefix), exist_ok=True)
+                except OSError:
+                    pass  # a read-only mount: the directory is there or reads miss
+                self._dirfd, _ = self.fp.open_beneath(self.prefix.rstrip("/") or ".", _O_PATH | os.O_DIRECTORY)
+            return self._dirfd
+
+    def _open(self, rel: str, flags: int) -> int:
+        """Open ``rel`` beneath the tier's directory; ``OSError`` (``ENOENT``: not there) on failure."""
+        global _beneath
+        dirfd = self._dir()
+        if _beneath is not None:
+            try:
+                return int(_beneath(dirfd, rel, flags, 0))
+            except OSError as exc:
+                if exc.errno != errno.ENOSYS:
+                    raise
+                _beneath = None  # a kernel without openat2: the checked-name fallback below
+        root = self.fp.resolve(self.prefix)
+        real = os.path.realpath(os.path.join(root, rel))
+        if not real.startswith(root.rstrip("/") + os.sep):
+            raise OSError(errno.EXDEV, f"{rel} leads outside the shared directory {root}")
+        return os.open(real, flags | os.O_CLOEXEC)
+
+    def _entry(self, key: bytes) -> tuple[str, str]:
+        h = key.hex()
+        return h[:2], f"{h}.kvb"
+
+    # -- reads ------------------------------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
-        return os.path.isfile(self.fp.resolve(self.name(key)))
+        """Whether a regular file (not yet verified) is at the key's name inside the directory."""
+        sub, base = self._entry(key)
+        try:
+            fd = self._open(f"{sub}/{base}", _O_PATH)
+        except OSError:
+            return False
+        try:
+            return stat.S_ISREG(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+
+    def _read(self, key: bytes, views: list[memoryview]) -> tuple[str, int]:
+        """Read the block file of ``key`` into ``views`` (header first, ``HEADER + slot_bytes`` in all) and
+        verify it: ``("hit", checksum)``, else ``"missing"``, ``"corrupt"`` or ``"unreadable"`` (see the class)
+        with 0."""
+        n = self.geom.block_bytes
+        sub, base = self._entry(key)
+        try:
+            fd = self._open(f"{sub}/{base}", _READ_FLAGS)
+        except OSError as exc:
+            return ("missing" if exc.errno == errno.ENOENT else "unreadable"), 0
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return "unreadable", 0
+            if st.st_size != HEADER + n:
+                self._drop(sub, base, st)
+                return "corrupt", 0
+            got = _pread_all(fd, views, HEADER + n, direct=self.fp.direct)
+        except OSError:
+            self.fp.counters.add(errors=1)
+            return "unreadable", 0
+        finally:
+            os.close(fd)
+        self.fp.counters.add(requests=1, files=1, bytes_read=got)
+        head = views[0][:HEADER]
+        checksum = check_header(head, self.geom, key) if got == HEADER + n else None
+        if checksum is None or _block_sum(views, n) != checksum:
+            self._drop(sub, base, st)
+            return "corrupt", 0
+        return "hit", checksum
+
+    def _drop(self, sub: str, base: str, st: os.stat_result) -> None:
+        """Remove the corrupt file just read, if the name still holds that very file (a writer may have
+        published a good one meanwhile: that one stays)."""
+        try:
+            pfd = self._open(sub, _O_PATH | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            now = os.stat(base, dir_fd=pfd, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.unlink(base, dir_fd=pfd)
+        except OSError:
+            pass
+        finally:
+            os.close(pfd)
+
+    def read_view(self, key: bytes, data: memoryview) -> str:
+        """Read the block of ``key`` into ``data`` (caller's memory) through a scratch buffer: ``data`` is
+        written only on a ``"hit"`` (verified), and left as it is otherwise."""
+        n = self.geom.block_bytes
+        buf = self._scratch.acquire()
+        try:
+            view = memoryview(buf)
+            status, _ = self._read(key, [view])
+            if status == "hit":
+                data[:n] = view[HEADER:HEADER + n]
+            del view
+        finally:
+            buf.release()
+        return status
+
+    def read_into(self, key: bytes, slot: Slot) -> str:
+        """Read the block into ``slot`` (the tier's own memory); on a ``"hit"`` its checksum is set."""
+        status, checksum = self._read(key, [memoryview(slot.header)[:HEADER],
+                                            memoryview(slot.buffer)[:self.slot_bytes]])
+        if status == "hit":
+            slot.checksum = checksum
+        return status
+
+    # -- writes -------------------------------------------------------------------------------------------------
+    def _clear(self, key: bytes) -> None:
+        """Remove what is at the key's name when it is not a regular file or directory (a FIFO, a socket, a
+        symlink), so the publish that follows renames over nothing foreign."""
+        sub, base = self._entry(key)
+        try:
+            pfd = self._open(sub, _O_PATH | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            st = os.stat(base, dir_fd=pfd, follow_symlinks=False)
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                os.unlink(base, dir_fd=pfd)
+        except OSError:
+            pass
+        finally:
+            os.close(pfd)
 
     def write(self, key: bytes, slot: Slot) -> bool:
         """Publish the block in ``slot`` (its header is filled here); ``False`` when it is already there."""
         if self.contains(key):
             return False
+        self._clear(key)
         hview = memoryview(slot.header)
         hdr = encode_header(self.geom, key, slot.checksum)
         hview[:len(hdr)] = hdr
@@ -201,56 +353,39 @@ class SharedTier:
         """Publish ``data`` (a block in the caller's memory) under ``key``; ``False`` when it is already there."""
         if self.contains(key):
             return False
-        with RegisteredBufferPool(HEADER) as pool:
-            hbuf = pool.acquire()
-            try:
-                hview = memoryview(hbuf)
-                hdr = encode_header(self.geom, key, checksum)
-                hview[:len(hdr)] = hdr
-                hview[len(hdr):] = bytes(HEADER - len(hdr))
-                with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:
-                    w.write(hview)
-                    w.write(data)
-                del hview
-            finally:
-                hbuf.release()
-        return True
-
-    def read_view(self, key: bytes, data: memoryview) -> bool:
-        """Read the block of ``key`` into ``data`` (caller's memory), verified; ``False`` for a missing, foreign
-        or corrupt file (``data`` may then hold garbage)."""
-        n = self.geom.block_bytes
-        with RegisteredBufferPool(HEADER) as pool:
-            hbuf = pool.acquire()
-            try:
-                try:
-                    got = self.fp.read_ranges_into(self.name(key), [(0, HEADER, hbuf, 0), (HEADER, n, data, 0)])
-                except errors.PathNotFoundError:
-                    return False
-                checksum = check_header(memoryview(hbuf), self.geom, key)
-            finally:
-                hbuf.release()
-        return got == [HEADER, n] and checksum is not None and xxh3_64(data[:n]) == checksum
-
-    def read_into(self, key: bytes, slot: Slot) -> bool:
-        """Read the block into ``slot``; ``False`` for a missing, foreign or corrupt file (never returned)."""
-        n = self.geom.block_bytes
+        self._clear(key)
+        hbuf = self._headers.acquire()
         try:
-            got = self.fp.read_ranges_into(self.name(key), [(0, HEADER, slot.header, 0), (HEADER, n, slot.buffer, 0)])
-        except errors.PathNotFoundError:
-            return False
-        checksum = check_header(memoryview(slot.header), self.geom, key)
-        if got != [HEADER, n] or checksum is None or xxh3_64(slot.data(n)) != checksum:
-            return False
-        slot.checksum = checksum
+            hview = memoryview(hbuf)
+            hdr = encode_header(self.geom, key, checksum)
+            hview[:len(hdr)] = hdr
+            hview[len(hdr):] = bytes(HEADER - len(hdr))
+            with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:
+                w.write(hview)
+                w.write(data)
+            del hview
+        finally:
+            hbuf.release()
         return True
 
     def remove(self, key: bytes) -> bool:
+        """Remove the key's file (beneath the directory); ``True`` when a block file was removed. A directory
+        at the name is left alone."""
+        sub, base = self._entry(key)
         try:
-            os.unlink(self.fp.resolve(self.name(key)))
-            return True
-        except FileNotFoundError:
+            pfd = self._open(sub, _O_PATH | os.O_DIRECTORY)
+        except OSError:
             return False
+        try:
+            st = os.stat(base, dir_fd=pfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                return False
+            os.unlink(base, dir_fd=pfd)
+            return stat.S_ISREG(st.st_mode)
+        except OSError:
+            return False
+        finally:
+            os.close(pfd)
 
     def count(self) -> int:
         root = self.fp.resolve(self.prefix)
@@ -258,6 +393,70 @@ class SharedTier:
         for _dirpath, _dirs, files in os.walk(root):
             n += sum(1 for f in files if f.endswith(".kvb") and not self.fp.is_temporary(f))
         return n
+
+    def close(self) -> None:
+        """Release the directory descriptor and the scratch buffers."""
+        with self._dir_lock:
+            fd, self._dirfd = self._dirfd, None
+        if fd is not None:
+            os.close(fd)
+        self._scratch.close()
+        self._headers.close()
+
+
+_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _native_beneath() -> Any:
+    try:
+        from sfstore import _native
+    except ImportError:
+        return None
+    return getattr(_native, "open_beneath", None)
+
+
+_beneath = _native_beneath()
+
+
+def _pread_all(fd: int, views: list[memoryview], want: int, *, direct: bool) -> int:
+    """Read from offset 0 into ``views`` until ``want`` bytes or the end of the file; return the bytes read.
+
+    With ``direct`` the read goes with O_DIRECT (the views are registered, aligned buffers of aligned sizes):
+    no page-cache copy; a filesystem that refuses it for this file is read through the page cache.
+    """
+    if direct and _O_DIRECT:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+        except OSError:
+            direct = False
+    total = 0
+    for view in views:
+        pos = 0
+        while pos < len(view) and total < want:
+            try:
+                got = os.preadv(fd, [view[pos:]], total)
+            except OSError as exc:
+                if not (direct and exc.errno == errno.EINVAL):
+                    raise
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+                direct = False
+                continue
+            if got == 0:
+                return total
+            pos += got
+            total += got
+        if total >= want:
+            break
+    return total
+
+
+def _block_sum(views: list[memoryview], n: int) -> int:
+    """xxh3-64 of the ``n`` block bytes that follow the header in ``views``."""
+    if len(views[0]) >= HEADER + n:
+        return xxh3_64(views[0][HEADER:HEADER + n])
+    return xxh3_64(views[1][:n])
 
 
 __all__ += ["encode_header", "check_header", "KEY_BYTES"]
