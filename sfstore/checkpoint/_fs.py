@@ -21,6 +21,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ __all__ = [
     "publish",
     "cleanup",
     "is_checkpoint_dir",
+    "read_regular",
+    "check_regular",
     "FOREIGN_STALE_SECONDS",
 ]
 
@@ -146,6 +149,64 @@ def locate_dir(prefix: str | os.PathLike[str]) -> tuple[FilePath, str]:
         return fp, fp.root
     fp = _checkpoint_root()
     return fp, fp.resolve(text if text not in ("", ".") else "")
+
+
+# -- reading small files -------------------------------------------------------------------------------------
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_regular(st: os.stat_result, path: str, what: str, *, shard: str | None = None) -> None:
+    """A :class:`~sfstore.errors.CorruptCheckpointError` unless ``st`` is a regular file's: a FIFO, socket,
+    device or directory where a checkpoint has a file would block a read forever or never match its sums."""
+    if not stat.S_ISREG(st.st_mode):
+        raise errors.CorruptCheckpointError(
+            f"{what} {path} is {_kind(st.st_mode)}, not a regular file", shard=shard
+        )
+
+
+def read_regular(fp: FilePath, path: str, *, limit: int, what: str) -> bytes:
+    """The bytes of the regular file ``path`` (absolute, inside ``fp``'s root) of at most ``limit`` bytes.
+
+    It is opened beneath the root with ``O_NONBLOCK`` and checked with ``fstat`` before a byte is read, so a
+    FIFO (or socket, device, directory) in its place is a :class:`~sfstore.errors.CorruptCheckpointError`, never
+    a hang; a larger file is one too, checked before it is read and again while reading (it may grow).
+    Missing files raise :class:`~sfstore.errors.PathNotFoundError`.
+    """
+    try:
+        fd, full = fp.open_beneath(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except errors.SfstoreOSError as exc:
+        if exc.errno == errno.ENXIO:  # what open(2) says of a Unix socket (or a device without its driver)
+            raise errors.CorruptCheckpointError(
+                f"{what} {exc.filename or path} is a socket or device, not a regular file"
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        check_regular(st, full, what)
+        if st.st_size > limit:
+            raise errors.CorruptCheckpointError(f"{what} {full} has {st.st_size} bytes, more than the {limit} allowed")
+        data = bytearray()
+        while True:
+            try:
+                piece = os.read(fd, min(8 << 20, limit + 1 - len(data)))
+            except OSError as exc:
+                raise _os_err(exc, f"cannot read {what}", full) from None
+            if not piece:
+                break
+            data += piece
+            if len(data) > limit:
+                raise errors.CorruptCheckpointError(f"{what} {full} grew past the {limit} bytes allowed")
+    finally:
+        os.close(fd)
+    fp.counters.add(files=1, requests=1, bytes_read=len(data))
+    return bytes(data)
 
 
 # -- staging and publishing ------------------------------------------------------------------------------------

@@ -76,22 +76,17 @@ def read_manifest(fp: FilePath, directory: str) -> Manifest:
     """Read and validate the manifest of the checkpoint directory ``directory`` (absolute, inside ``fp``).
 
     Raises :class:`~sfstore.errors.PathNotFoundError` when there is no such directory or it holds no manifest
-    (not a checkpoint), :class:`~sfstore.errors.CorruptCheckpointError` when the manifest is invalid.
+    (not a checkpoint), :class:`~sfstore.errors.CorruptCheckpointError` when the manifest is invalid, fails its
+    own sum, or is not a regular file (a FIFO there is refused without blocking).
     """
     path = os.path.join(directory, MANIFEST_NAME)
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
+        raw = _fs.read_regular(fp, path, limit=MAX_MANIFEST_BYTES, what="manifest")
+    except errors.PathNotFoundError:
         if not os.path.isdir(directory):
             raise errors.os_error(2, "no checkpoint directory", directory) from None
         raise errors.os_error(2, f"not an sfstore checkpoint: {MANIFEST_NAME} is missing", path) from None
-    except OSError as exc:
-        raise errors.os_error(exc.errno or 5, "cannot stat", path) from None
-    if st.st_size > MAX_MANIFEST_BYTES:
-        raise errors.CorruptCheckpointError(
-            f"{path}: manifest of {st.st_size} bytes exceeds the limit of {MAX_MANIFEST_BYTES} bytes"
-        )
-    return Manifest.from_json(fp.read(path))
+    return Manifest.from_json(raw)
 
 
 def _entry_url(prefix_absolute: bool, fp: FilePath, path: str) -> str:

@@ -92,6 +92,7 @@ from torch.futures import Future
 
 from sfstore import errors
 from sfstore.buffers import as_buffer
+from sfstore.checkpoint import _fs
 from sfstore.engine import IOFuture, Request, open_fd
 from sfstore.paths.file import FilePath, fsync_dir
 
@@ -1029,16 +1030,12 @@ class StorageReader(_DcpStorageReader):
         fp = self._path()
         name = _metadata_name(None if rank is None else int(rank))
         try:
-            size = fp.size(name)
+            # Opened without blocking and checked to be a regular file: a FIFO there is refused, not waited on.
+            raw = _fs.read_regular(fp, name, limit=MAX_METADATA_BYTES, what=f"metadata of {self.url!r}:")
         except errors.PathNotFoundError:
             raise errors.os_error(errno.ENOENT, f"no sfstore DCP checkpoint at {self.url!r} ({name} is missing)",
                                   fp.resolve(name)) from None
-        if size > MAX_METADATA_BYTES:
-            raise errors.CorruptCheckpointError(
-                f"metadata {name} of {self.url!r} has {size} bytes, more than the {MAX_METADATA_BYTES} allowed",
-                shard=name,
-            )
-        metadata = decode_metadata(fp.read(name))
+        metadata = decode_metadata(raw)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -1156,12 +1153,17 @@ class StorageReader(_DcpStorageReader):
 
     def _read_file(self, fp: FilePath, name: str, entries: list[tuple[ReadItem, ItemLocation]],
                    planner: LoadPlanner) -> None:
+        full = fp.resolve(name)
         try:
-            size = fp.size(name)
-        except errors.PathNotFoundError:
+            st = os.stat(full)
+        except FileNotFoundError:
             raise errors.CorruptCheckpointError(
                 f"data file {name} of checkpoint {self.url!r} is missing", shard=name,
                 tensor=entries[0][0].storage_index.fqn) from None
+        except OSError as exc:
+            raise errors.os_error(exc.errno or errno.EIO, "cannot stat data file", full) from None
+        _fs.check_regular(st, full, f"data file of checkpoint {self.url!r}:", shard=name)
+        size = st.st_size
         for item, loc in entries:
             if loc.offset + loc.length > size:
                 raise errors.CorruptCheckpointError(

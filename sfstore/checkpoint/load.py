@@ -118,11 +118,13 @@ def _shard_path(loc_dir: str, fp: FilePath, shard: ShardRecord) -> str:
     if os.path.dirname(real) != os.path.realpath(loc_dir):
         raise _corrupt(f"shard {shard.file} links out of the checkpoint directory (to {real})", shard.file)
     try:
-        size = os.stat(real).st_size
+        st = os.stat(real)
     except FileNotFoundError:
         raise _corrupt(f"shard {shard.file} is missing", shard.file) from None
     except OSError as exc:
         raise errors.os_error(exc.errno or 5, "cannot stat shard", real) from None
+    _fs.check_regular(st, real, "shard", shard=shard.file)
+    size = st.st_size
     if size != shard.size:
         what = "truncated" if size < shard.size else "longer than recorded"
         raise _corrupt(f"shard {shard.file} is {what}: {size} bytes, the manifest says {shard.size}", shard.file)

@@ -1,10 +1,10 @@
 """The checkpoint manifest, ``sfstore-manifest.json``: what is in a checkpoint and how to check it.
 
-Schema (format version 2)::
+Schema (format version 3)::
 
     {
       "format": "sfstore-checkpoint",
-      "version": 2,
+      "version": 3,
       "created_ns": 1712345678123456789,          # time.time_ns() when the manifest was written
       "metadata": {"step": 1000},                 # the caller's metadata: plain JSON, string keys
       "structure": <node>,                        # the state dict's nesting (below)
@@ -15,14 +15,30 @@ Schema (format version 2)::
         }
       },
       "shards": [{"file": "shard-00000.safetensors", "size": 1073745920, "xxh3_64": "...",
-                  "header_xxh3_64": "..."}]
+                  "header_xxh3_64": "..."}],
+      "manifest_xxh3_64": "..."                   # the manifest's own sum: always the last member
     }
 
 A shard's ``xxh3_64`` covers the whole file, ``header_xxh3_64`` its safetensors header (the 8-byte length, the
 JSON and its padding: everything before the first tensor byte). The tensors' sums and the header's cover every
 byte of a shard once, so a load checks those and reads each byte once; the whole-file sum is for tools that
-check a shard file on its own. Version 1 (no ``header_xxh3_64``) is still read: its loads check the whole-file
-sum as well.
+check a shard file on its own. A shard entry without ``header_xxh3_64`` (version 1; allowed in version 3 for
+manifests made for shards written by other tools) has its whole-file sum checked on load instead.
+
+``manifest_xxh3_64`` (version 3) covers everything else in the manifest, byte for byte: the non-tensor values
+and nesting of the state dict, the metadata, the shard list and every sum. It is the object's last member,
+written after the others (which ``json.dumps(..., indent=1)`` wrote) as exactly these 43 bytes: a comma, a
+newline, a space, ``"manifest_xxh3_64": "<16 lowercase hex digits>"``, a newline and ``}``. The sum is the
+xxh3-64 of the file with those 43 bytes replaced by a newline and ``}`` (the manifest as it was before its sum
+was added). It is checked on the raw bytes before anything is parsed; a mismatch, a version 3 manifest without
+it, or a sum member that is not the last is a :class:`~sfstore.errors.CorruptCheckpointError`. Versions 1 and 2
+(no manifest sum) still load, and are listed, without a warning: their tensor bytes and shard headers keep
+their sums; what they lack is this protection of the non-tensor values and metadata. The next ``save`` writes
+version 3.
+
+Nesting: a state dict (and the metadata) may nest containers (lists, tuples, dicts) at most :data:`MAX_DEPTH`
+deep; a manifest whose JSON nests deeper than :data:`MAX_JSON_DEPTH` is refused before it is parsed, and the
+structure is validated without recursion.
 
 ``structure`` nodes: JSON ``null``, ``true``/``false``, integers, strings and arrays (lists) stand for
 themselves; every other node is an object with exactly one tag: ``{"float": "nan"}`` (``repr`` of the float, so
@@ -45,7 +61,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfstore.checkpoint.safetensors_format import no_duplicate_keys
+from sfstore.checkpoint.safetensors_format import json_depth_within, no_duplicate_keys, shape_problem
+from sfstore.checksums import xxh3_64_hex
 from sfstore.errors import CorruptCheckpointError, InvalidRequestError
 
 __all__ = [
@@ -54,6 +71,9 @@ __all__ = [
     "VERSION",
     "READABLE_VERSIONS",
     "MAX_MANIFEST_BYTES",
+    "MAX_DEPTH",
+    "MAX_JSON_DEPTH",
+    "SUM_KEY",
     "NUMPY_DTYPES",
     "TensorRecord",
     "ShardRecord",
@@ -64,11 +84,23 @@ __all__ = [
 
 MANIFEST_NAME = "sfstore-manifest.json"
 FORMAT = "sfstore-checkpoint"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 """Format versions this sfstore reads (it writes :data:`VERSION`)."""
 MAX_MANIFEST_BYTES = 1 << 30
 """Largest manifest read, in bytes."""
+SUM_KEY = "manifest_xxh3_64"
+"""The member holding the manifest's own xxh3-64 (version 3 on)."""
+MAX_DEPTH = 64
+"""Deepest nesting of containers (lists, tuples, dicts; a dict's key counts as one level inside it) in a state
+dict or in metadata that a checkpoint holds."""
+MAX_JSON_DEPTH = 3 * MAX_DEPTH + 8
+"""Deepest JSON nesting of a manifest read (a dict level of the structure is 3 JSON levels, plus a few for the
+manifest's own objects)."""
+
+_SUM_HEAD = b',\n "' + SUM_KEY.encode("ascii") + b'": "'
+_SUM_TAIL = b'"\n}'
+_SEAL_BYTES = len(_SUM_HEAD) + 16 + len(_SUM_TAIL)
 
 NUMPY_DTYPES = (
     "bool",
@@ -91,6 +123,7 @@ NUMPY_DTYPES = (
 KINDS = ("torch", "numpy")
 _TAGS = frozenset(("float", "tuple", "dict", "odict", "size", "bytes", "dtype", "tensor", "npscalar"))
 _HEX = frozenset("0123456789abcdef")
+_HEX_BYTES = frozenset(b"0123456789abcdef")
 
 
 def _bad(message: str, tensor: str | None = None) -> CorruptCheckpointError:
@@ -107,8 +140,12 @@ def check_plain_name(name: Any, what: str) -> str:
 
 
 def encode_key(key: Any) -> str:
-    """One component of a tensor name: ``str`` keys escaped (``~`` -> ``~0``, ``/`` -> ``~1``), others as text."""
+    """One component of a tensor name: ``str`` keys escaped (``~`` -> ``~0``, ``/`` -> ``~1``), others as text.
+
+    Lone surrogates (text that is not UTF-8) are written as ``\\udc80`` escapes: safetensors headers are UTF-8.
+    """
     text = key if isinstance(key, str) else repr(key) if not isinstance(key, int) else str(key)
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text.replace("~", "~0").replace("/", "~1")
 
 
@@ -161,13 +198,14 @@ class Manifest:
     structure: Any
     tensors: dict[str, TensorRecord]
     shards: list[ShardRecord]
+    read_version: int = VERSION
+    """The format version it was read as (:meth:`to_json` always writes :data:`VERSION`)."""
     _by_shard: dict[str, list[TensorRecord]] = field(default_factory=dict, repr=False)
 
     @property
     def version(self) -> int:
-        """The format version this manifest is written as: :data:`VERSION`, or 1 where a shard lacks its header
-        sum (read from version 1, or built without them)."""
-        return VERSION if all(sh.header_xxh3_64 is not None for sh in self.shards) else 1
+        """The format version :meth:`to_json` writes: :data:`VERSION`."""
+        return VERSION
 
     @property
     def tensor_bytes(self) -> int:
@@ -184,7 +222,8 @@ class Manifest:
         return self._by_shard
 
     def to_json(self) -> bytes:
-        """The manifest as UTF-8 JSON (ASCII-escaped, so any string survives)."""
+        """The manifest as UTF-8 JSON (ASCII-escaped, so any string survives), sealed with its own sum (see the
+        module docs)."""
         obj = {
             "format": FORMAT,
             "version": self.version,
@@ -195,13 +234,21 @@ class Manifest:
             "shards": [s.to_json() for s in self.shards],
         }
         try:
-            return json.dumps(obj, ensure_ascii=True, allow_nan=False, indent=1).encode("ascii")
-        except (TypeError, ValueError) as exc:
+            body = json.dumps(obj, ensure_ascii=True, allow_nan=False, indent=1).encode("ascii")
+        except (TypeError, ValueError, RecursionError) as exc:
             raise InvalidRequestError(f"checkpoint metadata must be plain JSON (no nan/inf): {exc}") from None
+        return seal(body)
 
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
-        """Parse and validate a manifest; every problem is a :class:`~sfstore.errors.CorruptCheckpointError`."""
+        """Parse and validate a manifest; every problem is a :class:`~sfstore.errors.CorruptCheckpointError`.
+
+        The manifest's own sum (version 3) is checked on ``raw`` before anything in it is parsed.
+        """
+        raw = bytes(raw)
+        sealed = unseal(raw)
+        if not json_depth_within(raw, MAX_JSON_DEPTH):
+            raise _bad(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
         try:
             obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -215,6 +262,12 @@ class Manifest:
             raise _bad(f"format version {version!r} is not supported (this sfstore reads versions "
                        f"{', '.join(map(str, READABLE_VERSIONS))})")
         expected = {"format", "version", "created_ns", "metadata", "structure", "tensors", "shards"}
+        if version >= 3:
+            if sealed is None or obj.get(SUM_KEY) != sealed:
+                raise _bad(f"a version {version} manifest must end with its {SUM_KEY} member, as sfstore writes it")
+            expected.add(SUM_KEY)
+        elif sealed is not None:
+            raise _bad(f"a version {version} manifest has no {SUM_KEY}")
         if set(obj) != expected:
             raise _bad(f"keys are {sorted(obj)}, expected {sorted(expected)}")
         created = obj["created_ns"]
@@ -230,24 +283,50 @@ class Manifest:
         seen: set[str] = set()
         shard_keys = {"file", "size", "xxh3_64"} | ({"header_xxh3_64"} if version >= 2 else set())
         for s in shards_raw:
-            if not isinstance(s, dict) or set(s) != shard_keys:
-                raise _bad(f"shard entry {s!r} must have exactly {', '.join(sorted(shard_keys))}")
+            # Version 3 allows shards without a header sum (other writers' shards); 2 requires it, 1 has none.
+            keys = shard_keys - {"header_xxh3_64"} if version >= 3 and "header_xxh3_64" not in s else shard_keys
+            if not isinstance(s, dict) or set(s) != keys:
+                raise _bad(f"shard entry {_short(s)} must have exactly {', '.join(sorted(keys))}")
             name = check_plain_name(s["file"], "shard file")
             if name == MANIFEST_NAME or name in seen:
                 raise _bad(f"shard file {name!r} is listed twice or names the manifest")
             seen.add(name)
             if not _is_int(s["size"]) or s["size"] < 0:
                 raise _bad(f"shard {name!r}: size {s['size']!r} is not a non-negative integer")
-            head = _check_hash(s["header_xxh3_64"], f"shard {name!r} header") if version >= 2 else None
+            head = _check_hash(s["header_xxh3_64"], f"shard {name!r} header") if "header_xxh3_64" in s else None
             shards.append(ShardRecord(name, s["size"], _check_hash(s["xxh3_64"], f"shard {name!r}"), head))
         tensors_raw = obj["tensors"]
         if not isinstance(tensors_raw, dict):
             raise _bad("tensors is not a JSON object")
         tensors = {name: _tensor_record(name, rec, seen) for name, rec in tensors_raw.items()}
-        man = cls(created, metadata, obj["structure"], tensors, shards)
-        for _ in _walk(man.structure, tensors, 0):
+        man = cls(created, metadata, obj["structure"], tensors, shards, read_version=version)
+        for _ in _walk(man.structure, tensors):
             pass
         return man
+
+
+def seal(body: bytes) -> bytes:
+    """``body`` (a JSON object's text ending in a newline and ``}``) with its :data:`SUM_KEY` member appended."""
+    if not body.endswith(b"\n}"):
+        raise InvalidRequestError("a manifest body must end with a newline and '}' (json.dumps with indent)")
+    return body[:-2] + _SUM_HEAD + xxh3_64_hex(body).encode("ascii") + _SUM_TAIL
+
+
+def unseal(raw: bytes) -> str | None:
+    """The sum a sealed manifest ends with, checked against its other bytes; ``None`` when ``raw`` does not end
+    in a sum member (versions 1 and 2). A sum that does not match is a ``CorruptCheckpointError``."""
+    if len(raw) < _SEAL_BYTES + 2:
+        return None
+    tail = raw[-_SEAL_BYTES:]
+    digest = tail[len(_SUM_HEAD) : len(_SUM_HEAD) + 16]
+    if not (tail.startswith(_SUM_HEAD) and tail.endswith(_SUM_TAIL) and set(digest) <= _HEX_BYTES):
+        return None
+    want = digest.decode("ascii")
+    got = xxh3_64_hex(raw[:-_SEAL_BYTES] + b"\n}")
+    if got != want:
+        raise _bad(f"checksum mismatch: the manifest's bytes have xxh3-64 {got}, its {SUM_KEY} says {want} "
+                   f"(the manifest is corrupt; nothing in it is used)")
+    return want
 
 
 def _is_int(v: Any) -> bool:
@@ -277,8 +356,9 @@ def _tensor_record(name: str, rec: Any, shards: set[str]) -> TensorRecord:
         raise _bad(f"tensor {name!r}: dtype {dtype!r} is not a dtype name", tensor=name)
     if kind == "numpy" and dtype not in NUMPY_DTYPES:
         raise _bad(f"tensor {name!r}: numpy dtype {dtype!r} is not one a checkpoint holds", tensor=name)
-    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
-        raise _bad(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers", tensor=name)
+    problem = shape_problem(shape)
+    if problem is not None:
+        raise _bad(f"tensor {name!r}: {problem}", tensor=name)
     if not _is_int(nbytes) or nbytes < 0:
         raise _bad(f"tensor {name!r}: nbytes {nbytes!r} is not a non-negative integer", tensor=name)
     return TensorRecord(name, shard, kind, dtype, tuple(shape), nbytes, _check_hash(rec["xxh3_64"], f"tensor {name!r}"))
@@ -287,38 +367,42 @@ def _tensor_record(name: str, rec: Any, shards: set[str]) -> TensorRecord:
 # -- structure ------------------------------------------------------------------------------------------------
 
 
-def _walk(node: Any, tensors: Mapping[str, TensorRecord], depth: int) -> Iterator[str]:
-    """Validate a structure node; yield the tensor names it refers to."""
-    if depth > 10_000:
-        raise _bad("structure is nested too deeply")
-    if node is None or isinstance(node, (bool, int, str)):
-        return
-    if isinstance(node, list):
-        for item in node:
-            yield from _walk(item, tensors, depth + 1)
-        return
-    if not isinstance(node, dict) or len(node) != 1:
-        raise _bad(f"structure node {_short(node)} is not a tagged value")
-    ((tag, value),) = node.items()
-    if tag not in _TAGS:
-        raise _bad(f"structure node has the unknown tag {tag!r}")
-    if tag in ("tensor", "npscalar"):
-        if not isinstance(value, str) or value not in tensors:
-            raise _bad(f"structure refers to tensor {value!r}, which the manifest does not list")
-        yield value
-    elif tag in ("float", "bytes", "dtype"):
-        if not isinstance(value, str):
-            raise _bad(f"structure {tag} node {_short(value)} is not a string")
-    elif tag in ("tuple", "size"):
-        if not isinstance(value, list):
-            raise _bad(f"structure {tag} node is not a list")
-        yield from _walk(value, tensors, depth + 1)
-    else:  # dict, odict
-        if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
-            raise _bad(f"structure {tag} node is not a list of [key, value] pairs")
-        for k, v in value:
-            yield from _walk(k, tensors, depth + 1)
-            yield from _walk(v, tensors, depth + 1)
+def _walk(root: Any, tensors: Mapping[str, TensorRecord]) -> Iterator[str]:
+    """Validate a structure (without recursion: a hostile manifest cannot exhaust the stack); yield the tensor
+    names it refers to, in order. Containers nest at most :data:`MAX_DEPTH` deep."""
+    stack: list[tuple[Any, int]] = [(root, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if node is None or isinstance(node, (bool, int, str)):
+            continue
+        if isinstance(node, list):
+            children: list[Any] = node
+        else:
+            if not isinstance(node, dict) or len(node) != 1:
+                raise _bad(f"structure node {_short(node)} is not a tagged value")
+            ((tag, value),) = node.items()
+            if tag not in _TAGS:
+                raise _bad(f"structure node has the unknown tag {_short(tag)}")
+            if tag in ("tensor", "npscalar"):
+                if not isinstance(value, str) or value not in tensors:
+                    raise _bad(f"structure refers to tensor {_short(value)}, which the manifest does not list")
+                yield value
+                continue
+            if tag in ("float", "bytes", "dtype"):
+                if not isinstance(value, str):
+                    raise _bad(f"structure {tag} node {_short(value)} is not a string")
+                continue
+            if tag in ("tuple", "size"):
+                if not isinstance(value, list):
+                    raise _bad(f"structure {tag} node is not a list")
+                children = value
+            else:  # dict, odict
+                if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+                    raise _bad(f"structure {tag} node is not a list of [key, value] pairs")
+                children = [x for pair in value for x in pair]
+        if depth >= MAX_DEPTH:
+            raise _bad(f"structure nests containers deeper than {MAX_DEPTH} levels")
+        stack.extend((child, depth + 1) for child in reversed(children))
 
 
 def _short(value: Any) -> str:

@@ -27,6 +27,7 @@ shard (complex128 as its ``[..., 2]`` float64 pairs).
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ __all__ = [
     "torch_dtype_name",
     "st_to_torch",
     "entry_nbytes",
+    "MAX_DIM",
+    "shape_problem",
+    "json_depth_within",
 ]
 
 MAX_HEADER_BYTES = 100 << 20
@@ -59,6 +63,13 @@ MAX_HEADER_BYTES = 100 << 20
 
 DATA_ALIGNMENT = 4096
 """sfstore's shards pad the header so that the data starts at a multiple of this (a page)."""
+
+MAX_DIM = (1 << 63) - 1
+"""Largest dimension, and largest product of a shape's dimensions (zeros counted as one), accepted: what torch's
+int64 sizes, element counts and strides hold."""
+
+MAX_HEADER_DEPTH = 4
+"""Deepest JSON nesting a safetensors header may have (it has 3: the object, an entry, its shape)."""
 
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 _METADATA = "__metadata__"
@@ -138,6 +149,48 @@ def _numel(shape: Sequence[int]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def shape_problem(shape: Any) -> str | None:
+    """Why ``shape`` is not a shape torch can hold, or ``None``: it must be a list of integers in
+    ``[0, MAX_DIM]`` whose product (zeros counted as one, as torch's strides count them) is at most
+    :data:`MAX_DIM`."""
+    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+        return f"shape {_short(shape)} is not a list of non-negative integers"
+    product = 1
+    for s in shape:
+        if s > MAX_DIM:
+            return f"shape {_short(shape)} has a dimension of {s}, more than the {MAX_DIM} torch holds"
+        product *= max(s, 1)
+        if product > MAX_DIM:
+            return f"shape {_short(shape)} has more than {MAX_DIM} elements (or strides past that)"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+_JSON_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_JSON_PAIRS = re.compile(rb"\[\]|\{\}")
+
+
+def json_depth_within(raw: bytes, limit: int) -> bool:
+    """Whether the JSON text ``raw`` nests arrays and objects at most ``limit`` deep (checked without recursion,
+    so that ``json.loads`` is never handed a document deep enough to exhaust the stack). Text that is not JSON
+    may pass: ``json.loads`` then reports it."""
+    brackets = _JSON_STRINGS.sub(b"", raw).translate(None, _JSON_NOT_BRACKETS)
+    for done in range(limit):
+        if not brackets:
+            return True
+        shorter = _JSON_PAIRS.sub(b"", brackets)
+        if len(shorter) == len(brackets):
+            # Unbalanced (not JSON): the deepest point is at most what is left plus the levels removed.
+            return len(brackets) + done <= limit
+        brackets = shorter
+    return not brackets
 
 
 def entry_nbytes(dtype: str, shape: Sequence[int]) -> int | None:
@@ -233,6 +286,10 @@ def parse_header(data: Any, file_size: int, *, shard: str, limit: int = MAX_HEAD
         raise CorruptCheckpointError(f"shard {shard}: safetensors header is not UTF-8 ({exc})", shard=shard) from None
     if not text.startswith("{"):
         raise CorruptCheckpointError(f"shard {shard}: safetensors header does not start with '{{'", shard=shard)
+    if not json_depth_within(raw, MAX_HEADER_DEPTH):
+        raise CorruptCheckpointError(
+            f"shard {shard}: safetensors header nests deeper than {MAX_HEADER_DEPTH} levels", shard=shard
+        )
     try:
         obj = json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
@@ -286,8 +343,9 @@ def _parse_entry(name: str, info: Any, shard: str) -> Entry:
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
-        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    problem = shape_problem(shape)
+    if problem is not None:
+        raise bad(problem)
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
         raise bad(f"data_offsets {offsets!r} is not a pair of non-negative integers")
     begin, end = offsets

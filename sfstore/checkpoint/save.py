@@ -41,7 +41,7 @@ from sfstore.checkpoint import safetensors_format as stf
 from sfstore.checkpoint._host import HostBuffer, finish, round_size, submit, write_small
 from sfstore.checkpoint.catalog import CheckpointInfo, info_for
 from sfstore.checkpoint.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
-from sfstore.checkpoint.structure import Leaf, flatten, format_path
+from sfstore.checkpoint.structure import Leaf, check_metadata, flatten, format_path
 from sfstore.checksums import xxh3_64_hex
 from sfstore.engine import IOFuture, open_fd
 from sfstore.paths.file import FilePath, fsync_dir
@@ -128,13 +128,12 @@ def plan(state_dict: Any, max_shard_bytes: int | None, metadata: Mapping[str, An
         if max_shard_bytes is not None
         else defaults.get("checkpoint_shard_bytes")
     )
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise errors.InvalidRequestError(f"metadata must be a mapping, not {type(metadata).__name__}")
-    try:  # refuse bad metadata now, not after every byte was written
-        json.dumps(dict(metadata or {}), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise errors.InvalidRequestError(f"checkpoint metadata must be plain JSON (no nan/inf): {exc}") from None
+    meta = check_metadata(metadata)
     structure, leaves = flatten(state_dict)
+    try:  # refuse what the manifest cannot hold now, not after every byte was written
+        json.dumps({"metadata": meta, "structure": structure}, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise errors.InvalidRequestError(f"the state dict or metadata cannot be stored as JSON: {exc}") from None
     items = [_item(leaf) for leaf in leaves]
     groups: list[list[_Item]] = []
     current: list[_Item] = []
@@ -158,7 +157,6 @@ def plan(state_dict: Any, max_shard_bytes: int | None, metadata: Mapping[str, An
             it.offset = len(header) + begin
         data = offsets[-1][1] if offsets else 0
         shards.append(_Shard(f"shard-{i:05d}.safetensors", ordered, header, len(header) + data))
-    meta = dict(metadata or {})
     return _Plan(structure, items, shards, meta)
 
 

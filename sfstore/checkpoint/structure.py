@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfstore.checkpoint import safetensors_format as stf
-from sfstore.checkpoint.manifest import NUMPY_DTYPES, encode_key
+from sfstore.checkpoint.manifest import MAX_DEPTH, NUMPY_DTYPES, encode_key
 from sfstore.errors import CorruptCheckpointError, InvalidRequestError
 
-__all__ = ["Leaf", "flatten", "unflatten", "tensor_paths", "format_path"]
+__all__ = ["Leaf", "flatten", "unflatten", "tensor_paths", "format_path", "check_metadata"]
 
 KeyPath = tuple[Any, ...]
 
@@ -53,7 +53,8 @@ def flatten(state: Any) -> tuple[Any, list[Leaf]]:
 
     The same tensor object reached twice is stored once (both places load as one tensor). Raises
     :class:`~sfstore.errors.InvalidRequestError` naming the key path for anything that cannot be stored
-    without pickling, and for reference cycles.
+    without pickling, for reference cycles, and for containers nested deeper than
+    :data:`~sfstore.checkpoint.manifest.MAX_DEPTH` (the recursion is bounded by that depth).
     """
     import torch
 
@@ -103,7 +104,13 @@ def flatten(state: Any) -> tuple[Any, list[Leaf]]:
             warnings.simplefilter("ignore")  # read-only arrays: we never write through this view
             return torch.from_numpy(x), x.dtype.name
 
-    def enc(x: Any, path: KeyPath, key: bool = False) -> Any:
+    def too_deep(path: KeyPath) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"the state dict nests containers deeper than {MAX_DEPTH} levels at {format_path(path)} "
+            f"(a checkpoint holds at most {MAX_DEPTH})"
+        )
+
+    def enc(x: Any, path: KeyPath, depth: int, key: bool = False) -> Any:
         t = type(x)
         if x is None or t is bool or t is int or t is str:
             return x
@@ -114,7 +121,9 @@ def flatten(state: Any) -> tuple[Any, list[Leaf]]:
         if isinstance(x, torch.dtype):
             return {"dtype": stf.torch_dtype_name(x)}
         if t is tuple:
-            return {"tuple": [enc(v, (*path, i), key) for i, v in enumerate(x)]}
+            if depth >= MAX_DEPTH:
+                raise too_deep(path)
+            return {"tuple": [enc(v, (*path, i), depth + 1, key) for i, v in enumerate(x)]}
         if key:
             raise InvalidRequestError(
                 f"cannot save a dict key of type {t.__qualname__} at {format_path(path)}: keys may be None, "
@@ -129,22 +138,27 @@ def flatten(state: Any) -> tuple[Any, list[Leaf]]:
             value, dtype = array(np.asarray(x), path)
             return {"npscalar": leaf(value, path, "numpy", dtype, value)}
         if isinstance(x, torch.Size):
+            if depth >= MAX_DEPTH:
+                raise too_deep(path)
             return {"size": [int(v) for v in x]}
         if t is list or isinstance(x, Mapping):
             if id(x) in active:
                 raise InvalidRequestError(f"the state dict contains itself at {format_path(path)} (a cycle)")
+            if depth >= MAX_DEPTH:
+                raise too_deep(path)
             active.add(id(x))
             try:
                 if t is list:
-                    return [enc(v, (*path, i)) for i, v in enumerate(x)]
-                pairs = [[enc(k, (*path, k), key=True), enc(v, (*path, k))] for k, v in x.items()]
+                    return [enc(v, (*path, i), depth + 1) for i, v in enumerate(x)]
+                pairs = [[enc(k, (*path, k), depth + 1, key=True), enc(v, (*path, k), depth + 1)]
+                         for k, v in x.items()]
             finally:
                 active.discard(id(x))
             return {"odict" if isinstance(x, collections.OrderedDict) else "dict": pairs}
         raise InvalidRequestError(f"cannot save a {t.__qualname__} at {format_path(path)}: supported are {_SUPPORTED}")
 
     try:
-        tree = enc(state, ())
+        tree = enc(state, (), 0)
     except RecursionError:
         raise InvalidRequestError("the state dict is nested too deeply to save") from None
     finally:
@@ -152,6 +166,49 @@ def flatten(state: Any) -> tuple[Any, list[Leaf]]:
         # caller's tensors alive until a gc pass.
         enc = None  # type: ignore[assignment]
     return tree, leaves
+
+
+def check_metadata(metadata: Any) -> dict[str, Any]:
+    """``metadata`` as the plain JSON object a manifest stores, checked without recursion.
+
+    Raises :class:`~sfstore.errors.InvalidRequestError` naming the key path for what would not come back as it
+    was given: keys that are not ``str`` (JSON would turn them into strings), tuples (they would come back as
+    lists), nan/inf, values of other types, and containers nested deeper than
+    :data:`~sfstore.checkpoint.manifest.MAX_DEPTH`.
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidRequestError(f"metadata must be a mapping, not {type(metadata).__name__}")
+    out = dict(metadata)
+    stack: list[tuple[Any, KeyPath, int]] = [(out, (), 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        where = f"metadata at {format_path(path)}"
+        if value is None or isinstance(value, (bool, int, str)):
+            continue
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise InvalidRequestError(f"{where}: {value!r}; checkpoint metadata must be plain JSON (no nan/inf)")
+            continue
+        if depth >= MAX_DEPTH:
+            raise InvalidRequestError(f"{where}: containers nest deeper than {MAX_DEPTH} levels")
+        if type(value) is list:
+            stack.extend((v, (*path, i), depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise InvalidRequestError(
+                        f"{where}: the key {k!r} is a {type(k).__name__}; checkpoint metadata is plain JSON, its "
+                        "keys are str (the state dict itself keeps other keys)"
+                    )
+                stack.append((v, (*path, k), depth + 1))
+        else:
+            raise InvalidRequestError(
+                f"{where}: a {type(value).__name__}; checkpoint metadata is plain JSON (None, bool, int, float, "
+                "str, lists and str-keyed dicts; the state dict itself keeps tuples and other values)"
+            )
+    return out
 
 
 def _bad(message: str) -> CorruptCheckpointError:

@@ -17,6 +17,7 @@ import xxhash
 from sfstore import checkpoint, errors
 from sfstore.checkpoint import MANIFEST_NAME
 from sfstore.checkpoint import safetensors_format as stf
+from sfstore.checkpoint.manifest import SUM_KEY, seal
 
 SHARD = "shard-00000.safetensors"
 
@@ -31,8 +32,14 @@ def manifest(ck: Path) -> dict[str, Any]:
     return json.loads((ck / MANIFEST_NAME).read_text())
 
 
-def write_manifest(ck: Path, m: dict[str, Any]) -> None:
-    (ck / MANIFEST_NAME).write_text(json.dumps(m))
+def write_manifest(ck: Path, m: dict[str, Any], *, reseal: bool = True) -> None:
+    """Write ``m``; one that has a manifest sum gets a fresh one (``reseal``), so the manifest is hostile but
+    self-consistent and the checks behind its sum are what is tested."""
+    if SUM_KEY in m and reseal:
+        body = {k: v for k, v in m.items() if k != SUM_KEY}
+        (ck / MANIFEST_NAME).write_bytes(seal(json.dumps(body, indent=1).encode("ascii")))
+    else:
+        (ck / MANIFEST_NAME).write_text(json.dumps(m))
 
 
 def replace_shard(ck: Path, data: bytes, name: str = SHARD) -> None:
@@ -50,9 +57,10 @@ def replace_shard(ck: Path, data: bytes, name: str = SHARD) -> None:
 
 
 def as_version_1(ck: Path) -> None:
-    """Rewrite the manifest as format version 1 wrote it: no header sums."""
+    """Rewrite the manifest as format version 1 wrote it: no header sums, no manifest sum."""
     m = manifest(ck)
     m["version"] = 1
+    m.pop(SUM_KEY, None)
     for s in m["shards"]:
         del s["header_xxh3_64"]
     write_manifest(ck, m)
@@ -104,14 +112,22 @@ def test_flipped_header_padding_byte_fails_the_shard_checksum(tmp_path: Path, ve
     assert corrupt("checksum mismatch in shard", ck, into=into).tensor is None
 
 
-def test_saves_write_version_2_with_header_sums_and_version_1_still_loads(tmp_path: Path) -> None:
+def test_saves_write_version_3_with_header_and_manifest_sums_and_versions_1_and_2_still_load(tmp_path: Path) -> None:
     ck = make(tmp_path)
+    raw = (ck / MANIFEST_NAME).read_bytes()
     m = manifest(ck)
     data = (ck / SHARD).read_bytes()
     header = stf.parse_header(data, len(data), shard=SHARD)
-    assert m["version"] == 2
+    assert m["version"] == 3 and list(m)[-1] == SUM_KEY
+    assert m[SUM_KEY] == xxhash.xxh3_64(raw[:-43] + b"\n}").hexdigest()  # as the manifest module documents
     assert m["shards"][0]["header_xxh3_64"] == xxhash.xxh3_64(data[: header.data_start]).hexdigest()
     assert m["shards"][0]["xxh3_64"] == xxhash.xxh3_64(data).hexdigest()  # the whole file's, for other tools
+    v2 = {k: v for k, v in m.items() if k != SUM_KEY}
+    v2["version"] = 2
+    write_manifest(ck, v2)
+    got = checkpoint.load(ck)
+    assert torch.equal(got["w"], torch.arange(64, dtype=torch.float32)) and got["n"] == 3
+    assert [i.name for i in checkpoint.list(tmp_path)] == ["ck"]
     as_version_1(ck)
     got = checkpoint.load(ck)
     assert torch.equal(got["w"], torch.arange(64, dtype=torch.float32)) and got["n"] == 3
@@ -121,22 +137,58 @@ def test_saves_write_version_2_with_header_sums_and_version_1_still_loads(tmp_pa
     assert corrupt("checksum mismatch in tensor 'b'", ck).tensor == "b"
 
 
+def test_version_3_shards_may_lack_their_header_sum(tmp_path: Path) -> None:
+    """Manifests made for other writers' shards have no header sum: the whole shard's sum is checked."""
+    ck = make(tmp_path)
+    m = manifest(ck)
+    del m["shards"][0]["header_xxh3_64"]
+    write_manifest(ck, m)
+    assert checkpoint.load(ck)["n"] == 3
+    data = bytearray((ck / SHARD).read_bytes())
+    header = stf.parse_header(bytes(data), len(data), shard=SHARD)
+    data[header.data_start - 2] = ord("\t")  # header padding: only the whole-file sum covers it
+    (ck / SHARD).write_bytes(bytes(data))
+    corrupt("checksum mismatch in shard", ck)
+
+
 @pytest.mark.parametrize(
-    ("version", "drop_header_sum", "match"),
-    [(2, True, "must have exactly file, header_xxh3_64, size, xxh3_64"),
-     (1, False, "must have exactly file, size, xxh3_64"),
-     (3, False, "format version 3 is not supported"),
-     (True, False, "format version True is not supported")],
+    ("version", "drop_header_sum", "sealed", "match"),
+    [(2, True, False, "must have exactly file, header_xxh3_64, size, xxh3_64"),
+     (1, False, False, "must have exactly file, size, xxh3_64"),
+     (2, False, True, "a version 2 manifest has no manifest_xxh3_64"),
+     (3, False, False, "a version 3 manifest must end with its manifest_xxh3_64"),
+     (4, False, True, "format version 4 is not supported"),
+     (True, False, True, "format version True is not supported")],
 )
-def test_manifest_versions_and_their_shard_fields(tmp_path: Path, version: Any, drop_header_sum: bool,
-                                                  match: str) -> None:
+def test_manifest_versions_and_their_fields(tmp_path: Path, version: Any, drop_header_sum: bool, sealed: bool,
+                                            match: str) -> None:
     ck = make(tmp_path)
     m = manifest(ck)
     m["version"] = version
     if drop_header_sum:
         del m["shards"][0]["header_xxh3_64"]
+    if not sealed:
+        del m[SUM_KEY]
     write_manifest(ck, m)
     corrupt(match, ck)
+
+
+def test_a_manifest_sum_that_is_not_the_last_member_or_differs_is_refused(tmp_path: Path) -> None:
+    ck = make(tmp_path)
+    raw = (ck / MANIFEST_NAME).read_bytes()
+    m = manifest(ck)
+    moved = {SUM_KEY: m[SUM_KEY], **{k: v for k, v in m.items() if k != SUM_KEY}}
+    write_manifest(ck, moved, reseal=False)
+    corrupt("must end with its manifest_xxh3_64", ck)
+    changed = raw.replace(b'"n",\n    3\n', b'"n",\n    4\n')
+    assert changed != raw
+    (ck / MANIFEST_NAME).write_bytes(changed)
+    corrupt("checksum mismatch: the manifest's bytes", ck)
+    assert checkpoint.list(tmp_path) == [] and checkpoint.latest(tmp_path) is None
+    (ck / MANIFEST_NAME).write_bytes(raw + b"\n")  # anything after the sum member
+    corrupt("must end with its manifest_xxh3_64", ck)
+    (ck / MANIFEST_NAME).write_bytes(raw)
+    assert checkpoint.load(ck)["n"] == 3
 
 
 def test_truncated_missing_and_extended_shards(tmp_path: Path) -> None:
