@@ -87,7 +87,7 @@ Region BufferPool::allocate() {
         if (p == MAP_FAILED) {
             int e = errno;
             throw SfError(e == ENOMEM ? "resources" : "os", e,
-                          "mmap of a " + std::to_string(r.mapped) + "-byte buffer failed: " + errno_text(e));
+                          "mmap of a " + std::to_string(r.mapped) + "-byte buffer failed");
         }
         r.ptr = static_cast<char*>(p);
         if (want_huge && madvise(p, r.mapped, MADV_HUGEPAGE) == 0) r.thp = true;

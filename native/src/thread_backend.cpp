@@ -27,8 +27,7 @@ public:
             int err = e.code().value() ? e.code().value() : EAGAIN;
             throw SfError("resources", err,
                           "cannot start thread " + std::to_string(started + 1) + " of " + std::to_string(threads) +
-                              " of the threads engine: " + errno_text(err) +
-                              " (thread or memory limits: ulimit -u / -v; fewer io_threads may fit)");
+                              " of the threads engine (thread or memory limits: ulimit -u / -v; fewer io_threads may fit)");
         } catch (const std::bad_alloc&) {
             shutdown();
             throw SfError("resources", ENOMEM, "out of memory starting the threads engine's workers");

@@ -44,14 +44,14 @@ public:
         if (efd_ < 0) {
             int e = errno;
             throw SfError(e == ENOMEM || e == EMFILE || e == ENFILE ? "resources" : "os", e,
-                          "eventfd for the io_uring service thread: " + errno_text(e));
+                          "eventfd for the io_uring service thread");
         }
         try {
             thread_ = std::thread([this] { service(); });
         } catch (const std::system_error& e) {
             close(efd_);
             int err = e.code().value() ? e.code().value() : EAGAIN;
-            throw SfError("resources", err, "cannot start the io_uring service thread: " + errno_text(err));
+            throw SfError("resources", err, "cannot start the io_uring service thread");
         }
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return init_done_; });
@@ -61,7 +61,7 @@ public:
             close(efd_);
             int err = -init_result_;
             throw SfError(err == ENOMEM ? "resources" : "os", err,
-                          "io_uring_queue_init(" + std::to_string(depth + 2) + ") failed: " + errno_text(err));
+                          "io_uring_queue_init(" + std::to_string(depth + 2) + ") failed");
         }
     }
     ~UringBackend() override { shutdown(); }

@@ -16,6 +16,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import thread as _futures_thread
 
 from sfstore import defaults, errors
 from sfstore.engine.base import (
@@ -284,8 +285,13 @@ class PythonEngine(IOEngine):
         try:
             executor.submit(self._run_one, batch, item, plan, checksum)
         except RuntimeError as exc:
-            # The item is queued before the executor tries to start a thread for it: with a worker alive it
-            # runs in its turn. With none, nothing would ever run it: drop the executor and its queue.
+            if executor._shutdown or _futures_thread._shutdown:
+                item.release()
+                raise errors.EngineUnavailableError(
+                    f"the python engine's workers are shut down (the interpreter is exiting): {exc}"
+                ) from None
+            # A worker thread failed to start; the item was queued before that: with a worker alive it runs in
+            # its turn. With none, nothing would ever run it: drop the executor and its queue.
             if getattr(executor, "_threads", None):
                 return
             self._executor = None
