@@ -93,6 +93,7 @@ from torch.futures import Future
 from sfstore import errors
 from sfstore.buffers import as_buffer
 from sfstore.checkpoint import _fs
+from sfstore.checkpoint import safetensors_format as stf
 from sfstore.engine import IOFuture, Request, open_fd
 from sfstore.paths.file import FilePath, fsync_dir
 
@@ -257,7 +258,16 @@ def _int(value: Any, what: str, *, minimum: int = 0, maximum: int | None = None)
 def _ints(value: Any, what: str) -> list[int]:
     if not isinstance(value, list):
         raise _bad(f"{what} must be a list of integers, not {type(value).__name__}")
-    return [_int(v, what) for v in value]
+    return [_int(v, what, maximum=stf.MAX_DIM) for v in value]
+
+
+def _shape(value: Any, what: str) -> list[int]:
+    """A list of sizes torch can hold (see :func:`~sfstore.checkpoint.safetensors_format.shape_problem`)."""
+    sizes = _ints(value, what)
+    problem = stf.shape_problem(sizes)
+    if problem is not None:
+        raise _bad(f"{what}: {problem}")
+    return sizes
 
 
 def _str(value: Any, what: str, *, optional: bool = False) -> str | None:
@@ -301,8 +311,14 @@ def _layout(name: Any, what: str) -> torch.layout:
     return found
 
 
-def _encode_plain(value: Any, where: str) -> Any:
+MAX_PLAIN_DEPTH = 64
+"""Deepest nesting of containers in ``planner_data`` stored (and read back)."""
+
+
+def _encode_plain(value: Any, where: str, depth: int = 0) -> Any:
     """Tagged JSON for plain data: every container is tagged, so tuples stay tuples and dict keys keep types."""
+    if isinstance(value, (list, tuple, dict)) and depth >= MAX_PLAIN_DEPTH:
+        raise errors.InvalidRequestError(f"{where}: containers nest deeper than {MAX_PLAIN_DEPTH} levels")
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -310,9 +326,9 @@ def _encode_plain(value: Any, where: str) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else {"f": repr(value)}
     if isinstance(value, list):
-        return {"l": [_encode_plain(v, where) for v in value]}
+        return {"l": [_encode_plain(v, where, depth + 1) for v in value]}
     if isinstance(value, tuple):
-        return {"t": [_encode_plain(v, where) for v in value]}
+        return {"t": [_encode_plain(v, where, depth + 1) for v in value]}
     if isinstance(value, dict):
         items = []
         for k, v in value.items():
@@ -321,7 +337,7 @@ def _encode_plain(value: Any, where: str) -> Any:
                     f"{where}: a dict key of type {type(k).__name__}; sfstore's DCP storage keeps metadata as JSON "
                     "(never pickle) and supports str and int keys"
                 )
-            items.append([k, _encode_plain(v, where)])
+            items.append([k, _encode_plain(v, where, depth + 1)])
         return {"d": items}
     raise errors.InvalidRequestError(
         f"{where}: a {type(value).__name__}; sfstore's DCP storage keeps metadata as JSON (never pickle) and "
@@ -330,7 +346,7 @@ def _encode_plain(value: Any, where: str) -> Any:
 
 
 def _decode_plain(value: Any, where: str, depth: int = 0) -> Any:
-    if depth > 64:
+    if depth > MAX_PLAIN_DEPTH:
         raise _bad(f"{where} is nested too deeply")
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -447,7 +463,7 @@ def _decode_tensor_md(fqn: str, d: dict[str, Any]) -> TensorStorageMetadata:
         memory_format=_MEMORY_FORMATS[fmt],
         pin_memory=d["pin_memory"],
     )
-    size = _ints(d.get("size"), f"{what}.size")
+    size = _shape(d.get("size"), f"{what}.size")
     chunks_raw = d.get("chunks")
     if not isinstance(chunks_raw, list):
         raise _bad(f"{what}.chunks must be a list")
@@ -455,7 +471,7 @@ def _decode_tensor_md(fqn: str, d: dict[str, Any]) -> TensorStorageMetadata:
     for i, c in enumerate(chunks_raw):
         cd = _dict(c, f"{what}.chunks[{i}]")
         offsets = _ints(cd.get("offsets"), f"{what}.chunks[{i}].offsets")
-        sizes = _ints(cd.get("sizes"), f"{what}.chunks[{i}].sizes")
+        sizes = _shape(cd.get("sizes"), f"{what}.chunks[{i}].sizes")
         if len(offsets) != len(size) or len(sizes) != len(size) or any(
             o + s > n for o, s, n in zip(offsets, sizes, size, strict=True)
         ):
@@ -483,6 +499,8 @@ def decode_metadata(data: bytes) -> Metadata:
         Not UTF-8 JSON, another format or version, or any field of the wrong type or out of range (an unknown
         dtype, a chunk outside its tensor, a file name that is not a plain name in the checkpoint directory).
     """
+    if not stf.json_depth_within(data, 3 * MAX_PLAIN_DEPTH + 16):
+        raise _bad("the document nests too deeply")
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
