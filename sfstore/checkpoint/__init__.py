@@ -7,8 +7,9 @@
 
 A checkpoint is a directory: shard files in the safetensors format (``safetensors.torch.load_file`` reads each
 one) and a JSON manifest, ``sfstore-manifest.json`` (which tensor lives in which shard, dtype, shape, xxh3-64
-checksums per tensor, per shard and per shard header, the state dict's nesting, the caller's metadata). Nothing
-is pickled, nothing is unpickled.
+checksums per tensor, per shard and per shard header, the state dict's nesting and non-tensor values, the
+caller's metadata), which carries an xxh3-64 of its own over all of that (``manifest_xxh3_64``, format version
+3), checked before anything in it is used. Nothing is pickled, nothing is unpickled.
 
 Urls: ``"sf://a/b"`` or ``"a/b"`` is the directory ``a/b`` under the checkpoint root
 (``sfstore.open().file_path("checkpoint")``: ``<root>/checkpoints`` unless configured); ``"/x/y/name"`` or
@@ -84,7 +85,8 @@ def save(
         None, bool, int, float, str, bytes, ``torch.dtype`` and ``torch.Size``. Everything round-trips
         exactly (tuples stay tuples, ints stay ints, nan/inf/-0.0 stay as they are, ``OrderedDict`` stays
         one). The same tensor object reached twice is stored once and loads as one tensor; distinct tensors
-        sharing memory are stored separately.
+        sharing memory are stored separately. Containers nest at most 64 deep
+        (:data:`~sfstore.checkpoint.manifest.MAX_DEPTH`; a dict's tuple key is one level inside its dict).
     url : str, os.PathLike or CheckpointInfo
         The checkpoint directory (see the module docs).
     max_shard_bytes : int, optional
@@ -95,8 +97,9 @@ def save(
         ``False`` raises :class:`~sfstore.errors.PathExistsError` when it exists. A directory that is not an
         sfstore checkpoint is never replaced.
     metadata : mapping, optional
-        Plain JSON (string keys, no nan/inf) stored in the manifest; ``metadata["step"]`` (an int) shows up
-        as :attr:`CheckpointInfo.step`.
+        Plain JSON stored in the manifest: None, bool, int, float (no nan/inf), str, lists and dicts with str
+        keys, nested at most 64 deep; anything JSON would not give back as given (int keys, tuples) is refused.
+        ``metadata["step"]`` (an int) shows up as :attr:`CheckpointInfo.step`.
 
     Returns
     -------
@@ -121,8 +124,9 @@ def save(
     Raises
     ------
     sfstore.errors.InvalidRequestError
-        Something in ``state_dict`` cannot be saved without pickling (the message names its key path), a
-        quantized, sparse or meta tensor, or metadata that is not plain JSON.
+        Something in ``state_dict`` cannot be saved without pickling or nests too deeply (the message names
+        its key path), a quantized, sparse or meta tensor, or metadata that is not plain JSON. Raised before
+        anything is written (by :func:`save_async` too, not through its future).
     sfstore.errors.PathExistsError
         ``overwrite=False`` and the checkpoint exists.
     sfstore.errors.SfstoreOSError
@@ -213,9 +217,11 @@ def load(url: Url, *, device: str | torch.device = "cpu", into: Any = None, veri
     sfstore.errors.PathNotFoundError
         No such directory, or no manifest in it (not a checkpoint).
     sfstore.errors.CorruptCheckpointError
-        A checksum mismatch (naming the shard and tensor), a missing or truncated shard, a manifest that does
-        not match its shards or is malformed, a safetensors header that is oversized, lies about sizes or
-        has offsets out of bounds or overlapping, a manifest path that escapes the checkpoint directory.
+        A checksum mismatch (naming the shard and tensor), a manifest whose bytes fail its own checksum, a
+        missing or truncated shard, a manifest that does not match its shards or is malformed or nested too
+        deeply, a safetensors header that is oversized, lies about sizes, has a shape torch cannot hold or
+        offsets out of bounds or overlapping, a manifest path that escapes the checkpoint directory, a FIFO,
+        socket, device or directory where the manifest or a shard should be (refused without blocking).
         Nothing is read out of bounds and nothing is unpickled, whatever the files hold.
     """
     return _load(url, device=device, into=into, verify=verify)
@@ -225,7 +231,8 @@ def list(prefix: str | os.PathLike[str] = "") -> builtins.list[CheckpointInfo]:
     """The committed checkpoints directly inside the directory ``prefix``, oldest commit first.
 
     ``prefix`` takes the url forms of :func:`save` (``""``: the checkpoint root). Directories without a valid
-    manifest (staging directories, anything else) are not listed. An interrupted replace (the two-step
+    manifest (staging directories, a manifest that fails its checksum or is not a regular file, anything else)
+    are not listed. An interrupted replace (the two-step
     fallback) is finished by bringing the previous checkpoint back. A missing ``prefix`` lists nothing.
 
     Returns

@@ -108,8 +108,9 @@ def test_one_bit_flip_in_the_manifest_never_changes_a_value_silently(tmp_path: P
                 silent.append(f"{where}: list() reported {li}")
     total = TRIALS * scale
     changed = len({s.split(":")[0] for s in silent})
-    print(f"manifest bit flips: {total} trials, {outcomes['refused']} refused (typed), {outcomes['exact']} exact, "
-          f"{changed} with a silent change ({len(silent)} load/list results), {len(untyped)} untyped errors")
+    print(f"manifest bit flips: {total} trials; load: {outcomes['refused']} refused (typed), {outcomes['exact']} "
+          f"returned the original; {changed} trials with a silent change in load or list ({len(silent)} results), "
+          f"{len(untyped)} untyped errors")
     assert not untyped, untyped[:5]
     assert not silent, f"{changed} of {total} flips changed a value silently: {silent[:5]}"
     assert outcomes["refused"] + outcomes["exact"] == total
