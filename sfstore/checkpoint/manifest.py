@@ -284,7 +284,8 @@ class Manifest:
         shard_keys = {"file", "size", "xxh3_64"} | ({"header_xxh3_64"} if version >= 2 else set())
         for s in shards_raw:
             # Version 3 allows shards without a header sum (other writers' shards); 2 requires it, 1 has none.
-            keys = shard_keys - {"header_xxh3_64"} if version >= 3 and "header_xxh3_64" not in s else shard_keys
+            optional = version >= 3 and isinstance(s, dict) and "header_xxh3_64" not in s
+            keys = shard_keys - {"header_xxh3_64"} if optional else shard_keys
             if not isinstance(s, dict) or set(s) != keys:
                 raise _bad(f"shard entry {_short(s)} must have exactly {', '.join(sorted(keys))}")
             name = check_plain_name(s["file"], "shard file")
@@ -346,7 +347,7 @@ def _tensor_record(name: str, rec: Any, shards: set[str]) -> TensorRecord:
     if not isinstance(rec, dict) or set(rec) != keys:
         raise _bad(f"tensor {name!r}: entry must have exactly {sorted(keys)}", tensor=name)
     shard = rec["shard"]
-    if shard not in shards:
+    if not isinstance(shard, str) or shard not in shards:
         check_plain_name(shard, f"tensor {name!r}: shard")
         raise _bad(f"tensor {name!r}: shard {shard!r} is not among the listed shards", tensor=name)
     kind, dtype, shape, nbytes = rec["kind"], rec["dtype"], rec["shape"], rec["nbytes"]
@@ -392,7 +393,11 @@ def _walk(root: Any, tensors: Mapping[str, TensorRecord]) -> Iterator[str]:
                 if not isinstance(value, str):
                     raise _bad(f"structure {tag} node {_short(value)} is not a string")
                 continue
-            if tag in ("tuple", "size"):
+            if tag == "size":
+                if not isinstance(value, list) or shape_problem(value) is not None:
+                    raise _bad(f"structure size node {_short(value)} is not a torch.Size")
+                continue
+            if tag == "tuple":
                 if not isinstance(value, list):
                     raise _bad(f"structure {tag} node is not a list")
                 children = value

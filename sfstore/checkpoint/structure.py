@@ -138,9 +138,7 @@ def flatten(state: Any) -> tuple[Any, list[Leaf]]:
             value, dtype = array(np.asarray(x), path)
             return {"npscalar": leaf(value, path, "numpy", dtype, value)}
         if isinstance(x, torch.Size):
-            if depth >= MAX_DEPTH:
-                raise too_deep(path)
-            return {"size": [int(v) for v in x]}
+            return {"size": [int(v) for v in x]}  # a leaf: a list of ints, nothing nests inside
         if t is list or isinstance(x, Mapping):
             if id(x) in active:
                 raise InvalidRequestError(f"the state dict contains itself at {format_path(path)} (a cycle)")
@@ -260,7 +258,7 @@ def unflatten(structure: Any, tensor: Callable[[str, str, KeyPath], Any]) -> Any
         if tag == "size":
             import torch
 
-            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+            if not isinstance(value, list) or stf.shape_problem(value) is not None:
                 raise _bad("a torch.Size node holds something other than sizes")
             return torch.Size(value)
         if tag in ("dict", "odict"):

@@ -12,13 +12,20 @@ manifests and DCP metadata nested deep enough to exhaust the stack, refused as c
 from __future__ import annotations
 
 import json
+import random
 import struct
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+    np = None  # type: ignore[assignment]
 
 from sfstore import checkpoint, errors
 from sfstore.checkpoint import MANIFEST_NAME
@@ -263,3 +270,66 @@ def test_dcp_planner_data_nested_too_deeply_is_refused_on_encode() -> None:
         deep = [deep]
     with pytest.raises(errors.InvalidRequestError, match="deeper than"):
         encode_metadata(Metadata(state_dict_metadata={}, planner_data={"p": deep}, storage_data={}))
+
+
+_HOSTILE_VALUES: list[Any] = [
+    None, True, 0, -1, 2**63, 2**64, 1.5, "", "x", "nan", "1e999", "qint8", "Tensor", "numpy", "bfloat16",
+    SHARD, [], [1], [[1]], {}, {"tensor": "x"}, {"size": [2**70]}, {"size": [-1]}, {"dtype": "qint8"},
+    {"bytes": "@@"}, {"float": "1e999"}, {"dict": [[[1], 2]]}, {"dict": [[{"dict": []}, 1]]}, {"tuple": 5},
+    {"npscalar": "m/w"}, {"odict": [[{"tensor": "m/w"}, 1]]},
+]
+
+
+def _json_paths(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    yield path
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _json_paths(v, (*path, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _json_paths(v, (*path, i))
+
+
+def test_self_consistent_hostile_manifests_never_escape_as_other_errors(tmp_path: Path, scale: int) -> None:
+    """Fuzz: replace 1-3 values anywhere in a manifest by hostile ones and seal it with a valid sum, so only
+    the validation behind the sum stands between the file and the caller: ``load``, ``load(into=)`` and
+    ``list`` raise an ``SfstoreError`` or succeed (an unhashable shard name, a ``torch.Size`` of 2^70 escaped
+    as ``TypeError``/``ValueError`` before)."""
+
+    def state() -> dict[str, Any]:
+        return {"m": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3)},
+                "opt": {"betas": (0.9, 0.999), "name": "adamw", "shape": torch.Size([2, 3]), 7: [1.5, None]},
+                "n": np.int64(3) if np is not None else 3}
+
+    ck = tmp_path / "ck"
+    checkpoint.save(state(), ck, metadata={"step": 5})
+    good = json.loads((ck / MANIFEST_NAME).read_text())
+    good.pop(SUM_KEY)
+    spots = [p for p in _json_paths(good) if p]
+    rng = random.Random(4242)
+    untyped: list[str] = []
+    for trial in range(1000 * scale):
+        m = json.loads(json.dumps(good))
+        for _ in range(rng.randint(1, 3)):
+            spot = rng.choice(spots)
+            node: Any = m
+            try:
+                for k in spot[:-1]:
+                    node = node[k]
+                node[spot[-1]] = json.loads(json.dumps(rng.choice(_HOSTILE_VALUES)))
+            except (KeyError, IndexError, TypeError):
+                continue  # an earlier change removed this spot
+        (ck / MANIFEST_NAME).write_bytes(seal(json.dumps(m, indent=1).encode("ascii")))
+        for op in ("load", "into", "list"):
+            try:
+                if op == "load":
+                    checkpoint.load(ck)
+                elif op == "into":
+                    checkpoint.load(ck, into=state())
+                else:
+                    checkpoint.list(tmp_path)
+            except errors.SfstoreError:
+                pass
+            except Exception as exc:
+                untyped.append(f"trial {trial} {op}: {type(exc).__name__}: {exc}")
+    assert not untyped, f"{len(untyped)} untyped errors: {untyped[:5]}"
