@@ -333,3 +333,41 @@ def test_self_consistent_hostile_manifests_never_escape_as_other_errors(tmp_path
             except Exception as exc:
                 untyped.append(f"trial {trial} {op}: {type(exc).__name__}: {exc}")
     assert not untyped, f"{len(untyped)} untyped errors: {untyped[:5]}"
+
+
+def test_hostile_dcp_metadata_is_corrupt_never_another_error(tmp_path: Path, scale: int) -> None:
+    """Fuzz: 1-3 hostile values anywhere in DCP metadata; ``decode_metadata`` raises CorruptCheckpointError or
+    decodes. A guard: it found no untyped error on the code before issue #14 (which did decode a tensor size of
+    2^64, refused now: see the test above)."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from sfstore.checkpoint.dcp import METADATA_NAME, StorageWriter, decode_metadata
+
+    ck = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
+        dcp.save({"x": torch.arange(12, dtype=torch.float32).reshape(3, 4), "y": torch.ones(5, dtype=torch.int16),
+                  "s": {"step": 5, "name": "adamw", "betas": (0.9, 0.99)}}, storage_writer=StorageWriter(str(ck)))
+    good = json.loads((ck / METADATA_NAME).read_bytes())
+    spots = [p for p in _json_paths(good) if p]
+    values: list[Any] = [None, True, -1, 2**63, 2**64, 1.5, "", "x", "tensor", "bytes", "qint8", "sparse_coo",
+                         [], [1], [2**63], [2**62, 4, 0], [-1], {}, {"l": []}, {"d": [[[1], 2]]}, {"f": "x"}, "0" * 16]
+    rng = random.Random(77)
+    untyped: list[str] = []
+    for trial in range(500 * scale):
+        m = json.loads(json.dumps(good))
+        for _ in range(rng.randint(1, 3)):
+            spot = rng.choice(spots)
+            node: Any = m
+            try:
+                for k in spot[:-1]:
+                    node = node[k]
+                node[spot[-1]] = json.loads(json.dumps(rng.choice(values)))
+            except (KeyError, IndexError, TypeError):
+                continue
+        try:
+            decode_metadata(json.dumps(m).encode())
+        except errors.CorruptCheckpointError:
+            pass
+        except Exception as exc:
+            untyped.append(f"trial {trial}: {type(exc).__name__}: {exc}")
+    assert not untyped, f"{len(untyped)} untyped errors: {untyped[:5]}"
