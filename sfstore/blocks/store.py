@@ -59,6 +59,19 @@ _WAVE_BYTES = 32 << 20  # ... and fewer when they are large, so the first I/O st
 _WAVES_IN_FLIGHT = 3  # waves read ahead of the one being verified: bounds the staging buffers a batch holds
 
 
+def _check_timeout(timeout: float | None, what: str, *, finite: bool = False) -> float | None:
+    """A timeout is ``None`` (no limit) or seconds >= 0 (``finite``: and not infinite); NaN never. Returns it
+    with infinity as ``None`` (the waits below take no infinite number)."""
+    ok = timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout >= 0
+                             and (not finite or timeout != float("inf")))
+    if not ok or (finite and timeout is None):
+        raise errors.InvalidRequestError(
+            f"{what}: timeout must be {'' if finite else 'None or '}seconds >= 0"
+            f"{' (finite)' if finite else ''}, not {timeout!r}"
+        )
+    return None if timeout == float("inf") else timeout
+
+
 def _listed(items: Any, what: str) -> list[Any]:
     """``items`` (a batch: any iterable but a str or bytes-like, which would be taken apart) as a list."""
     if isinstance(items, (str, bytes, bytearray, memoryview)):
@@ -106,6 +119,7 @@ class BlockStoreFuture(Generic[T]):
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> bool:
+        timeout = _check_timeout(timeout, "wait")
         try:
             self._future.exception(timeout)
         except TimeoutError:
@@ -113,6 +127,7 @@ class BlockStoreFuture(Generic[T]):
         return True
 
     def get(self, timeout: float | None = None) -> T:
+        timeout = _check_timeout(timeout, "get")
         try:
             return self._future.result(timeout)
         except TimeoutError:
@@ -160,8 +175,8 @@ class BlockStore:
         For a new store: use only the first ``capacity`` bytes of the device (default: all of it).
     lock_timeout : float
         Seconds to wait for the exclusive lock (and, on a block device, the ``O_EXCL`` open) when another opener
-        holds it (default: fail at once). A process killed with I/O in flight holds both a little after it died,
-        until the kernel has reaped its io_uring.
+        holds it (default: fail at once); finite and >= 0. A process killed with I/O in flight holds both a
+        little after it died, until the kernel has reaped its io_uring.
     on_evict : callable, optional
         ``on_evict(key, value)`` is called with the key and value (``bytes``) of each entry evicted to make
         room, before its slot is reused: the hook to spill to a lower tier. Its errors are counted and
@@ -186,6 +201,11 @@ class BlockStore:
         lock_timeout: float = 0.0,
         on_evict: Callable[[bytes, bytes], None] | None = None,
     ) -> None:
+        _check_timeout(lock_timeout, "BlockStore lock_timeout", finite=True)
+        if on_evict is not None and not callable(on_evict):
+            raise errors.InvalidRequestError(f"BlockStore on_evict must be callable, not {type(on_evict).__name__}")
+        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0):
+            raise errors.InvalidRequestError(f"BlockStore capacity must be a positive int of bytes, not {capacity!r}")
         if path is None:
             path = os.path.join(defaults.get("data_dir"), "hot", "blocks.img")
         self._owns_path = not isinstance(path, BlockPath)

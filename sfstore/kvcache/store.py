@@ -18,7 +18,7 @@ from typing import Any
 
 from sfstore import defaults, errors
 from sfstore.blocks import BlockStore
-from sfstore.blocks.store import BlockStoreFuture
+from sfstore.blocks.store import BlockStoreFuture, _check_timeout
 from sfstore.buffers import as_buffer, is_device_buffer
 from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
@@ -53,11 +53,6 @@ def _listed(items: Any, what: str) -> list[Any]:
         return list(items)
     except TypeError:
         raise errors.InvalidRequestError(f"{what} must be a sequence, not {type(items).__name__}") from None
-
-
-def _check_timeout(timeout: float | None, what: str) -> None:
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
-        raise errors.InvalidRequestError(f"{what}: timeout must be None or seconds >= 0, not {timeout!r}")
 
 
 def _percentile(samples: Sequence[float], q: float) -> float | None:
@@ -449,7 +444,7 @@ class KVCacheStore:
         Raises :class:`~sfstore.errors.IOTimeoutError` when they had not after ``timeout`` seconds (the writes
         go on; a later call waits for them again).
         """
-        _check_timeout(timeout, "wait_for_puts")
+        timeout = _check_timeout(timeout, "wait_for_puts")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending, self._writes = self._writes, []
