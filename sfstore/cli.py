@@ -9,7 +9,7 @@ Subcommands are added by ``_add_<name>(subparsers)`` functions listed in :data:`
     sfstore probe [--json] [--data-dir PATH]
     sfstore demo [--data-dir PATH] [--size 64m]
     sfstore ls [PATH] [-l] [-R] [--root DIR] [--config FILE]
-    sfstore cp SRC DST [-r] [--root DIR] [--config FILE]     (local paths <-> sf:// URLs)
+    sfstore cp SRC DST [-r] [--root DIR] [--config FILE]     (local paths <-> sf:// URLs; - is stdin/stdout)
     sfstore nvme list [--json]
     sfstore nvme discover -t rdma -a ADDR [-s PORT] [-n NQN] [--hostnqn NQN] [--json]
     sfstore nvme connect -t rdma -a ADDR [-s PORT] -n NQN [--hostnqn NQN] [--json]
@@ -314,7 +314,17 @@ def _sf_tree(fs: SFFileSystem, src: str) -> tuple[list[str], list[tuple[str, int
 
 
 def _write_local(path: str, data: bytes) -> None:
-    """Write ``data`` to the local ``path`` through a temporary name in its directory, then rename."""
+    """Write ``data`` to the local ``path`` through a temporary name in its directory, then rename; an existing
+    FIFO, device, socket or symlink, and names under /dev and /proc, are written in place instead."""
+    from sfstore.fs import open_in_place, write_all, writes_in_place
+
+    if writes_in_place(os.path.abspath(path)):
+        fd = open_in_place(os.path.abspath(path))
+        try:
+            write_all(fd, data, path)
+        finally:
+            os.close(fd)
+        return
     head, tail = os.path.split(os.path.abspath(path))
     tmp = os.path.join(head, f".{tail}.sfstore-part-{os.getpid()}-{secrets.token_hex(4)}")
     try:
@@ -333,6 +343,8 @@ def _cmd_cp(args: argparse.Namespace) -> int:
     if not _is_sf(src) and not _is_sf(dst):
         raise errors.InvalidRequestError("one of SRC and DST must be an sf:// URL (local to local: use cp)")
     fs = _open_fs(args)
+    if src == "-" or dst == "-":
+        return _cp_std(fs, args)
 
     # What the source is.
     if _is_sf(src):
@@ -435,14 +447,42 @@ def _cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cp_std(fs: SFFileSystem, args: argparse.Namespace) -> int:
+    """``sfstore cp sf://x -`` (the file to stdout) and ``sfstore cp - sf://x`` (stdin into the file)."""
+    if args.recursive:
+        raise errors.InvalidRequestError("-r copies directories: stdin and stdout ('-') hold one file")
+    progress = Progress(0, 1)
+    try:
+        if args.dst == "-":
+            info = fs.info(args.src)
+            if info["type"] == "directory":
+                raise errors.InvalidRequestError(f"{args.src} is a directory: it cannot be written to stdout")
+            progress.total_bytes = int(info["size"])
+            out = sys.stdout.buffer
+            out.flush()
+            fs.get_file(args.src, None, callback=progress, outfile=out)
+            out.flush()
+        else:
+            if args.dst.endswith("/") or fs.isdir(args.dst):
+                raise errors.InvalidRequestError(f"{args.dst} is a directory: stdin needs a file name to go to")
+            with fs.file_path.open_writer(fs._strip_protocol(args.dst)) as w:
+                progress.total_bytes = fs._stream_into(sys.stdin.buffer.fileno(), "<stdin>", w, progress)
+        progress.file_done()
+    finally:
+        progress.finish()
+    return 0
+
+
 def _add_cp(sub: Subparsers) -> None:
     p = sub.add_parser("cp", help="copy between local paths and sf:// (datasets in and out), with progress",
                        description="Copy SRC to DST; one of them is an sf:// URL. As with cp, a DST that is an "
                                    "existing directory (or ends with '/') receives SRC inside it. Every file is "
-                                   "written to a temporary name and renamed into place. Progress (bytes, files) "
+                                   "written to a temporary name and renamed into place, except an existing "
+                                   "FIFO, device or symlink (and /dev/stdout and the like): those are written "
+                                   "in place. '-' is stdout as DST, stdin as SRC. Progress (bytes, files) "
                                    "goes to stderr.")
-    p.add_argument("src", metavar="SRC", help="local path or sf:// URL")
-    p.add_argument("dst", metavar="DST", help="local path or sf:// URL")
+    p.add_argument("src", metavar="SRC", help="local path, sf:// URL, or - (stdin)")
+    p.add_argument("dst", metavar="DST", help="local path, sf:// URL, or - (stdout)")
     p.add_argument("-r", "--recursive", action="store_true", help="copy directories and what they hold")
     _add_root_options(p)
     p.set_defaults(func=_cmd_cp)

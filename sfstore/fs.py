@@ -24,7 +24,6 @@ import mmap
 import os
 import posixpath
 import secrets
-import shutil
 import stat
 from collections.abc import Callable, Sequence
 from glob import has_magic
@@ -37,7 +36,7 @@ from fsspec.utils import isfilelike, stringify_path
 
 from sfstore import errors
 from sfstore.engine import Request, open_fd
-from sfstore.paths.file import AtomicWriter, FilePath, _as_bytes, _bytes_for_filling
+from sfstore.paths.file import AtomicWriter, FilePath, OpenFile, _as_bytes, _bytes_for_filling
 
 __all__ = ["SFFileSystem", "SFFile"]
 
@@ -103,6 +102,55 @@ def _typed(exc: OSError, context: str, name: str) -> errors.SfstoreError:
     if isinstance(exc, errors.SfstoreError):
         return exc
     return errors.os_error(exc.errno or errno.EIO, context, _url(name))
+
+
+# A name that is not there for exists/isdir/isfile, as os.path has it: missing, a file on the way, a name too
+# long for the filesystem, a symlink loop. Escapes still raise PathEscapeError.
+_ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP})
+
+
+def _absent(exc: OSError) -> bool:
+    return not isinstance(exc, errors.PathEscapeError) and exc.errno in _ABSENT_ERRNOS
+
+
+def writes_in_place(lpath: str) -> bool:
+    """Whether the local destination ``lpath`` is written in place rather than published by rename.
+
+    Publishing (a temporary name, then ``rename``) replaces the directory entry: right for a regular file or
+    a new name, wrong for an existing FIFO, device or socket (it would become a regular file) and for anything
+    under ``/dev`` or ``/proc`` (``/dev/stdout``, ``/dev/fd/1``). A symlink is written through too, so the link
+    stays and its target gets the bytes, as ``cp`` does.
+    """
+    if lpath == "/dev" or lpath.startswith(("/dev/", "/proc/")):
+        return True
+    try:
+        st = os.lstat(lpath)
+    except OSError:
+        return False  # a new name (or an error the publishing path reports)
+    return stat.S_ISLNK(st.st_mode) or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+
+
+def open_in_place(lpath: str) -> int:
+    """Open the local ``lpath`` for writing in place (following symlinks, no rename); a regular target is
+    truncated first."""
+    try:
+        fd = os.open(lpath, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.ftruncate(fd, 0)
+    except OSError as exc:
+        raise errors.os_error(exc.errno or errno.EIO, "cannot write", lpath) from None
+    return fd
+
+
+def write_all(fd: int, data: Any, name: str) -> None:
+    """``write(2)`` all of ``data`` to ``fd`` in order (a pipe, a FIFO, a terminal take it in pieces)."""
+    view = memoryview(data).cast("B")
+    try:
+        while view.nbytes:
+            n = os.write(fd, view)
+            view = view[n:]
+    except OSError as exc:
+        raise errors.os_error(exc.errno or errno.EIO, "cannot write", name) from None
 
 
 def _aligned_buffer(n: int) -> mmap.mmap:
@@ -231,21 +279,20 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         return self.file_path.counters
 
     def _host(self, path: Any) -> str:
-        """The host path of ``path``, symlinks resolved; :class:`PathEscapeError` if it leaves the root."""
-        return self.file_path.resolve(self._strip_protocol(path))
+        """The host path that ``path`` names (symlinks not resolved): for messages only; every operation
+        resolves names beneath the root through ``file_path.beneath``."""
+        return self.file_path.full(self._strip_protocol(path))
 
-    def _entry(self, name: str) -> str:
-        """The host path of the directory entry ``name`` itself (its parent resolved, the last part not)."""
-        if name == "":
-            return self.root
-        parent, base = posixpath.split(name)
-        return os.path.join(self.file_path.resolve(parent), base)
-
-    def _stat(self, full: str, name: str) -> os.stat_result:
+    def _stat(self, name: str, context: str = "stat", follow: bool = True) -> os.stat_result:
+        """``stat`` (or ``lstat``) of the root-relative ``name``, resolved beneath the root."""
         try:
-            return os.stat(full)
+            return self.file_path.beneath.stat(name, follow=follow)
         except OSError as exc:
-            raise _typed(exc, "stat", name) from None
+            raise _typed(exc, context, name) from None
+
+    def _open_file(self, name: str) -> OpenFile:
+        """The regular file ``name`` opened for reading (a directory, FIFO or device: a typed error)."""
+        return self.file_path.open_file(name)
 
     # -- metadata --------------------------------------------------------------------------------------------
 
@@ -273,46 +320,33 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         A symlink inside the root reports its target; one that points out raises :class:`PathEscapeError`.
         """
         name = self._strip_protocol(path)
-        entry = self._entry(name)
-        try:
-            lst = os.lstat(entry)
-        except OSError as exc:
-            raise _typed(exc, "info", name) from None
+        lst = self._stat(name, "info", follow=False)
         if not stat.S_ISLNK(lst.st_mode):
             return self._make_info(name, lst, False)
-        return self._make_info(name, self._stat(self.file_path.resolve(entry), name), True)
+        return self._make_info(name, self._stat(name, "info"), True)
 
-    def _dirent_info(self, name: str, de: os.DirEntry[str]) -> dict[str, Any]:
-        lst = de.stat(follow_symlinks=False)
+    def _dirent_info(self, name: str, lst: os.stat_result) -> dict[str, Any]:
         if not stat.S_ISLNK(lst.st_mode):
             return self._make_info(name, lst, False)
         try:
-            return self._make_info(name, os.stat(self.file_path.resolve(de.path)), True)
+            return self._make_info(name, self.file_path.beneath.stat(name), True)
         except OSError:  # dangling, or pointing out of the root (PathEscapeError)
             return self._make_info(name, lst, True, kind="other")
 
     def ls(self, path: Any, detail: bool = True, **kwargs: Any) -> list[Any]:
         """Entries of a directory (sorted by name, sfstore's temporary files hidden), or ``[info]`` of a file."""
         name = self._strip_protocol(path)
-        full = self._host(name)
         try:
-            st = os.stat(full)
+            st = self.file_path.beneath.stat(name)
             if not stat.S_ISDIR(st.st_mode):
                 info = self.info(name)
                 return [info] if detail else [name]
             out: list[dict[str, Any]] = []
-            with os.scandir(full) as it:
-                for de in it:
-                    if self.file_path.is_temporary(de.name):
-                        continue
-                    child = posixpath.join(name, de.name)
-                    if not detail:
-                        out.append({"name": child})
-                        continue
-                    try:
-                        out.append(self._dirent_info(child, de))
-                    except FileNotFoundError:  # removed while listing
-                        continue
+            for entry, lst in self.file_path.beneath.scandir(name):
+                if lst is None or self.file_path.is_temporary(entry):  # removed while listing, or a writer's
+                    continue
+                child = posixpath.join(name, entry)
+                out.append(self._dirent_info(child, lst) if detail else {"name": child})
         except OSError as exc:
             raise _typed(exc, "ls", name) from None
         out.sort(key=lambda d: str(d["name"]))
@@ -322,28 +356,39 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """Whether ``path`` exists; a path that escapes the root raises :class:`PathEscapeError`."""
         try:
             self.info(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
+        except OSError as exc:
+            if _absent(exc):
+                return False
+            raise
         return True
+
+    def _mode(self, path: Any, follow: bool = True) -> int | None:
+        """The ``st_mode`` of ``path``, or ``None`` where it is absent (see :func:`_absent`)."""
+        name = self._strip_protocol(path)
+        try:
+            return self.file_path.beneath.stat(name, follow=follow).st_mode
+        except OSError as exc:
+            if _absent(exc):
+                return None
+            raise _typed(exc, "stat", name) from None
 
     def lexists(self, path: Any, **kwargs: Any) -> bool:
         """Whether the entry exists (a broken symlink counts)."""
-        return os.path.lexists(self._entry(self._strip_protocol(path)))
+        return self._mode(path, follow=False) is not None
 
     def isdir(self, path: Any) -> bool:
-        try:
-            return stat.S_ISDIR(os.stat(self._host(path)).st_mode)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
+        """Whether ``path`` is a directory (a missing or too long name is not; an escape raises)."""
+        mode = self._mode(path)
+        return mode is not None and stat.S_ISDIR(mode)
 
     def isfile(self, path: Any) -> bool:
-        try:
-            return stat.S_ISREG(os.stat(self._host(path)).st_mode)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
+        """Whether ``path`` is a regular file (a missing or too long name is not; an escape raises)."""
+        mode = self._mode(path)
+        return mode is not None and stat.S_ISREG(mode)
 
     def islink(self, path: Any) -> bool:
-        return os.path.islink(self._entry(self._strip_protocol(path)))
+        mode = self._mode(path, follow=False)
+        return mode is not None and stat.S_ISLNK(mode)
 
     def size(self, path: Any) -> int:
         return int(self.info(path)["size"])
@@ -358,25 +403,19 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     def ukey(self, path: Any) -> str:
         """Changes whenever the file's content may have: hash of inode, size and modification/change times."""
-        st = self._stat(self._host(path), self._strip_protocol(path))
+        st = self._stat(self._strip_protocol(path))
         key = f"{self.root}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
         return hashlib.sha256(key.encode()).hexdigest()
 
     # -- reads -----------------------------------------------------------------------------------------------
 
-    def _file_size(self, full: str, name: str) -> int:
-        st = self._stat(full, name)
-        if stat.S_ISDIR(st.st_mode):
-            raise errors.os_error(errno.EISDIR, "cannot read a directory", _url(name))
-        return st.st_size
-
     def cat_file(self, path: Any, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         """Bytes ``[start, end)`` of ``path`` (slice semantics), read through the engine straight into the
-        returned ``bytes`` (parallel chunks for large files)."""
-        name = self._strip_protocol(path)
-        full = self._host(name)
-        s, e = _bounds(start, end, self._file_size(full, name))
-        return self.file_path.read(full, s, e - s)
+        returned ``bytes`` (parallel chunks for large files). Only regular files are read: a FIFO, socket or
+        device raises :class:`~sfstore.errors.NotARegularFileError` (without waiting on it)."""
+        with self._open_file(self._strip_protocol(path)) as f:
+            s, e = _bounds(start, end, f.size)
+            return f.read(s, e - s)
 
     def read_into(self, path: Any, buffer: Any, offset: int = 0, length: int | None = None) -> int:
         """Read ``path`` from ``offset`` into ``buffer`` (numpy, torch, registered buffer, GPU array, ...).
@@ -384,7 +423,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         ``length`` defaults to the buffer's size; returns the bytes read (fewer only at end of file). No
         intermediate ``bytes`` object: the engine writes into ``buffer`` (see :meth:`FilePath.read_into`).
         """
-        return self.file_path.read_into(self._host(path), buffer, offset, length)
+        return self.file_path.read_into(self._strip_protocol(path), buffer, offset, length)
 
     def cat(
         self, path: Any, recursive: bool = False, on_error: str = "raise", **kwargs: Any
@@ -463,8 +502,20 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         max_block: int,
         out: list[bytes | BaseException],
     ) -> None:
-        full = self._host(name)
-        size = self._file_size(full, name)
+        with self._open_file(name) as f:
+            self._read_coalesced_from(f, members, starts, ends, gap, max_block, out)
+
+    @staticmethod
+    def _read_coalesced_from(
+        f: OpenFile,
+        members: list[int],
+        starts: list[int | None],
+        ends: list[int | None],
+        gap: int,
+        max_block: int,
+        out: list[bytes | BaseException],
+    ) -> None:
+        size = f.size
         spans = {i: _bounds(starts[i], ends[i], size) for i in members}
         merged: list[list[Any]] = []  # [start, end, [members]]
         for i in sorted(members, key=lambda j: spans[j]):
@@ -479,9 +530,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if not reads:
             return
         try:
-            got = self.file_path.read_ranges_into(
-                full, [(m[0], m[1] - m[0], v, 0) for m, (_, v) in zip(reads, bufs, strict=True)]
-            )
+            got = f.read_ranges_into([(m[0], m[1] - m[0], v, 0) for m, (_, v) in zip(reads, bufs, strict=True)])
         finally:
             for _, view in bufs:
                 view.release()
@@ -515,7 +564,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 if starts_l[i] < 0 or ends_l[i] < starts_l[i]:
                     raise errors.InvalidRequestError(f"bad range [{starts_l[i]}, {ends_l[i]}) for {name}")
             got = self.file_path.read_ranges_into(
-                self._host(name), [(starts_l[i], ends_l[i] - starts_l[i], buffers[i], 0) for i in members]
+                name, [(starts_l[i], ends_l[i] - starts_l[i], buffers[i], 0) for i in members]
             )
             for i, k in zip(members, got, strict=True):
                 out[i] = k
@@ -560,8 +609,9 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                     pending.get()
         return total
 
-    def _sf_source(self, full: str) -> Callable[[int, memoryview], _Pending]:
-        return lambda pos, view: self.file_path.read_into_async(full, view, pos, view.nbytes)
+    @staticmethod
+    def _sf_source(f: OpenFile) -> Callable[[int, memoryview], _Pending]:
+        return lambda pos, view: f.read_into_async(view, pos, view.nbytes)
 
     def _local_source(self, fd: int) -> Callable[[int, memoryview], _Pending]:
         fp = self.file_path
@@ -590,25 +640,45 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         ``mode="create"`` refuses an existing file (``FileExistsError``); ``fsync=True`` makes it durable.
         """
         self.file_path.write(
-            self._host(path), value, overwrite=mode != "create", fsync=bool(kwargs.get("fsync", False))
+            self._strip_protocol(path), value, overwrite=mode != "create", fsync=bool(kwargs.get("fsync", False))
         )
 
     def put_file(
         self, lpath: Any, rpath: Any, callback: Any = DEFAULT_CALLBACK, mode: str = "overwrite", **kwargs: Any
     ) -> None:
-        """Copy the local file ``lpath`` to ``rpath``: read through the engine, published atomically."""
+        """Copy the local file ``lpath`` to ``rpath``: read through the engine, published atomically.
+
+        A local FIFO or character device (``/dev/stdin``) is read as a stream to its end.
+        """
         lpath = os.fspath(lpath)
         if os.path.isdir(lpath):
             self.makedirs(rpath, exist_ok=True)
             return
         fd, _ = open_fd(lpath, os.O_RDONLY, direct="off")
         try:
-            size = os.fstat(fd).st_size
-            callback.set_size(size)
-            with self.file_path.open_writer(self._host(rpath), overwrite=mode != "create") as w:
-                self._pump(self._local_source(fd), size, w.write, callback)
+            st = os.fstat(fd)
+            with self.file_path.open_writer(self._strip_protocol(rpath), overwrite=mode != "create") as w:
+                if stat.S_ISREG(st.st_mode):
+                    callback.set_size(st.st_size)
+                    self._pump(self._local_source(fd), st.st_size, w.write, callback)
+                else:
+                    self._stream_into(fd, lpath, w, callback)
         finally:
             os.close(fd)
+
+    def _stream_into(self, fd: int, name: str, writer: AtomicWriter, callback: Any = DEFAULT_CALLBACK) -> int:
+        """Copy what ``fd`` (a pipe, FIFO, terminal) yields until its end into ``writer``."""
+        total = 0
+        while True:
+            try:
+                data = os.read(fd, self.blocksize)
+            except OSError as exc:
+                raise errors.os_error(exc.errno or errno.EIO, "cannot read", name) from None
+            if not data:
+                return total
+            writer.write(data)
+            callback.relative_update(len(data))
+            total += len(data)
 
     def get_file(
         self,
@@ -618,65 +688,75 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         outfile: Any = None,
         **kwargs: Any,
     ) -> None:
-        """Copy ``rpath`` to the local file ``lpath`` (written to a temporary name, then renamed) or ``outfile``."""
+        """Copy ``rpath`` to the local file ``lpath`` or to ``outfile``.
+
+        A regular file or a new name is written to a temporary name and renamed into place; an existing FIFO,
+        device or socket, a symlink, and names under ``/dev`` and ``/proc`` (``/dev/stdout``) are written in
+        place (see :func:`writes_in_place`).
+        """
         if outfile is None and isfilelike(lpath):
             outfile = lpath
         name = self._strip_protocol(rpath)
-        full = self._host(name)
         if outfile is None and self.isdir(name):
             os.makedirs(lpath, exist_ok=True)
             return
-        size = self._file_size(full, name)
-        callback.set_size(size)
-        if outfile is not None:
-            self._pump(self._sf_source(full), size, outfile.write, callback)
-            return
-        lpath = os.path.abspath(os.fspath(lpath))
-        os.makedirs(os.path.dirname(lpath), exist_ok=True)
-        head, tail = os.path.split(lpath)
-        tmp = os.path.join(head, f".{tail}.sfstore-part-{os.getpid()}-{secrets.token_hex(4)}")
-        fd, _ = open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, direct="off")
-        try:
+        with self._open_file(name) as f:
+            size = f.size
+            callback.set_size(size)
+            if outfile is not None:
+                self._pump(self._sf_source(f), size, outfile.write, callback)
+                return
+            lpath = os.path.abspath(os.fspath(lpath))
+            if writes_in_place(lpath):
+                fd = open_in_place(lpath)
+                try:
+                    self._pump(self._sf_source(f), size, lambda view: write_all(fd, view, lpath), callback)
+                finally:
+                    os.close(fd)
+                return
+            os.makedirs(os.path.dirname(lpath), exist_ok=True)
+            head, tail = os.path.split(lpath)
+            tmp = os.path.join(head, f".{tail}.sfstore-part-{os.getpid()}-{secrets.token_hex(4)}")
+            fd, _ = open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, direct="off")
             try:
-                self._pump(self._sf_source(full), size, self._local_sink(fd), callback)
-            finally:
-                os.close(fd)
-            os.replace(tmp, lpath)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+                try:
+                    self._pump(self._sf_source(f), size, self._local_sink(fd), callback)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, lpath)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
 
     def cp_file(self, path1: Any, path2: Any, **kwargs: Any) -> None:
         """Copy a file within the root through the engine, published atomically (a directory: made)."""
         src = self._strip_protocol(path1)
-        full = self._host(src)
-        st = self._stat(full, src)
-        if stat.S_ISDIR(st.st_mode):
+        if stat.S_ISDIR(self._stat(src).st_mode):
             self.makedirs(path2, exist_ok=True)
             return
-        with self.file_path.open_writer(self._host(path2)) as w:
-            self._pump(self._sf_source(full), st.st_size, w.write, kwargs.get("callback", DEFAULT_CALLBACK))
+        with self._open_file(src) as f, self.file_path.open_writer(self._strip_protocol(path2)) as w:
+            self._pump(self._sf_source(f), f.size, w.write, kwargs.get("callback", DEFAULT_CALLBACK))
 
     # -- namespace -------------------------------------------------------------------------------------------
 
     def mkdir(self, path: Any, create_parents: bool = True, **kwargs: Any) -> None:
         name = self._strip_protocol(path)
-        full = self._host(name)
         try:
-            if os.path.lexists(full):
-                raise FileExistsError(errno.EEXIST, "exists", full)
-            if create_parents:
-                os.makedirs(full, exist_ok=True)
-            else:
-                os.mkdir(full)
+            if name == "" or self.lexists(name):
+                raise FileExistsError(errno.EEXIST, "exists", self._host(name))
+            self.file_path.beneath.mkdir(name, parents=create_parents)
         except OSError as exc:
             raise _typed(exc, "mkdir", name) from None
 
     def makedirs(self, path: Any, exist_ok: bool = False) -> None:
         name = self._strip_protocol(path)
         try:
-            os.makedirs(self._host(name), exist_ok=exist_ok)
+            if name == "":
+                if not exist_ok:
+                    raise FileExistsError(errno.EEXIST, "exists", self.root)
+                return
+            self.file_path.beneath.mkdir(name, parents=True, exist_ok=exist_ok)
         except OSError as exc:
             raise _typed(exc, "makedirs", name) from None
 
@@ -686,15 +766,17 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if name == "":
             raise errors.InvalidRequestError("refusing to remove the sf:// root")
         try:
-            os.rmdir(self._entry(name))
+            self.file_path.beneath.rmdir(name)
         except OSError as exc:
             raise _typed(exc, "rmdir", name) from None
 
     def rm_file(self, path: Any) -> None:
         """Remove a file (a symlink: the link itself)."""
         name = self._strip_protocol(path)
+        if name == "":
+            raise errors.InvalidRequestError("refusing to remove the sf:// root")
         try:
-            os.unlink(self._entry(name))
+            self.file_path.beneath.unlink(name)
         except OSError as exc:
             raise _typed(exc, "rm", name) from None
 
@@ -704,8 +786,9 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
     def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
         """Remove files, and with ``recursive=True`` directories with what they hold (globs expand).
 
-        Symlinks are removed, never followed. With ``maxdepth``, entries deeper than ``maxdepth`` levels below a
-        directory stay, and so do the directories holding them. The root itself is never removed.
+        Symlinks are removed, never followed (directories are walked by descriptor, so one swapped for a
+        symlink meanwhile is removed as a link). With ``maxdepth``, entries deeper than ``maxdepth`` levels
+        below a directory stay, and so do the directories holding them. The root itself is never removed.
         """
         names: list[str] = []
         for p in path if isinstance(path, (list, tuple)) else [path]:
@@ -717,20 +800,18 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 names.extend(found)
             else:
                 names.append(name)
+        beneath = self.file_path.beneath
         for name in sorted(set(names), reverse=True):  # children before their parents
             if name == "":
                 raise errors.InvalidRequestError("refusing to remove the sf:// root")
-            entry = self._entry(name)
             try:
-                lst = os.lstat(entry)
+                lst = beneath.stat(name, follow=False)
                 if not stat.S_ISDIR(lst.st_mode):
-                    os.unlink(entry)
+                    beneath.unlink(name)
                 elif not recursive:
                     raise IsADirectoryError(errno.EISDIR, "is a directory (use recursive=True)", name)
-                elif maxdepth is None:
-                    shutil.rmtree(entry)
                 else:
-                    _rmtree_depth(entry, maxdepth)
+                    beneath.rmtree(name, maxdepth)
             except OSError as exc:
                 raise _typed(exc, "rm", name) from None
 
@@ -748,18 +829,15 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             raise errors.InvalidRequestError("refusing to move the sf:// root")
         if src == dst:
             return
-        src_entry = self._entry(src)
-        if not os.path.lexists(src_entry):
-            raise errors.os_error(errno.ENOENT, "mv", _url(src))
+        self._stat(src, "mv", follow=False)  # a missing source is an error before anything is made
         if isinstance(path2, str) and path2.endswith("/") and not self.isdir(dst):
             self.makedirs(dst, exist_ok=True)  # "dir/" names a directory, made if missing (as fsspec's copy does)
         if self.isdir(dst):
             dst = posixpath.join(dst, posixpath.basename(src))
-        dst_entry = self._entry(dst)
         try:
-            os.rename(src_entry, dst_entry)
+            self.file_path.beneath.rename(src, dst)
         except OSError as exc:
-            if exc.errno != errno.EXDEV:
+            if exc.errno != errno.EXDEV or isinstance(exc, errors.SfstoreError):
                 raise _typed(exc, f"mv to {_url(dst)}", src) from None
             self.copy(src, dst, recursive=True, on_error="raise")
             self.rm(src, recursive=True)
@@ -768,8 +846,12 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """Create an empty file (atomically), or with ``truncate=False`` update an existing file's times."""
         if truncate or not self.exists(path):
             self.pipe_file(path, b"")
-        else:
-            os.utime(self._host(path))
+            return
+        name = self._strip_protocol(path)
+        try:
+            self.file_path.beneath.utime(name)
+        except OSError as exc:
+            raise _typed(exc, "touch", name) from None
 
     # -- files -----------------------------------------------------------------------------------------------
 
@@ -787,20 +869,6 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         )
 
 
-def _rmtree_depth(top: str, maxdepth: int, depth: int = 1) -> None:
-    """Remove what lies at most ``maxdepth`` levels below ``top``, and directories left empty (no symlinks)."""
-    with os.scandir(top) as it:
-        entries = list(it)
-    for de in entries:
-        if de.is_dir(follow_symlinks=False):
-            if depth < maxdepth:
-                _rmtree_depth(de.path, maxdepth, depth + 1)
-        else:
-            os.unlink(de.path)
-    with contextlib.suppress(OSError):
-        os.rmdir(top)
-
-
 class _EngineReadahead(BaseCache):  # type: ignore[misc]
     """Sequential readahead through the engine: the block being read, and the next one already in flight.
 
@@ -813,9 +881,9 @@ class _EngineReadahead(BaseCache):  # type: ignore[misc]
 
     name = "sfreadahead"
 
-    def __init__(self, blocksize: int, fetcher: Any, size: int, fp: FilePath, full: str) -> None:
+    def __init__(self, blocksize: int, fetcher: Any, size: int, file: OpenFile) -> None:
         super().__init__(blocksize, fetcher, size)
-        self._fp, self._full = fp, full
+        self._file = file
         self._blocks: list[mmap.mmap | None] = [None, None]
         self._cur = 0  # the block holding the cached bytes; the other one takes the read ahead
         self._cache: memoryview | None = None
@@ -838,7 +906,7 @@ class _EngineReadahead(BaseCache):  # type: ignore[misc]
         n = min(self.blocksize, self.size - pos)
         if n > 0:
             view = self._view(1 - self._cur, n)
-            self._ahead = (pos, view, self._fp.read_into_async(self._full, view, pos, n))
+            self._ahead = (pos, view, self._file.read_into_async(view, pos, n))
 
     def _take_ahead(self, start: int, end: int) -> bool:
         """Make the block in flight current if it covers ``[start, end)``; drop it otherwise."""
@@ -881,7 +949,7 @@ class _EngineReadahead(BaseCache):  # type: ignore[misc]
             self.total_requested_bytes += stop - start
             self._set_cache(None, 0, 0)
             view = self._view(self._cur, stop - start)
-            got = self._fp.read_into(self._full, view, start, stop - start)
+            got = self._file.read_into(view, start, stop - start)
             self._set_cache(view, start, got)
         if sequential and self.end < self.size:
             self._start_ahead(self.end)
@@ -926,39 +994,52 @@ class SFFile(AbstractBufferedFile):  # type: ignore[misc]
         **kwargs: Any,
     ) -> None:
         self._writer: AtomicWriter | None = None
+        self._file: OpenFile | None = None
         self._full = fs._host(path)
         bs = fs.blocksize if block_size in (None, "default") else block_size
         if mode == "rb":
-            if size is None:
-                size = fs._file_size(self._full, path)
-            ours = cache_type == _EngineReadahead.name
-            super().__init__(
-                fs, path, mode, bs, autocommit, cache_type="none" if ours else cache_type,
-                cache_options=cache_options, size=size, **kwargs,
-            )
-            if ours:
-                self.cache = _EngineReadahead(self.blocksize, self._fetch_range, self.size, fs.file_path, self._full)
+            # Opened once, beneath the root: every later read is of this file, whatever is renamed meanwhile.
+            self._file = fs._open_file(path)
+            try:
+                if size is None:
+                    size = self._file.size
+                ours = cache_type == _EngineReadahead.name
+                super().__init__(
+                    fs, path, mode, bs, autocommit, cache_type="none" if ours else cache_type,
+                    cache_options=cache_options, size=size, **kwargs,
+                )
+                if ours:
+                    self.cache = _EngineReadahead(self.blocksize, self._fetch_range, self.size, self._file)
+            except BaseException:
+                self._file.close()
+                raise
             return
         if mode not in ("wb", "xb", "ab"):
             raise NotImplementedError(f"sf:// files support modes rb, wb, xb and ab, not {mode!r}")
         super().__init__(fs, path, mode, bs, autocommit, cache_options=cache_options, **kwargs)
-        writer = fs.file_path.open_writer(self._full, overwrite=mode != "xb", fsync=fsync)
-        if mode == "ab" and os.path.isfile(self._full):
+        writer = fs.file_path.open_writer(path, overwrite=mode != "xb", fsync=fsync)
+        if mode == "ab":
             try:
-                size = fs._file_size(self._full, path)
-                fs._pump(fs._sf_source(self._full), size, writer.write)
+                try:
+                    old: OpenFile | None = fs._open_file(path)
+                except FileNotFoundError:
+                    old = None
+                if old is not None:
+                    with old:
+                        size = old.size
+                        fs._pump(fs._sf_source(old), size, writer.write)
+                    self.loc = size
             except BaseException:
                 writer.discard()
                 raise
-            self.loc = size
         self._writer = writer
 
     # -- reading ---------------------------------------------------------------------------------------------
 
     def _fetch_range(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` through the engine (parallel chunks), straight into the returned ``bytes``."""
-        fs: SFFileSystem = self.fs
-        return fs.file_path.read(self._full, start, max(0, end - start))
+        assert self._file is not None
+        return self._file.read(start, max(0, end - start))
 
     def readinto(self, b: Any) -> int:
         """Read into ``b``; a read of a block or more goes from storage straight into ``b``."""
@@ -970,8 +1051,8 @@ class SFFile(AbstractBufferedFile):  # type: ignore[misc]
         n = min(out.nbytes, max(0, self.size - self.loc))
         if n < self.blocksize:
             return int(super().readinto(out))
-        fs: SFFileSystem = self.fs
-        got = fs.file_path.read_into(self._full, out[:n], self.loc, n)
+        assert self._file is not None
+        got = self._file.read_into(out[:n], self.loc, n)
         self.loc += got
         return got
 
@@ -1006,7 +1087,11 @@ class SFFile(AbstractBufferedFile):  # type: ignore[misc]
         if self.closed:
             return
         if self.mode == "rb":
-            super().close()
+            try:
+                super().close()
+            finally:
+                if self._file is not None:
+                    self._file.close()
             return
         try:
             if self.autocommit:

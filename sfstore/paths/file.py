@@ -9,7 +9,13 @@ a temporary name in the same directory, fsynced when asked, renamed into place).
 
 Paths are relative to the root (``"a/b.bin"``); an absolute path is accepted only inside the root. ``..``
 that climbs out, absolute paths elsewhere and symlinks that point out are refused with
-:class:`~sfstore.errors.PathEscapeError` (a ``PermissionError``).
+:class:`~sfstore.errors.PathEscapeError` (a ``PermissionError``). Every operation resolves its name beneath the
+root through :class:`~sfstore.paths.beneath.Beneath` (the parent directory opened beneath the root, the last
+component acted on relative to it), so a directory swapped for a symlink to elsewhere while an operation runs
+makes it fail, never act outside; symlinks that stay inside the root are followed.
+
+Only regular files are read: a FIFO, socket or device is opened without blocking and refused with
+:class:`~sfstore.errors.NotARegularFileError`, a directory with :class:`~sfstore.errors.IsADirectoryPathError`.
 
 Alignment and performance: O_DIRECT moves data without a page-cache copy when the caller's buffer is aligned
 to the filesystem's O_DIRECT memory alignment (registered buffers always are; ``numpy`` arrays usually are
@@ -18,6 +24,7 @@ not); a misaligned buffer still works, through the engine's bounce buffers, at t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -30,11 +37,12 @@ from typing import Any
 
 from sfstore import defaults, errors
 from sfstore.buffers import as_buffer, copy_host_to_device, is_device_buffer
-from sfstore.engine import IOEngine, IOFuture, Request, describe_engines, get_engine, open_fd
+from sfstore.engine import IOEngine, IOFuture, Request, describe_engines, get_engine
 from sfstore.mounts import MountInfo, mount_for
 from sfstore.paths.base import StoragePath
+from sfstore.paths.beneath import Beneath, Location
 
-__all__ = ["FilePath", "MountFacts", "AtomicWriter", "ReadFuture"]
+__all__ = ["FilePath", "MountFacts", "AtomicWriter", "OpenFile", "ReadFuture"]
 
 MiB = 1 << 20
 _TMP_MARK = ".sfstore-tmp-"
@@ -154,13 +162,12 @@ class FilePath(StoragePath):
         elif not os.path.isdir(raw):
             raise errors.os_error(errno.ENOENT, "FilePath root is not a directory", raw)
         self.root = os.path.realpath(raw)
+        self.beneath = Beneath(self.root, aliases=(raw,))
         self.mount = MountFacts.from_mount(mount_for(self.root))
         self.chunk_size = int(chunk_size or defaults.get("file_chunk_size") or self.mount.default_chunk_size())
         self.parallelism = int(parallelism or defaults.get("file_parallelism") or self.mount.default_parallelism())
         self._engine = engine
         self._small_engine: IOEngine | None = None
-        self._rootfd: int | None = None
-        self._rootfd_pid = 0
         self._direct_mode = defaults.SETTINGS["direct_io"].parse(direct, "FilePath") if direct else None
         self.direct = self._probe_direct()
         if self.mount.transport == "tcp":
@@ -230,16 +237,25 @@ class FilePath(StoragePath):
         if mode == "off":
             self.fallbacks.append("O_DIRECT off by setting (direct_io=off): page-cache I/O")
             return False
-        probe = os.path.join(self.root, f"{_TMP_MARK}probe-{os.getpid()}-{secrets.token_hex(4)}")
+        name = f"{_TMP_MARK}probe-{os.getpid()}-{secrets.token_hex(4)}"
+        probe = os.path.join(self.root, name)
+        rootfd = self.beneath.root_fd()
         try:
-            fd, direct = open_fd(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, direct=mode)
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=rootfd)
+            except OSError as exc:
+                raise errors.os_error(exc.errno or errno.EIO, f"cannot open {probe!r}", probe) from None
+            try:
+                direct = _enable_direct(fd, probe, required=mode == "on")
+            finally:
+                os.close(fd)
+                os.unlink(name, dir_fd=rootfd)
         except errors.SfstoreOSError as exc:
             if mode == "on":
                 raise
             self.fallbacks.append(f"cannot probe O_DIRECT in {self.root}: {exc}")
             return False
-        os.close(fd)
-        os.unlink(probe)
         if not direct:
             self.fallbacks.append(f"{self.mount.fstype} at {self.mount.mountpoint} refuses O_DIRECT: page-cache I/O")
         return direct
@@ -249,7 +265,10 @@ class FilePath(StoragePath):
     def resolve(self, path: str | os.PathLike[str]) -> str:
         """The absolute path of ``path`` (relative to the root, or absolute inside it), symlinks resolved.
 
-        Raises :class:`~sfstore.errors.PathEscapeError` when the result would leave the root.
+        Raises :class:`~sfstore.errors.PathEscapeError` when the result would leave the root. The answer is a
+        name, true when it was computed: for messages and checks only. Opening, renaming or removing by it
+        would race with a directory on the way being swapped for a symlink; every operation here goes through
+        :attr:`beneath` instead.
         """
         text = os.fspath(path)
         if "\x00" in text:
@@ -260,44 +279,42 @@ class FilePath(StoragePath):
             raise errors.PathEscapeError(f"path {text!r} resolves to {real}, outside the root {self.root}")
         return real
 
+    def full(self, path: str | os.PathLike[str]) -> str:
+        """The host path that ``path`` names below the root, ``.`` and ``..`` folded, symlinks not resolved
+        (for messages). Raises :class:`~sfstore.errors.PathEscapeError` where ``path`` climbs out."""
+        return self.beneath.full(self.beneath.parts(path))
+
     def open_beneath(self, path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> tuple[int, str]:
         """Open ``path`` (relative to the root, or absolute inside it) without leaving the root; return the
         descriptor and the absolute path (for messages).
 
-        The kernel enforces the confinement (``openat2`` with ``RESOLVE_BENEATH``: ``..``, absolute symlinks and
-        symlinks that lead out are refused) in one system call, so this is the fast path for many small files;
-        where ``openat2`` is missing it falls back to :meth:`resolve` and ``open``. O_DIRECT is not set.
+        One ``openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`` where the kernel has it, with a walk of
+        ``O_NOFOLLOW`` directory descriptors for what the kernel refuses (absolute symlinks inside the root)
+        or where ``openat2`` is missing (see :class:`~sfstore.paths.beneath.Beneath`). O_DIRECT is not set.
         """
-        text = os.fspath(path)
-        if "\x00" in text:
-            raise errors.PathEscapeError(f"path {text!r} contains a NUL byte")
-        if os.path.isabs(text):
-            norm = os.path.normpath(text)
-            if norm != self.root and not norm.startswith(self.root + os.sep):
-                raise errors.PathEscapeError(f"path {text!r} is outside the root {self.root}")
-            text = os.path.relpath(norm, self.root)
-        full = os.path.join(self.root, text)
-        beneath = _open_beneath_fn()
-        if beneath is None:
-            real = self.resolve(text)
-            try:
-                return os.open(real, flags | os.O_CLOEXEC, mode), real
-            except OSError as exc:
-                self.counters.add(errors=1)
-                raise errors.os_error(exc.errno or errno.EIO, "open", real) from None
+        full = self.full(path)
         try:
-            return beneath(self._root_fd(), text, flags, mode), full
+            return self.beneath.open(path, flags, mode), full
+        except errors.PathEscapeError:
+            self.counters.add(errors=1)
+            raise
         except OSError as exc:
             self.counters.add(errors=1)
-            if exc.errno in (errno.EXDEV, errno.ELOOP):
-                raise errors.PathEscapeError(f"path {text!r} leads outside the root {self.root}") from None
             raise errors.os_error(exc.errno or errno.EIO, "open", full) from None
 
     def _root_fd(self) -> int:
-        if self._rootfd is None or self._rootfd_pid != os.getpid():
-            self._rootfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            self._rootfd_pid = os.getpid()
-        return self._rootfd
+        return self.beneath.root_fd()
+
+    def stat(self, path: str | os.PathLike[str], *, follow: bool = True) -> os.stat_result:
+        """``stat`` (``lstat`` with ``follow=False``) of ``path`` beneath the root; opens nothing that blocks."""
+        try:
+            return self.beneath.stat(path, follow=follow)
+        except errors.PathEscapeError:
+            self.counters.add(errors=1)
+            raise
+        except OSError as exc:
+            self.counters.add(errors=1)
+            raise errors.os_error(exc.errno or errno.EIO, "stat", exc.filename or self.full(path)) from None
 
     def relative(self, full: str) -> str:
         """The root-relative name of an absolute path inside the root (``""`` for the root)."""
@@ -306,14 +323,48 @@ class FilePath(StoragePath):
 
     # -- reads -----------------------------------------------------------------------------------------------
 
-    def _open(self, full: str, flags: int) -> tuple[int, bool]:
+    def _open_read(self, path: str | os.PathLike[str], direct: bool | None = None) -> tuple[int, str, int]:
+        """Open a regular file for reading beneath the root: ``(fd, full, size)``.
+
+        Opened with ``O_NONBLOCK`` (a FIFO without a writer would block ``open`` forever), checked with
+        ``fstat``, then switched to blocking (and O_DIRECT where the path uses it; ``direct`` overrides).
+        """
+        fd, full = self._open_nonblocking(path)
         try:
-            return open_fd(full, flags, direct=self.direct)
-        except errors.SfstoreOSError as exc:
+            size = _regular_size(fd, full)
+            _set_status(fd, full, self.direct if direct is None else direct)
+        except BaseException:
+            os.close(fd)
             self.counters.add(errors=1)
-            if exc.errno == errno.EINVAL and os.path.isdir(full):  # O_DIRECT refused on a directory
-                raise errors.os_error(errno.EISDIR, "cannot read a directory", full) from None
             raise
+        return fd, full, size
+
+    def _open_nonblocking(self, path: str | os.PathLike[str]) -> tuple[int, str]:
+        """:meth:`open_beneath` read-only with ``O_NONBLOCK`` (a FIFO opens at once); a socket, which
+        ``open`` refuses with ENXIO, raises :class:`~sfstore.errors.NotARegularFileError` as a FIFO would."""
+        try:
+            return self.open_beneath(path, os.O_RDONLY | os.O_NONBLOCK)
+        except errors.SfstoreOSError as exc:
+            if exc.errno == errno.ENXIO:
+                self._refuse_special(path, exc)
+            raise
+
+    def _refuse_special(self, path: str | os.PathLike[str], exc: errors.SfstoreOSError) -> None:
+        try:
+            mode = self.beneath.stat(path).st_mode
+        except OSError:
+            return
+        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            full = self.full(path)
+            raise errors.os_error(
+                errno.EINVAL, f"not a regular file ({_kind(mode)})", full, errors.NotARegularFileError
+            ) from exc
+
+    def open_file(self, path: str | os.PathLike[str]) -> OpenFile:
+        """Open the regular file ``path`` for reading: reads of the returned :class:`OpenFile` stay on that file
+        whatever is renamed or swapped meanwhile."""
+        fd, full, _ = self._open_read(path)
+        return OpenFile(self, fd, full)
 
     def _finish(self, fut: IOFuture, requests: int, timeout: float | None = None, files: int = 0) -> list[int]:
         try:
@@ -334,12 +385,7 @@ class FilePath(StoragePath):
 
     def size(self, path: str | os.PathLike[str]) -> int:
         """Size in bytes of the file at ``path``."""
-        full = self.resolve(path)
-        try:
-            return os.stat(full).st_size
-        except OSError as exc:
-            self.counters.add(errors=1)
-            raise errors.os_error(exc.errno or errno.EIO, "stat", full) from None
+        return self.stat(path).st_size
 
     def read_into_async(
         self, path: str | os.PathLike[str], buffer: Any, offset: int = 0, length: int | None = None
@@ -351,26 +397,36 @@ class FilePath(StoragePath):
         file. The file is read as ``chunk_size`` requests, ``parallelism`` in flight. A GPU buffer (cupy, torch
         CUDA) is filled through pinned bounce buffers (the device path, where there is one, avoids the copy).
         """
-        if offset < 0 or (length is not None and length < 0):
-            raise errors.InvalidRequestError(f"negative offset or length ({offset}, {length})")
-        full = self.resolve(path)
+        _check_range(offset, length)
         if is_device_buffer(buffer):
-            return self._read_into_device(full, buffer, offset, length)
-        view = as_buffer(buffer)
-        nbytes = memoryview(view).nbytes
-        want = nbytes if length is None else length
-        if want > nbytes:
-            raise errors.BufferTooSmallError(f"a buffer of {nbytes} bytes cannot hold {want} bytes of {full}")
-        fd, _ = self._open(full, os.O_RDONLY)
+            fd, full, _ = self._open_read(path)
+            try:
+                return self._read_fd_into_device(fd, full, buffer, offset, length)
+            finally:
+                os.close(fd)
+        view, want = _host_view(buffer, length)
+        fd, full, size = self._open_read(path)
+        return self._start_read(fd, full, size, view, want, offset, owns_fd=True)
+
+    def _start_read(
+        self, fd: int, full: str, size: int, view: Any, want: int, offset: int, *, owns_fd: bool
+    ) -> ReadFuture:
+        """Submit the read of ``want`` bytes at ``offset`` (clipped at ``size``) of ``fd`` into ``view``."""
         try:
-            size = _regular_size(fd, full)
+            if want > memoryview(view).nbytes:
+                raise errors.BufferTooSmallError(
+                    f"a buffer of {memoryview(view).nbytes} bytes cannot hold {want} bytes of {full}"
+                )
             n = max(0, min(want, size - offset))
             reqs = self._chunks(fd, offset, n, view, 0, write=False)
             fut = self.engine.submit(reqs)
         except BaseException:
-            os.close(fd)
+            if owns_fd:
+                os.close(fd)
             raise
-        return ReadFuture(self, fd, fut, len(reqs), after=lambda total: self.counters.add(bytes_read=total))
+        return ReadFuture(
+            self, fd if owns_fd else -1, fut, len(reqs), after=lambda total: self.counters.add(bytes_read=total)
+        )
 
     def read_into(
         self, path: str | os.PathLike[str], buffer: Any, offset: int = 0, length: int | None = None
@@ -381,12 +437,20 @@ class FilePath(StoragePath):
     def read(self, path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> bytes:
         """The bytes of ``path`` from ``offset`` (to the end, or ``length`` bytes), read straight into the
         returned ``bytes`` object."""
-        full = self.resolve(path)
-        size = self.size(full)
+        _check_range(offset, length)
+        fd, full, size = self._open_read(path)
+        try:
+            return self._read_fd(fd, full, size, offset, length)
+        finally:
+            os.close(fd)
+
+    def _read_fd(self, fd: int, full: str, size: int, offset: int, length: int | None) -> bytes:
         n = max(0, size - offset) if length is None else max(0, min(length, size - offset))
         data, view = _bytes_for_filling(n)
-        got = self.read_into(full, view, offset, n)
-        view.release()
+        try:
+            got = self._start_read(fd, full, size, view, n, offset, owns_fd=False).get()
+        finally:
+            view.release()
         return _as_bytes(data, got)
 
     def read_ranges_into(
@@ -396,18 +460,20 @@ class FilePath(StoragePath):
 
         Returns the bytes read per range (short only at end of file).
         """
-        full = self.resolve(path)
-        fd, _ = self._open(full, os.O_RDONLY)
+        fd, _, _ = self._open_read(path)
         try:
-            reqs: list[Request] = []
-            owner: list[int] = []
-            for i, (off, length, buf, boff) in enumerate(ranges):
-                chunk = self._chunks(fd, off, length, as_buffer(buf), boff, write=False)
-                reqs.extend(chunk)
-                owner.extend([i] * len(chunk))
-            got = self._finish(self.engine.submit(reqs), len(reqs), files=1)
+            return self._read_ranges_fd(fd, ranges)
         finally:
             os.close(fd)
+
+    def _read_ranges_fd(self, fd: int, ranges: Sequence[tuple[int, int, Any, int]]) -> list[int]:
+        reqs: list[Request] = []
+        owner: list[int] = []
+        for i, (off, length, buf, boff) in enumerate(ranges):
+            chunk = self._chunks(fd, off, length, as_buffer(buf), boff, write=False)
+            reqs.extend(chunk)
+            owner.extend([i] * len(chunk))
+        got = self._finish(self.engine.submit(reqs), len(reqs), files=1)
         out = [0] * len(ranges)
         for i, n in zip(owner, got, strict=True):
             out[i] += n
@@ -449,7 +515,7 @@ class FilePath(StoragePath):
             reqs: list[Request] = []
             for i in range(start, stop):
                 try:
-                    fd, full = self.open_beneath(names[i], os.O_RDONLY)
+                    fd, full = self._open_nonblocking(names[i])
                 except errors.SfstoreError as exc:
                     if on_error == "raise":
                         raise
@@ -458,15 +524,15 @@ class FilePath(StoragePath):
                 group.fds.append(fd)
                 try:
                     size = _regular_size(fd, full)
+                    # Large files go direct; small ones read through the page cache, since they land in
+                    # unaligned ``bytes`` and would be bounced (copied) under O_DIRECT anyway.
+                    _set_status(fd, full, self.direct and size >= _DIRECT_MIN)
                 except errors.SfstoreError as exc:
+                    self.counters.add(errors=1)
                     if on_error == "raise":
                         raise
                     out[i] = exc
                     continue
-                if self.direct and size >= _DIRECT_MIN:
-                    # Large files go direct; small ones read through the page cache, since they land in
-                    # unaligned ``bytes`` and would be bounced (copied) under O_DIRECT anyway.
-                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
                 data, view = _bytes_for_filling(size)
                 chunk = self._chunks(fd, 0, size, view, 0, write=False)
                 group.items.append((i, data, view, len(reqs), len(chunk), size))
@@ -503,8 +569,9 @@ class FilePath(StoragePath):
         finally:
             group.close()
 
-    def _read_into_device(self, full: str, buffer: Any, offset: int, length: int | None) -> ReadFuture:
-        # No device path yet: read into pinned registered buffers and copy each to the GPU.
+    def _read_fd_into_device(self, fd: int, full: str, buffer: Any, offset: int, length: int | None) -> ReadFuture:
+        # No device path yet: read into pinned registered buffers and copy each to the GPU, all from one
+        # descriptor (the file opened beneath the root once, not looked up again per chunk).
         from sfstore.buffers import RegisteredBufferPool, device_nbytes
 
         if "GPU buffers through pinned bounce buffers" not in " ".join(self.fallbacks):
@@ -513,7 +580,7 @@ class FilePath(StoragePath):
         want = nbytes if length is None else length
         if want > nbytes:
             raise errors.BufferTooSmallError(f"a buffer of {nbytes} bytes cannot hold {want} bytes of {full}")
-        size = self.size(full)
+        size = os.fstat(fd).st_size
         n = max(0, min(want, size - offset))
         total = 0
         with RegisteredBufferPool(self.chunk_size) as pool:
@@ -521,7 +588,8 @@ class FilePath(StoragePath):
             try:
                 for pos in range(0, n, self.chunk_size):
                     step = min(self.chunk_size, n - pos)
-                    got = self.read_into(full, host[0:step], offset + pos, step)
+                    piece = as_buffer(host[0:step])
+                    got = self._start_read(fd, full, size, piece, step, offset + pos, owns_fd=False).get()
                     copy_host_to_device(buffer, pos, host[0:got])
                     total += got
                     self.counters.add(bytes_bounced=got)
@@ -532,10 +600,6 @@ class FilePath(StoragePath):
         return _DoneRead(total)  # type: ignore[return-value]
 
     # -- writes ----------------------------------------------------------------------------------------------
-
-    def _temp_name(self, full: str) -> str:
-        head, tail = os.path.split(full)
-        return os.path.join(head, f".{tail}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(6)}")
 
     def write(
         self, path: str | os.PathLike[str], data: Any, *, fsync: bool = False, overwrite: bool = True
@@ -554,43 +618,67 @@ class FilePath(StoragePath):
     def open_writer(
         self, path: str | os.PathLike[str], *, fsync: bool = False, overwrite: bool = True
     ) -> AtomicWriter:
-        """A writer that publishes ``path`` atomically on :meth:`AtomicWriter.close` (discarded on error)."""
-        full = self.resolve(path)
-        if os.path.isdir(full):
-            raise errors.os_error(errno.EISDIR, "cannot write a file over a directory", full)
-        if not overwrite and os.path.lexists(full):
-            raise errors.os_error(errno.EEXIST, "refusing to overwrite", full)
+        """A writer that publishes ``path`` atomically on :meth:`AtomicWriter.close` (discarded on error).
+
+        Missing parent directories are made. A symlink inside the root at ``path`` is followed: its target is
+        written. The writer holds the parent directory's descriptor, so its temporary file and the publishing
+        rename happen in the directory located now, whatever is renamed or swapped meanwhile.
+        """
+        full = self.full(path)
         try:
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-        except OSError as exc:  # a parent is a file (EEXIST / ENOTDIR), or no permission
+            loc = self.beneath.locate(path, follow=True, create_parents=True)
+        except errors.PathEscapeError:
+            self.counters.add(errors=1)
+            raise
+        except OSError as exc:  # a parent is a file (ENOTDIR), or no permission
+            self.counters.add(errors=1)
             err = errno.ENOTDIR if exc.errno == errno.EEXIST else (exc.errno or errno.EIO)
             raise errors.os_error(err, "cannot create the parent directory", os.path.dirname(full)) from None
-        return AtomicWriter(self, full, fsync=fsync, overwrite=overwrite)
-
-    def _publish(self, tmp: str, full: str, fsync: bool, overwrite: bool) -> None:
-        if overwrite:
-            os.replace(tmp, full)
-        else:
+        try:
+            if loc.name is None:
+                raise errors.os_error(errno.EISDIR, "cannot write a file over a directory", loc.full)
             try:
-                os.link(tmp, full)  # fails if full appeared meanwhile: no silent overwrite
+                st: os.stat_result | None = os.stat(loc.name, dir_fd=loc.dirfd, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
             except OSError as exc:
-                os.unlink(tmp)
-                raise errors.os_error(exc.errno or errno.EEXIST, "refusing to overwrite", full) from None
-            os.unlink(tmp)
-        if fsync:
-            fsync_dir(os.path.dirname(full))
+                raise errors.os_error(exc.errno or errno.EIO, "stat", loc.full) from None
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                raise errors.os_error(errno.EISDIR, "cannot write a file over a directory", loc.full)
+            if not overwrite and st is not None:
+                raise errors.os_error(errno.EEXIST, "refusing to overwrite", loc.full)
+            return AtomicWriter(self, loc, fsync=fsync, overwrite=overwrite)
+        except BaseException:
+            loc.close()
+            self.counters.add(errors=1)
+            raise
 
     def clean_stale_temporaries(self, directory: str | os.PathLike[str] = "") -> int:
         """Remove temporary files that crashed writers left in ``directory``; return how many."""
-        full = self.resolve(directory)
+        full = self.full(directory)
+        try:
+            dirfd = self.beneath.open_dir(directory)
+        except errors.PathEscapeError:
+            raise
+        except OSError as exc:
+            raise errors.os_error(exc.errno or errno.EIO, "cannot list", full) from None
         removed = 0
-        for entry in os.scandir(full):
-            if _TMP_MARK in entry.name and entry.is_file(follow_symlinks=False):
-                pid = _tmp_pid(entry.name)
+        try:
+            with os.scandir(dirfd) as it:
+                names = [de.name for de in it if _TMP_MARK in de.name and de.is_file(follow_symlinks=False)]
+            for name in names:
+                pid = _tmp_pid(name)
                 if pid is not None and pid != os.getpid() and pid_alive(pid):
                     continue
-                os.unlink(entry.path)
+                try:
+                    os.unlink(name, dir_fd=dirfd)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    raise errors.os_error(exc.errno or errno.EIO, "cannot remove", os.path.join(full, name)) from None
                 removed += 1
+        finally:
+            os.close(dirfd)
         return removed
 
     def is_temporary(self, name: str) -> bool:
@@ -606,10 +694,25 @@ class AtomicWriter:
     (or an exception inside ``with``) removes the temporary file and leaves any old content in place.
     """
 
-    def __init__(self, fp: FilePath, full: str, *, fsync: bool, overwrite: bool) -> None:
-        self._fp, self.path, self._fsync, self._overwrite = fp, full, fsync, overwrite
-        self._tmp = fp._temp_name(full)
-        self._fd, _ = fp._open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    def __init__(self, fp: FilePath, loc: Location, *, fsync: bool, overwrite: bool) -> None:
+        assert loc.name is not None
+        self._fp, self.path, self._fsync, self._overwrite = fp, loc.full, fsync, overwrite
+        self._name = loc.name
+        self._tmp = f".{loc.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(6)}"
+        tmp_full = os.path.join(os.path.dirname(loc.full), self._tmp)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            self._fd = os.open(self._tmp, flags, 0o644, dir_fd=loc.dirfd)
+        except OSError as exc:
+            raise errors.os_error(exc.errno or errno.EIO, f"cannot open {tmp_full!r}", tmp_full) from None
+        try:
+            if fp.direct:
+                _enable_direct(self._fd, tmp_full, required=True)
+        except BaseException:
+            os.close(self._fd)
+            os.unlink(self._tmp, dir_fd=loc.dirfd)
+            raise
+        self._dirfd = loc.detach()  # the directory the file is published in, held until then
         self._pending: list[tuple[IOFuture, int, bytearray | None]] = []
         self._buf = bytearray()
         self.size = 0  # bytes accepted so far
@@ -672,7 +775,32 @@ class AtomicWriter:
         os.close(self._fd)
         self.closed = True
         self._fp.counters.add(files=1)
-        self._fp._publish(self._tmp, self.path, self._fsync, self._overwrite)
+        try:
+            self._publish()
+        finally:
+            os.close(self._dirfd)
+
+    def _publish(self) -> None:
+        d = self._dirfd
+        try:
+            if self._overwrite:
+                os.replace(self._tmp, self._name, src_dir_fd=d, dst_dir_fd=d)
+            else:
+                # link fails if the name appeared meanwhile: no silent overwrite
+                os.link(self._tmp, self._name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+                os.unlink(self._tmp, dir_fd=d)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(self._tmp, dir_fd=d)
+            self._fp.counters.add(errors=1)
+            context = "cannot publish" if self._overwrite or exc.errno != errno.EEXIST else "refusing to overwrite"
+            raise errors.os_error(exc.errno or errno.EIO, context, self.path) from None
+        if self._fsync:
+            fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=d)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def discard(self) -> None:
         """Drop everything written; the old content of the path (if any) stays."""
@@ -686,9 +814,11 @@ class AtomicWriter:
         finally:
             os.close(self._fd)
             try:
-                os.unlink(self._tmp)
+                os.unlink(self._tmp, dir_fd=self._dirfd)
             except FileNotFoundError:
                 pass
+            finally:
+                os.close(self._dirfd)
 
     def __enter__(self) -> AtomicWriter:
         return self
@@ -698,6 +828,58 @@ class AtomicWriter:
             self.close()
         else:
             self.discard()
+
+
+class OpenFile:
+    """A regular file of a :class:`FilePath` opened for reading (see :meth:`FilePath.open_file`).
+
+    Every read goes to the same descriptor, through the path's engine (O_DIRECT where the path uses it), so a
+    rename or a swapped directory after the open changes nothing for it. Close it (or use ``with``).
+    """
+
+    def __init__(self, fp: FilePath, fd: int, full: str) -> None:
+        self._fp, self.fd, self.path = fp, fd, full
+
+    @property
+    def size(self) -> int:
+        """The file's size now (``fstat``)."""
+        return os.fstat(self.fd).st_size
+
+    def read_into_async(self, buffer: Any, offset: int = 0, length: int | None = None) -> ReadFuture:
+        """Start reading from ``offset`` into ``buffer`` (see :meth:`FilePath.read_into_async`)."""
+        _check_range(offset, length)
+        if is_device_buffer(buffer):
+            return self._fp._read_fd_into_device(self.fd, self.path, buffer, offset, length)
+        view, want = _host_view(buffer, length)
+        return self._fp._start_read(self.fd, self.path, self.size, view, want, offset, owns_fd=False)
+
+    def read_into(self, buffer: Any, offset: int = 0, length: int | None = None) -> int:
+        """Read from ``offset`` into ``buffer``; return the bytes read (fewer only at end of file)."""
+        return self.read_into_async(buffer, offset, length).get()
+
+    def read(self, offset: int = 0, length: int | None = None) -> bytes:
+        """The bytes from ``offset`` (to the end, or ``length`` bytes)."""
+        _check_range(offset, length)
+        return self._fp._read_fd(self.fd, self.path, self.size, offset, length)
+
+    def read_ranges_into(self, ranges: Sequence[tuple[int, int, Any, int]]) -> list[int]:
+        """Read ``(offset, length, buffer, buffer_offset)`` ranges in one batch (see
+        :meth:`FilePath.read_ranges_into`)."""
+        return self._fp._read_ranges_fd(self.fd, ranges)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> OpenFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class _Group:
@@ -764,12 +946,74 @@ def _as_bytes(data: bytes | bytearray, n: int) -> bytes:
 
 
 def _regular_size(fd: int, full: str) -> int:
-    """Size of the open file ``fd``; a directory raises :class:`~sfstore.errors.IsADirectoryPathError` (reading
-    one would fail later, in the engine, as an untyped EISDIR)."""
+    """Size of the open file ``fd``, which must be a regular file: a directory raises
+    :class:`~sfstore.errors.IsADirectoryPathError`, a FIFO, socket or device
+    :class:`~sfstore.errors.NotARegularFileError` (a FIFO would block its reader, a device has no size)."""
     st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode):
+        return st.st_size
     if stat.S_ISDIR(st.st_mode):
         raise errors.os_error(errno.EISDIR, "cannot read a directory", full)
-    return st.st_size
+    raise errors.os_error(errno.EINVAL, f"not a regular file ({_kind(st.st_mode)})", full, errors.NotARegularFileError)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
+
+
+def _set_status(fd: int, full: str, direct: bool) -> None:
+    """Make ``fd`` (opened ``O_NONBLOCK``) blocking, with O_DIRECT when ``direct``: one ``F_SETFL``."""
+    o_direct = getattr(os, "O_DIRECT", 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, o_direct if direct else 0)
+    except OSError as exc:
+        raise errors.os_error(
+            exc.errno or errno.EINVAL, "cannot read with O_DIRECT: the filesystem refuses it", full
+        ) from None
+
+
+def _enable_direct(fd: int, full: str, *, required: bool) -> bool:
+    """Add O_DIRECT to ``fd``; return whether it is set. ``required``: a refusal raises (errno EINVAL)."""
+    o_direct = getattr(os, "O_DIRECT", 0)
+    if not o_direct:
+        if required:
+            raise errors.os_error(errno.EINVAL, f"cannot open {full!r} with O_DIRECT: not supported here", full)
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | o_direct)
+    except OSError as exc:
+        if required:
+            raise errors.os_error(
+                exc.errno or errno.EINVAL,
+                f"cannot open {full!r} with O_DIRECT (direct_io=on): the filesystem refuses it",
+                full,
+            ) from None
+        return False
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & o_direct)
+
+
+def _check_range(offset: int, length: int | None) -> None:
+    if offset < 0 or (length is not None and length < 0):
+        raise errors.InvalidRequestError(f"negative offset or length ({offset}, {length})")
+
+
+def _host_view(buffer: Any, length: int | None) -> tuple[Any, int]:
+    """The caller's host buffer as the engine takes it, and the bytes to read into it."""
+    view = as_buffer(buffer)
+    nbytes = memoryview(view).nbytes
+    want = nbytes if length is None else length
+    if want > nbytes:
+        raise errors.BufferTooSmallError(f"a buffer of {nbytes} bytes cannot hold {want} bytes")
+    return view, want
 
 
 def fsync_dir(path: str) -> None:

@@ -1,0 +1,563 @@
+"""Name resolution confined to one root directory, free of check-then-use races.
+
+Checking a name with ``realpath`` and then opening, renaming or removing it by name leaves a window: another
+process that swaps a directory on the way for a symlink to somewhere else between the check and the use
+sends the operation out of the root. :class:`Beneath` closes that window by never handing a full name to the
+kernel. Every operation first opens the *parent directory* of its last component beneath the root — in one
+``openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`` call where the kernel has it, else one component at a
+time with ``O_NOFOLLOW`` directory descriptors — and then acts on that last component relative to the
+descriptor (``openat``, ``renameat``, ``unlinkat``, ``mkdirat``, ``linkat``, ``fstatat`` without following).
+A directory descriptor keeps naming the directory it was opened on whatever is renamed meanwhile, so a swap
+after the check can only make the operation fail, never leave.
+
+Symlinks inside the root keep working: the kernel follows relative ones that stay beneath; absolute ones (and
+those the kernel refuses for any other reason) are read with ``readlinkat`` and followed by this module, one
+component at a time, keeping a stack of the directories walked so that ``..`` in a link's target climbs
+physically and never above the root. A link that leads out raises
+:class:`~sfstore.errors.PathEscapeError`. Recursive removal walks directory descriptors too, so a directory
+swapped for a symlink half-way is removed as a link, never followed.
+
+What stays outside the guarantee: a directory that is *moved* (renamed) out of the root while an operation
+holds its descriptor is acted on where it now is (the kernel's ``RESOLVE_BENEATH`` has the same limit); that
+needs write access both inside and outside the root, and moves only what was inside.
+
+Errors are the operating system's: an ``OSError`` with ``errno`` and the host path as ``filename`` (callers
+type them), or :class:`~sfstore.errors.PathEscapeError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+from typing import Any
+
+from sfstore import errors
+
+__all__ = ["Beneath", "Location"]
+
+_O_PATH = getattr(os, "O_PATH", 0)
+_DIR_FLAGS = _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+_MAX_HOPS = 40  # symlinks followed in one resolution (the kernel's MAXSYMLINKS)
+_RETRIES = 8  # re-resolutions when a name changes kind between two system calls
+
+# openat2 refusals that this module's own walk settles: EXDEV (would leave the root, or an absolute symlink),
+# ELOOP (a magic link), EAGAIN (a concurrent rename under RESOLVE_BENEATH), and the codes of a kernel or a
+# sandbox without openat2 (ENOSYS, EPERM, EINVAL/E2BIG for unknown flags).
+_WALK_INSTEAD = frozenset(
+    {errno.EXDEV, errno.ELOOP, errno.EAGAIN, errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.E2BIG}
+)
+
+
+def _native_openat2() -> Any:
+    try:
+        from sfstore import _native
+    except ImportError:
+        return None
+    return getattr(_native, "open_beneath", None)
+
+
+class Location:
+    """A directory descriptor and a name in it: where an operation on one path acts.
+
+    ``name`` is ``None`` when the path is the root itself. ``dirfd`` is closed by :meth:`close` (or the
+    ``with`` block) unless it is the root's own descriptor.
+    """
+
+    __slots__ = ("_owned", "dirfd", "full", "name")
+
+    def __init__(self, dirfd: int, name: str | None, full: str, owned: bool) -> None:
+        self.dirfd, self.name, self.full, self._owned = dirfd, name, full, owned
+
+    def detach(self) -> int:
+        """A descriptor of the directory that the caller owns (a duplicate when this one is the root's)."""
+        if self._owned:
+            self._owned = False
+            return self.dirfd
+        return os.dup(self.dirfd)
+
+    def close(self) -> None:
+        if self._owned:
+            self._owned = False
+            os.close(self.dirfd)
+
+    def __enter__(self) -> Location:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class Beneath:
+    """Operations on names relative to ``root`` that never act outside it (see the module notes).
+
+    Parameters
+    ----------
+    root : str
+        The root directory, absolute and with symlinks resolved (``os.path.realpath``).
+    aliases : sequence of str, optional
+        Other absolute spellings of the root (the path as the user gave it, before ``realpath``), so absolute
+        names and absolute symlinks written with them resolve inside.
+
+    Notes
+    -----
+    The root's descriptor is opened on first use and again in a forked child (the parent's is closed there),
+    so an instance works in ``DataLoader`` workers.
+    """
+
+    def __init__(self, root: str, aliases: tuple[str, ...] = ()) -> None:
+        self.root = root
+        self._aliases = tuple(a for a in {os.path.normpath(a) for a in aliases} if a != root)
+        self._fd = -1
+        self._pid = 0
+        self._lock = threading.Lock()
+        self._openat2 = _native_openat2()
+
+    # -- the root --------------------------------------------------------------------------------------------
+
+    def root_fd(self) -> int:
+        """The root's ``O_PATH`` descriptor (opened on first use; reopened in a forked child)."""
+        pid = os.getpid()
+        if self._fd >= 0 and self._pid == pid:
+            return self._fd
+        with self._lock:
+            if self._fd < 0 or self._pid != pid:
+                if self._fd >= 0:
+                    try:
+                        os.close(self._fd)  # the parent's, inherited across fork
+                    except OSError:
+                        pass
+                self._fd = os.open(self.root, _DIR_FLAGS)
+                self._pid = pid
+        return self._fd
+
+    # -- names -----------------------------------------------------------------------------------------------
+
+    def parts(self, path: str | os.PathLike[str]) -> list[str]:
+        """The components of ``path`` below the root, ``.`` and ``..`` folded (``[]`` for the root).
+
+        ``path`` is relative to the root, or absolute inside it. Raises :class:`PathEscapeError` for a NUL
+        byte, ``..`` above the root and an absolute path elsewhere.
+        """
+        text = os.fspath(path)
+        if "\x00" in text:
+            raise errors.PathEscapeError(f"path {text!r} contains a NUL byte")
+        if os.path.isabs(text):
+            rel = self._inside(text)
+            if rel is None:
+                raise errors.PathEscapeError(f"path {text!r} is outside the root {self.root}")
+            return rel
+        out: list[str] = []
+        for part in text.split("/"):
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if not out:
+                    raise errors.PathEscapeError(f"path {text!r} climbs above the root {self.root}")
+                out.pop()
+            else:
+                out.append(part)
+        return out
+
+    def full(self, parts: list[str]) -> str:
+        """The host path of root-relative ``parts`` (for messages)."""
+        return os.path.join(self.root, *parts) if parts else self.root
+
+    def _inside(self, absolute: str) -> list[str] | None:
+        """Components below the root of an absolute name, or ``None`` if it names something outside.
+
+        A name under the root (or an alias of it) is split as written. Any other is resolved with
+        ``realpath`` (it may reach the root through a symlink elsewhere); that lookup only computes a name,
+        which is then walked beneath the root like any other, so a race there cannot lead out either.
+        """
+        norm = os.path.normpath(absolute)
+        for base in (self.root, *self._aliases):
+            if norm == base:
+                return []
+            if norm.startswith(base.rstrip("/") + "/"):
+                return [p for p in norm[len(base):].split("/") if p]
+        head, tail = os.path.split(norm)
+        real = os.path.join(os.path.realpath(head), tail) if tail else os.path.realpath(norm)
+        if real == self.root:
+            return []
+        if real.startswith(self.root + "/"):
+            return [p for p in real[len(self.root):].split("/") if p]
+        return None
+
+    # -- resolution ------------------------------------------------------------------------------------------
+
+    def locate(
+        self, path: str | os.PathLike[str], *, follow: bool = True, create_parents: bool = False
+    ) -> Location:
+        """Open the directory holding ``path``'s last component, beneath the root.
+
+        With ``follow`` a symlink as the last component is followed (beneath the root) to the entry it names,
+        so the location is that of a non-symlink or of a name that does not exist yet. ``create_parents``
+        makes missing directories on the way (mode 0o777 less the umask). Raises :class:`PathEscapeError`
+        where the resolution would leave the root.
+        """
+        parts = self.parts(path)
+        return self._locate(parts, follow=follow, create=create_parents)
+
+    def _locate(self, parts: list[str], *, follow: bool, create: bool) -> Location:
+        full = self.full(parts)
+        if not parts:
+            return Location(self.root_fd(), None, full, owned=False)
+        head, name = parts[:-1], parts[-1]
+        dirfd = self._open_dir_fast(head, create)
+        if dirfd is not None:
+            if not follow:
+                return Location(dirfd, name, full, owned=dirfd != self.root_fd())
+            try:
+                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            except OSError:
+                st = None  # missing (or unreadable): the walk below decides, with the same calls
+            if st is None or not stat.S_ISLNK(st.st_mode):
+                return Location(dirfd, name, full, owned=dirfd != self.root_fd())
+            if dirfd != self.root_fd():
+                os.close(dirfd)
+        return self._walk(parts, follow=follow, create=create)
+
+    def _open_dir_fast(self, head: list[str], create: bool) -> int | None:
+        """The directory ``head`` through one ``openat2``, or ``None`` where the walk must settle it."""
+        if not head:
+            return self.root_fd()
+        if self._openat2 is None:
+            return None
+        try:
+            return int(self._openat2(self.root_fd(), "/".join(head), _DIR_FLAGS, 0))
+        except OSError as exc:
+            if exc.errno in _WALK_INSTEAD or (create and exc.errno == errno.ENOENT):
+                if exc.errno == errno.ENOSYS:
+                    self._openat2 = None
+                return None
+            raise OSError(exc.errno, os.strerror(exc.errno or errno.EIO), self.full(head)) from None
+
+    def _walk(self, parts: list[str], *, follow: bool, create: bool) -> Location:
+        """Resolve ``parts`` one component at a time with ``O_NOFOLLOW`` descriptors (see the module notes)."""
+        full = self.full(parts)
+        root = self.root_fd()
+        stack: list[tuple[int, str | None]] = [(root, None)]  # directories walked; [0] is the root's fd
+        pending = list(reversed(parts))  # components still to walk, the next one last
+        hops = changes = 0
+        try:
+            while True:
+                if not pending:  # a symlink's target ended on a directory (".", "..", the root)
+                    fd, name = stack.pop() if len(stack) > 1 else (root, None)
+                    if name is None:
+                        return Location(root, None, full, owned=False)
+                    os.close(fd)
+                    return self._finish(stack, name, full)
+                part = pending.pop()
+                if part in ("", "."):
+                    continue
+                if part == "..":
+                    if len(stack) == 1:
+                        raise errors.PathEscapeError(f"path {full!r} leads above the root {self.root}")
+                    os.close(stack.pop()[0])
+                    continue
+                top = stack[-1][0]
+                last = not pending
+                if last and not follow:
+                    return self._finish(stack, part, full)
+                try:
+                    st = os.stat(part, dir_fd=top, follow_symlinks=False)
+                except FileNotFoundError:
+                    if last:
+                        return self._finish(stack, part, full)
+                    if not create:
+                        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), full) from None
+                    try:
+                        os.mkdir(part, dir_fd=top)
+                    except FileExistsError:
+                        pass
+                    except OSError as exc:
+                        raise OSError(exc.errno, exc.strerror, full) from None
+                    pending.append(part)
+                    continue
+                except OSError as exc:
+                    raise OSError(exc.errno, exc.strerror, full) from None
+                if stat.S_ISLNK(st.st_mode):
+                    hops += 1
+                    if hops > _MAX_HOPS:
+                        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), full)
+                    try:
+                        target = os.readlink(part, dir_fd=top)
+                    except OSError as exc:
+                        if exc.errno not in (errno.EINVAL, errno.ENOENT):
+                            raise OSError(exc.errno, exc.strerror, full) from None
+                        changes += 1  # no longer a link: look at it again
+                        if changes > _RETRIES:
+                            raise OSError(errno.EAGAIN, "the name kept changing while resolved", full) from None
+                        pending.append(part)
+                        continue
+                    if target.startswith("/"):
+                        inside = self._inside(target)
+                        if inside is None:
+                            raise errors.PathEscapeError(
+                                f"path {full!r} leads outside the root {self.root} (a symlink to {target})"
+                            )
+                        while len(stack) > 1:
+                            os.close(stack.pop()[0])
+                        pending.extend(reversed(inside))
+                    else:
+                        pending.extend(reversed(target.split("/")))
+                    continue
+                if last:
+                    return self._finish(stack, part, full)
+                if not stat.S_ISDIR(st.st_mode):
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), full)
+                try:
+                    fd = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=top)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOTDIR, errno.ELOOP, errno.ENOENT):
+                        raise OSError(exc.errno, exc.strerror, full) from None
+                    changes += 1  # replaced since the stat (by a symlink, a file, nothing): look again
+                    if changes > _RETRIES:
+                        raise OSError(errno.EAGAIN, "the name kept changing while resolved", full) from None
+                    pending.append(part)
+                    continue
+                stack.append((fd, part))
+        except BaseException:
+            for fd, _ in stack[1:]:
+                os.close(fd)
+            raise
+
+    def _finish(self, stack: list[tuple[int, str | None]], name: str, full: str) -> Location:
+        fd = stack[-1][0]
+        for other, _ in stack[1:-1]:
+            os.close(other)
+        del stack[1:]
+        return Location(fd, name, full, owned=fd != self.root_fd())
+
+    # -- opening ---------------------------------------------------------------------------------------------
+
+    def open(self, path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
+        """``os.open`` of ``path`` beneath the root (symlinks inside followed); ``O_CLOEXEC`` is added.
+
+        Pass ``O_NONBLOCK`` to open something that may be a FIFO without waiting for a writer.
+        """
+        parts = self.parts(path)
+        if self._openat2 is not None:
+            try:
+                return int(self._openat2(self.root_fd(), "/".join(parts) or ".", flags, mode))
+            except OSError as exc:
+                if exc.errno not in _WALK_INSTEAD:
+                    raise OSError(exc.errno, os.strerror(exc.errno or errno.EIO), self.full(parts)) from None
+                if exc.errno == errno.ENOSYS:
+                    self._openat2 = None
+        return self._open_walked(parts, flags, mode)
+
+    def _open_walked(self, parts: list[str], flags: int, mode: int) -> int:
+        for _ in range(_RETRIES):
+            with self._locate(parts, follow=True, create=False) as loc:
+                if loc.name is None:
+                    return os.open(".", flags | os.O_CLOEXEC, mode, dir_fd=loc.dirfd)
+                try:
+                    fd = os.open(loc.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=loc.dirfd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:  # became a symlink since it was located: follow it
+                        continue
+                    raise OSError(exc.errno, exc.strerror, loc.full) from None
+                if flags & _O_PATH and stat.S_ISLNK(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    continue
+                return fd
+        raise OSError(errno.ELOOP, "the name kept changing into a symlink", self.full(parts))
+
+    def open_dir(self, path: str | os.PathLike[str]) -> int:
+        """A readable descriptor of the directory ``path`` (for ``os.scandir``, ``fsync``)."""
+        return self.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+    # -- metadata --------------------------------------------------------------------------------------------
+
+    def stat(self, path: str | os.PathLike[str], *, follow: bool = True) -> os.stat_result:
+        """``stat`` (``follow``) or ``lstat`` of ``path``; opens nothing that could block (``O_PATH``)."""
+        if follow:
+            fd = self.open(path, _O_PATH | os.O_CLOEXEC) if _O_PATH else self.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                return os.fstat(fd)
+            finally:
+                os.close(fd)
+        with self.locate(path, follow=False) as loc:
+            if loc.name is None:
+                return os.fstat(loc.dirfd)
+            try:
+                return os.stat(loc.name, dir_fd=loc.dirfd, follow_symlinks=False)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, loc.full) from None
+
+    def scandir(self, path: str | os.PathLike[str]) -> list[tuple[str, os.stat_result | None]]:
+        """Names in the directory ``path`` with their ``lstat`` (``None`` for one removed while listing)."""
+        fd = self.open_dir(path)
+        out: list[tuple[str, os.stat_result | None]] = []
+        try:
+            with os.scandir(fd) as it:
+                for de in it:
+                    try:
+                        st: os.stat_result | None = de.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        st = None
+                    out.append((de.name, st))
+        finally:
+            os.close(fd)
+        return out
+
+    def utime(self, path: str | os.PathLike[str], times: tuple[float, float] | None = None) -> None:
+        """Set the access and modification times of ``path`` (its target, if a symlink inside the root)."""
+        with self.locate(path, follow=True) as loc:
+            if loc.name is None:
+                fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=loc.dirfd)
+                try:
+                    os.utime(fd, times)
+                finally:
+                    os.close(fd)
+                return
+            try:
+                os.utime(loc.name, times, dir_fd=loc.dirfd, follow_symlinks=False)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, loc.full) from None
+
+    # -- namespace -------------------------------------------------------------------------------------------
+
+    def _entry(self, path: str | os.PathLike[str], what: str, *, create_parents: bool = False) -> Location:
+        loc = self.locate(path, follow=False, create_parents=create_parents)
+        if loc.name is None:
+            loc.close()
+            raise errors.InvalidRequestError(f"refusing to {what} the root {self.root}")
+        return loc
+
+    def unlink(self, path: str | os.PathLike[str]) -> None:
+        """Remove the entry ``path`` (a symlink: the link itself); not a directory."""
+        with self._entry(path, "unlink") as loc:
+            try:
+                os.unlink(loc.name or "", dir_fd=loc.dirfd)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, loc.full) from None
+
+    def rmdir(self, path: str | os.PathLike[str]) -> None:
+        """Remove the empty directory ``path`` (a symlink to one is refused with ENOTDIR)."""
+        with self._entry(path, "remove") as loc:
+            try:
+                os.rmdir(loc.name or "", dir_fd=loc.dirfd)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, loc.full) from None
+
+    def mkdir(
+        self, path: str | os.PathLike[str], mode: int = 0o777, *, parents: bool = False, exist_ok: bool = False
+    ) -> None:
+        """Make the directory ``path`` (``parents``: and missing ones above it, as ``os.makedirs``)."""
+        with self._entry(path, "create", create_parents=parents) as loc:
+            try:
+                os.mkdir(loc.name or "", mode, dir_fd=loc.dirfd)
+            except FileExistsError:
+                if not exist_ok or not self._is_dir_at(loc):
+                    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), loc.full) from None
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, loc.full) from None
+
+    def _is_dir_at(self, loc: Location) -> bool:
+        try:
+            fd = os.open(loc.name or ".", _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=loc.dirfd)
+        except OSError:
+            # A symlink: a directory if it leads to one inside the root.
+            try:
+                return stat.S_ISDIR(self.stat(loc.full).st_mode)
+            except (OSError, errors.PathEscapeError):
+                return False
+        os.close(fd)
+        return True
+
+    def rename(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        """``rename(2)`` of the entry ``src`` to ``dst`` (a symlink: the link itself), both beneath the root."""
+        with self._entry(src, "move") as a, self._entry(dst, "replace") as b:
+            try:
+                os.rename(a.name or "", b.name or "", src_dir_fd=a.dirfd, dst_dir_fd=b.dirfd)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, a.full, None, b.full) from None
+
+    def link(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        """Hard-link the entry ``src`` as ``dst`` (fails with EEXIST if ``dst`` exists)."""
+        with self._entry(src, "link") as a, self._entry(dst, "replace") as b:
+            try:
+                os.link(a.name or "", b.name or "", src_dir_fd=a.dirfd, dst_dir_fd=b.dirfd, follow_symlinks=False)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, a.full, None, b.full) from None
+
+    def rmtree(self, path: str | os.PathLike[str], maxdepth: int | None = None) -> None:
+        """Remove ``path`` and what it holds, walking directory descriptors (symlinks removed, never followed).
+
+        With ``maxdepth``, entries more than ``maxdepth`` levels below ``path`` stay, and so do the directories
+        holding them (directories that cannot be removed are left quietly). A non-directory is unlinked.
+        """
+        with self._entry(path, "remove") as loc:
+            name = loc.name or ""
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=loc.dirfd)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise OSError(exc.errno, exc.strerror, loc.full) from None
+                try:
+                    os.unlink(name, dir_fd=loc.dirfd)
+                except OSError as exc2:
+                    raise OSError(exc2.errno, exc2.strerror, loc.full) from None
+                return
+            try:
+                self._clear(fd, loc.full, 1, maxdepth)
+            finally:
+                os.close(fd)
+            try:
+                os.rmdir(name, dir_fd=loc.dirfd)
+            except OSError as exc:
+                if maxdepth is None and exc.errno != errno.ENOENT:
+                    raise OSError(exc.errno, exc.strerror, loc.full) from None
+
+    def _clear(self, dirfd: int, full: str, depth: int, maxdepth: int | None) -> None:
+        with os.scandir(dirfd) as it:
+            entries = [(de.name, de.is_dir(follow_symlinks=False)) for de in it]
+        for name, is_dir in entries:
+            child = os.path.join(full, name)
+            if is_dir:
+                if maxdepth is not None and depth >= maxdepth:
+                    continue
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOTDIR, errno.ELOOP):  # replaced by a non-directory: unlink it
+                        raise OSError(exc.errno, exc.strerror, child) from None
+                    self._unlink_quiet(dirfd, name, child)
+                    continue
+                try:
+                    self._clear(fd, child, depth + 1, maxdepth)
+                finally:
+                    os.close(fd)
+                try:
+                    os.rmdir(name, dir_fd=dirfd)
+                except OSError as exc:
+                    if maxdepth is None and exc.errno != errno.ENOENT:
+                        raise OSError(exc.errno, exc.strerror, child) from None
+            else:
+                self._unlink_quiet(dirfd, name, child)
+
+    @staticmethod
+    def _unlink_quiet(dirfd: int, name: str, full: str) -> None:
+        try:
+            os.unlink(name, dir_fd=dirfd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, full) from None
+
+    def fsync_dir(self, path: str | os.PathLike[str]) -> None:
+        """fsync the directory ``path``, so creates and renames in it are durable."""
+        fd = self.open_dir(path)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
