@@ -249,7 +249,7 @@ class KVCacheStore:
             flags = getattr(block, "flags", None)
             if flags is not None and not flags.c_contiguous:
                 raise errors.InvalidRequestError(f"{what}: the array is not contiguous (copy it, or pass a tensor)")
-            if writable and flags is not None and not flags.writeable:
+            if writable and flags is not None and not getattr(flags, "writeable", True):  # cupy's flags lack it
                 raise errors.ReadOnlyBufferError(f"{what}: the destination array is read-only")
             return block, is_device_buffer(block)
         if is_device_buffer(block):
@@ -547,7 +547,9 @@ class KVCacheStore:
                     self.pinned.unpin(s)
 
     # -- get --------------------------------------------------------------------------------------------------
-    def get_into(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[str | None]:
+    def get_into(
+        self, keys: Sequence[bytes], blocks: Sequence[Any], *, keep_on_miss: bool = True
+    ) -> list[str | None]:
         """Copy each block into ``blocks`` (caller-owned, ``block_bytes`` each, CPU or CUDA); return for each key
         the tier it came from (``"pinned"``, ``"block"``, ``"shared"``) or ``None`` for a miss.
 
@@ -555,6 +557,11 @@ class KVCacheStore:
         A block that fails verification in a lower tier (counted in ``corrupt_dropped``) or cannot be read there
         (a directory, FIFO or symlink out of the shared directory at its name: ``unreadable``) is a miss for
         that key alone; the other keys of the batch are unaffected.
+
+        Without a pinned tier, keeping that promise costs one host copy per block from the block store (it is
+        read into a staging buffer, verified, then copied). ``keep_on_miss=False`` reads it straight into the
+        destination instead (no copy; verified there): for callers that recompute a missed block anyway, whose
+        destination may then hold the bytes that failed. Hits are verified either way.
         """
         self._check_open()
         ks = self._check_keys(keys)
@@ -565,7 +572,7 @@ class KVCacheStore:
         t0 = time.perf_counter()
         views = self._direct_views(dests)
         if views is not None and all(not v.readonly for v in views):
-            tiers = self._get_direct(ks, views)
+            tiers = self._get_direct(ks, views, bool(keep_on_miss))
             self._lat["get"].append(time.perf_counter() - t0)
             return tiers
         slots, tiers = self._fetch(ks, count=True)
@@ -574,17 +581,18 @@ class KVCacheStore:
         self._lat["get"].append(time.perf_counter() - t0)
         return tiers
 
-    def _get_direct(self, keys: list[bytes], views: list[memoryview]) -> list[str | None]:
+    def _get_direct(self, keys: list[bytes], views: list[memoryview], keep: bool) -> list[str | None]:
         """get_into without a pinned tier: from the lower tiers into the caller's host buffers.
 
-        Each block lands in the caller's buffer only once verified (the block store's staging buffers, the
-        shared tier's scratch buffer): one host copy per block, which keeps a missed key's buffer as it was.
+        With ``keep`` each block lands in the caller's buffer only once verified (the block store's staging
+        buffers): one host copy per block, which keeps a missed key's buffer as it was. The shared tier always
+        reads through its scratch buffer (its files' reads cost far more than the copy).
         """
         n = self.geometry.block_bytes
         tiers: list[str | None] = [None] * len(keys)
         corrupt = unreadable = 0
         if self.block is not None:
-            got, corrupt = self.block._get_into(keys, views, keep_on_miss=True)
+            got, corrupt = self.block._get_into(keys, views, keep_on_miss=keep)
             tiers = ["block" if g == n else None for g in got]
         if self.shared is not None:
             found = []

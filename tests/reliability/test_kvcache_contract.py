@@ -447,3 +447,20 @@ def test_a_closed_store_refuses_every_call_with_a_typed_error(make_store: Callab
                  lambda: kv.prefetch(keys), lambda: kv.put_async(keys, blocks(1, 0))):
         with pytest.raises(errors.InvalidRequestError, match="closed"):
             call()
+
+
+def test_keep_on_miss_false_reads_straight_into_the_destination(
+    make_store: Callable[[bool, bool], KVCacheStore]
+) -> None:
+    """The opt-out for callers that recompute misses: no staging copy, hits still verified bit for bit."""
+    kv = make_store(False, True)
+    assert kv.block is not None
+    keys = kv.keys_for(range(16 * 2))
+    src = blocks(2, seed=9)
+    kv.put(keys, src)
+    kv.evict([keys[1]], tiers=("shared",))
+    corrupt_block_slot(kv.block, keys[1])
+    dst = sentinel(2)
+    assert kv.get_into(keys, dst, keep_on_miss=False) == ["block", None]
+    assert torch.equal(dst[0], src[0])
+    assert kv.stats()["corrupt_dropped"] == 1
