@@ -105,8 +105,8 @@ class Beneath:
 
     Notes
     -----
-    The root's descriptor is opened on first use and again in a forked child (the parent's is closed there),
-    so an instance works in ``DataLoader`` workers.
+    The root's descriptor is opened on first use and again in a forked child, so an instance works in
+    ``DataLoader`` workers.
     """
 
     def __init__(self, root: str, aliases: tuple[str, ...] = ()) -> None:
@@ -126,11 +126,8 @@ class Beneath:
             return self._fd
         with self._lock:
             if self._fd < 0 or self._pid != pid:
-                if self._fd >= 0:
-                    try:
-                        os.close(self._fd)  # the parent's, inherited across fork
-                    except OSError:
-                        pass
+                # The parent's descriptor, inherited across fork, is left open: the child may have closed
+                # and reused that number for something else.
                 self._fd = os.open(self.root, _DIR_FLAGS)
                 self._pid = pid
         return self._fd
@@ -257,7 +254,9 @@ class Beneath:
                     continue
                 if part == "..":
                     if len(stack) == 1:
-                        raise errors.PathEscapeError(f"path {full!r} leads above the root {self.root}")
+                        raise errors.PathEscapeError(
+                            f"path {full!r} leads outside the root {self.root} (through '..' above it)"
+                        )
                     os.close(stack.pop()[0])
                     continue
                 top = stack[-1][0]
