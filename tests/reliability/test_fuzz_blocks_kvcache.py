@@ -563,3 +563,65 @@ def test_fuzz_kv_cache(tmp_path: Path, scale: int) -> None:
     run_fuzz("KV cache", body, seed)
     print(f"KV cache fuzz: seed {seed}, {tally} in {time.monotonic() - start:.1f} s")
     assert tally["ops"] == KV_ITERATIONS * scale and tally["hits"] > 0 and tally["errors"] > 0
+
+
+# -- threads ---------------------------------------------------------------------------------------------------
+def test_threads_interleaving_on_one_kv_cache_lose_and_corrupt_nothing(tmp_path: Path, race_seconds: float) -> None:
+    """Four threads put, get (both modes), prefetch and evict the pinned and block tiers of one store, whose
+    pinned tier and block store are far smaller than the key set (constant eviction); the shared tier keeps
+    every block, so a key once put never misses and every hit is bit-exact."""
+    seed = seed_of()
+    block = BlockStore({"kind": "image", "path": str(tmp_path / "hot.img"), "size": 3 << 20},
+                       size_classes=(GEOM.block_bytes,))
+    kv = KVCacheStore(GEOM, model_id="threads", pinned_bytes=8 * 8192, block_store=block,
+                      shared_dir=tmp_path / "shared")
+    keys = kv.keys_for(range(GEOM.block_tokens * 256))
+    put_done: set[bytes] = set()
+    lock = threading.Lock()
+    failures: list[str] = []
+    counts = {"ops": 0, "hits": 0}
+    stop = time.monotonic() + max(1.0, race_seconds)
+
+    def worker(n: int) -> None:
+        rng = random.Random(seed + n)
+        try:
+            while time.monotonic() < stop and not failures:
+                ks = rng.sample(keys, rng.choice([1, 4, 16]))
+                op = rng.random()
+                if op < 0.35:
+                    kv.put(ks, [kv_block(k) for k in ks])
+                    with lock:
+                        put_done.update(ks)
+                elif op < 0.8:
+                    with lock:
+                        known = {k for k in ks if k in put_done}
+                    dests = [torch.full(GEOM.block_shape, 7.0, dtype=torch.bfloat16) for _ in ks]
+                    tiers = kv.get_into(ks, dests, keep_on_miss=rng.random() < 0.7)
+                    for k, t, d in zip(ks, tiers, dests, strict=True):
+                        if t is None and k in known:
+                            failures.append(f"a block put earlier missed (seed {seed})")
+                        if t is not None and not torch.equal(d, kv_block(k)):
+                            failures.append(f"a block came back changed from {t} (seed {seed})")
+                        counts["hits"] += t is not None
+                elif op < 0.9:
+                    kv.prefetch(ks).get(30)
+                else:
+                    kv.evict(ks, tiers=rng.choice([("pinned",), ("block",), ("pinned", "block")]))
+                counts["ops"] += 1
+        except BaseException as exc:
+            failures.append(f"thread {n}: {type(exc).__name__}: {exc} (seed {seed})")
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(1.0, race_seconds) + STALL)
+            assert not t.is_alive(), f"a thread hung (seed {seed})"
+        kv.wait_for_puts(30)
+    finally:
+        kv.close()
+        block.close()
+    print(f"KV threads: seed {seed}, {counts}")
+    assert not failures, failures[:5]
+    assert counts["hits"] > 0
