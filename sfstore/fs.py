@@ -218,7 +218,16 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
     ``a/../../x``), and symlinks that resolve outside the root, raise
     :class:`~sfstore.errors.PathEscapeError` (a ``PermissionError``). Symlinks that stay inside the root are
     followed for content; ``rm`` and ``mv`` act on the link itself. ``ls`` hides sfstore's in-progress temporary
-    files, and lists a symlink that points out of the root (or nowhere) as type ``"other"``.
+    files, and lists a symlink that points out of the root (or nowhere) as type ``"other"``. Every operation
+    resolves its name beneath the root without a check-then-use window (:mod:`sfstore.paths.beneath`): a
+    directory swapped for a symlink to elsewhere while it runs makes it fail, never read, write, move or
+    delete outside. ``exists``, ``isdir`` and ``isfile`` say ``False`` for a missing name, a name too long or a
+    symlink loop (as ``os.path`` does).
+
+    **Special files.** Only regular files are read: a FIFO, socket or device in the tree raises
+    :class:`~sfstore.errors.NotARegularFileError` at once (it is opened without blocking), a directory
+    :class:`~sfstore.errors.IsADirectoryPathError`; ``info`` and ``ls`` report them as type ``"other"``.
+    ``get_file`` writes an existing local FIFO, device or symlink (and ``/dev/stdout``) in place.
 
     **Reads.** :meth:`cat_file` reads straight into the returned ``bytes``; :meth:`read_into` into a caller's
     buffer (numpy, torch, registered buffers; GPU arrays through pinned bounce buffers) and

@@ -1,16 +1,19 @@
 """The FilePath conformance suite: what every mount (local, NFS over TCP, NFS over RDMA) must do.
 
 Subclass :class:`FilePathTests` and provide ``fp_root`` (an empty directory on the mount under test). The
-suite covers confinement to the root, parallel reads into caller buffers (numpy, registered, torch), end of
-file, typed errors, async and ranged reads, pipelined many-file reads, atomic and streaming writes, stale
-temporaries and describe/counters.
+suite covers confinement to the root (symlinks inside followed, absolute ones too; the component walk that
+stands in for ``openat2``), special files refused without waiting, parallel reads into caller buffers (numpy,
+registered, torch), end of file, typed errors, async and ranged reads, pipelined many-file reads, atomic and
+streaming writes, stale temporaries and describe/counters.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -241,6 +244,74 @@ class FilePathTests:
         os.close(fd)
         with pytest.raises(errors.PathNotFoundError):
             fp.open_beneath("missing", os.O_RDONLY)
+
+    def test_absolute_symlinks_inside_the_root_are_followed(self, fp: FilePath) -> None:
+        # openat2's RESOLVE_BENEATH refuses every absolute symlink; these stay inside, so they must still work
+        fp.write("real/f.bin", b"real")
+        os.symlink(os.path.join(fp.root, "real"), os.path.join(fp.root, "abs-dir"))
+        os.symlink(os.path.join(fp.root, "real", "f.bin"), os.path.join(fp.root, "abs-file"))
+        assert fp.read("abs-dir/f.bin") == b"real" and fp.read("abs-file") == b"real"
+        assert fp.size("abs-file") == 4 and fp.read_many(["abs-dir/f.bin", "abs-file"]) == [b"real", b"real"]
+        fp.write("abs-dir/new.bin", b"new")
+        assert open(os.path.join(fp.root, "real", "new.bin"), "rb").read() == b"new"
+        fp.write("abs-file", b"replaced")  # the target is published; the link stays
+        assert os.path.islink(os.path.join(fp.root, "abs-file")) and fp.read("real/f.bin") == b"replaced"
+
+    def test_the_component_walk_confines_like_openat2(self, fp: FilePath, outside: Path) -> None:
+        """Where the kernel has no openat2, names are walked one component at a time: same answers."""
+        (outside / "o.txt").write_bytes(b"o")
+        os.symlink(outside, os.path.join(fp.root, "out"))
+        os.symlink("../" + os.path.basename(outside), os.path.join(fp.root, "rel-out"))
+        fp.write("d/in.bin", b"in")
+        os.makedirs(os.path.join(fp.root, "d", "sub"))
+        os.symlink("../in.bin", os.path.join(fp.root, "d", "sub", "up"))  # ".." inside a target, physical
+        fp.beneath._openat2 = None
+        for bad in ("out/o.txt", "rel-out/o.txt", "../x"):
+            with pytest.raises(errors.PathEscapeError):
+                fp.read(bad)
+            with pytest.raises(errors.PathEscapeError):
+                fp.write(bad, b"x")
+        assert fp.read("d/sub/up") == b"in" and fp.read_many(["d/in.bin"]) == [b"in"]
+        fp.write("e/f/g.bin", b"g")
+        assert fp.read("e/f/g.bin") == b"g" and not (outside / "x").exists()
+
+    def test_open_file_stays_on_its_file(self, fp: FilePath) -> None:
+        fp.write("a.bin", data(MiB, 5))
+        with fp.open_file("a.bin") as f:
+            os.rename(os.path.join(fp.root, "a.bin"), os.path.join(fp.root, "b.bin"))
+            fp.write("a.bin", b"another file now")
+            assert f.size == MiB and f.read(0, 8) == data(MiB, 5)[:8]
+            buf = bytearray(MiB)
+            assert f.read_into(buf) == MiB and bytes(buf) == data(MiB, 5)
+
+    def test_special_files_are_refused_without_waiting(self, fp: FilePath) -> None:
+        os.mkfifo(os.path.join(fp.root, "fifo"))
+        os.makedirs(os.path.join(fp.root, "dir"))
+        calls = {
+            "read": lambda n: fp.read(n),
+            "read_into": lambda n: fp.read_into(n, bytearray(8)),
+            "read_many": lambda n: fp.read_many([n]),
+            "read_ranges_into": lambda n: fp.read_ranges_into(n, [(0, 4, bytearray(4), 0)]),
+            "open_file": lambda n: fp.open_file(n),
+        }
+        for what, call in calls.items():
+            for name, cls in (("fifo", errors.NotARegularFileError), ("dir", errors.IsADirectoryPathError)):
+                box: dict[str, BaseException] = {}
+
+                def run(call: Any = call, name: str = name, box: dict[str, BaseException] = box) -> None:
+                    try:
+                        call(name)
+                    except BaseException as exc:
+                        box["error"] = exc
+
+                t = threading.Thread(target=run, daemon=True)
+                t.start()
+                t.join(10)
+                if t.is_alive():  # let the stuck reader go before failing
+                    os.close(os.open(os.path.join(fp.root, "fifo"), os.O_WRONLY | os.O_NONBLOCK))
+                    pytest.fail(f"{what}({name!r}) waited on a FIFO")
+                assert isinstance(box.get("error"), cls), (what, name, box.get("error"))
+        assert fp.size("fifo") == 0  # metadata opens nothing
 
     def test_write_over_a_directory_is_refused(self, fp: FilePath) -> None:
         os.makedirs(os.path.join(fp.root, "dir"))
