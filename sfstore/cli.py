@@ -315,7 +315,7 @@ def _sf_tree(fs: SFFileSystem, src: str) -> tuple[list[str], list[tuple[str, int
 
 def _write_local(path: str, data: bytes) -> None:
     """Write ``data`` to the local ``path`` through a temporary name in its directory, then rename; an existing
-    FIFO, device, socket or symlink, and names under /dev and /proc, are written in place instead."""
+    FIFO, device, socket or symlink (``/dev/stdout``) is written in place instead."""
     from sfstore.fs import open_in_place, write_all, writes_in_place
 
     if writes_in_place(os.path.abspath(path)):

@@ -117,12 +117,11 @@ def writes_in_place(lpath: str) -> bool:
     """Whether the local destination ``lpath`` is written in place rather than published by rename.
 
     Publishing (a temporary name, then ``rename``) replaces the directory entry: right for a regular file or
-    a new name, wrong for an existing FIFO, device or socket (it would become a regular file) and for anything
-    under ``/dev`` or ``/proc`` (``/dev/stdout``, ``/dev/fd/1``). A symlink is written through too, so the link
-    stays and its target gets the bytes, as ``cp`` does.
+    a new name, wrong for an existing FIFO, device or socket (it would become a regular file) and for a
+    symlink, which is written through so the link stays and its target gets the bytes, as ``cp`` does. That
+    covers ``/dev/stdout`` and ``/dev/fd/N`` (symlinks to ``/proc/self/fd``) and ``/dev/null``; a regular file
+    in ``/dev/shm`` is still published atomically.
     """
-    if lpath == "/dev" or lpath.startswith(("/dev/", "/proc/")):
-        return True
     try:
         st = os.lstat(lpath)
     except OSError:
@@ -700,8 +699,8 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """Copy ``rpath`` to the local file ``lpath`` or to ``outfile``.
 
         A regular file or a new name is written to a temporary name and renamed into place; an existing FIFO,
-        device or socket, a symlink, and names under ``/dev`` and ``/proc`` (``/dev/stdout``) are written in
-        place (see :func:`writes_in_place`).
+        device or socket, and a symlink (``/dev/stdout`` is one) are written in place (see
+        :func:`writes_in_place`).
         """
         if outfile is None and isfilelike(lpath):
             outfile = lpath

@@ -277,6 +277,18 @@ def test_get_file_onto_a_regular_file_still_publishes_atomically(
     assert dest.read_bytes() == BIG and os.stat(dest).st_ino != before  # a new inode renamed over the old
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK), reason="no /dev/shm")
+def test_get_file_into_dev_shm_still_publishes_atomically(dataset: tuple[SFFileSystem, Path]) -> None:
+    """A regular file under /dev (tmpfs staging) is no special file: published by rename like any other."""
+    fs, _ = dataset
+    with tempfile.TemporaryDirectory(prefix="sf-sp-", dir="/dev/shm") as d:
+        dest = Path(d) / "staged.bin"
+        fs.get_file("data/a.bin", str(dest))
+        first = os.stat(dest).st_ino
+        fs.get_file("data/big.bin", str(dest))
+        assert dest.read_bytes() == BIG and os.stat(dest).st_ino != first
+
+
 def sfstore(*args: str, root: Path, cwd: Path, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
     env = {**os.environ, "SFSTORE_ROOT": str(root)}
     return subprocess.run(
