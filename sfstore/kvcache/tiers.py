@@ -21,6 +21,7 @@ from typing import Any
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.checksums import xxh3_64
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
+from sfstore.paths.beneath import Beneath
 from sfstore.paths.file import FilePath
 
 __all__ = ["HEADER", "Slot", "PinnedTier", "SharedTier"]
@@ -188,6 +189,7 @@ class SharedTier:
         self.slot_bytes = -(-geom.block_bytes // 4096) * 4096
         self._dirfd: int | None = None
         self._dir_lock = threading.Lock()
+        self._walker: Beneath | None = None
         # A shared read lands in a scratch buffer and reaches the caller's memory only once verified (one copy);
         # a write's header is staged in a registered buffer. Both pools allocate on first use and reuse.
         self._scratch = RegisteredBufferPool(HEADER + self.slot_bytes)
@@ -205,30 +207,23 @@ class SharedTier:
         if fd is not None:
             return fd
         with self._dir_lock:
-            if self._dirfd is None:
-                try:
-                    os.makedirs(self.fp.resolve(self.prefix), exist_ok=True)
-                except OSError:
-                    pass  # a read-only mount: the directory is there or reads miss
+            if self._dirfd is None:  # not there yet (no block written): ENOENT, every read a miss
                 self._dirfd, _ = self.fp.open_beneath(self.prefix.rstrip("/") or ".", _O_PATH | os.O_DIRECTORY)
             return self._dirfd
 
     def _open(self, rel: str, flags: int) -> int:
         """Open ``rel`` beneath the tier's directory; ``OSError`` (``ENOENT``: not there) on failure."""
         global _beneath
-        dirfd = self._dir()
         if _beneath is not None:
             try:
-                return int(_beneath(dirfd, rel, flags, 0))
+                return int(_beneath(self._dir(), rel, flags, 0))
             except OSError as exc:
                 if exc.errno != errno.ENOSYS:
                     raise
-                _beneath = None  # a kernel without openat2: the checked-name fallback below
-        root = self.fp.resolve(self.prefix)
-        real = os.path.realpath(os.path.join(root, rel))
-        if not real.startswith(root.rstrip("/") + os.sep):
-            raise OSError(errno.EXDEV, f"{rel} leads outside the shared directory {root}")
-        return os.open(real, flags | os.O_CLOEXEC)
+                _beneath = None  # a kernel without openat2 (before 5.6): the walk of directory descriptors
+        if self._walker is None:
+            self._walker = Beneath(self.fp.resolve(self.prefix))
+        return self._walker.open(rel, flags)
 
     def _entry(self, key: bytes) -> tuple[str, str]:
         h = key.hex()

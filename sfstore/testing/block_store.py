@@ -201,6 +201,28 @@ class BlockStoreTests:
         assert store.get_into(["big"], [dest]) == [None]
         assert "big" not in store and store.stats()["corrupt_dropped"] == 1
 
+    def test_keep_on_miss_leaves_a_torn_values_buffer_as_it_was(self, store: BlockStore) -> None:
+        big = value("big", 128 * KiB)
+        small = value("small", 3000)
+        store.put_many({"big": big, "small": small, "ok": value("ok", 128 * KiB)}, durable=True)
+        for key, length in (("big", 128 * KiB), ("small", 3000)):
+            loc = store.locate(key)
+            assert loc is not None
+            with RegisteredBufferPool(4096) as pool:
+                buf = pool.acquire()
+                try:
+                    at = loc[0] + store.layout.header_bytes + (length // 2 // 4096) * 4096
+                    store.path.read_into(at, buf, 4096)
+                    memoryview(buf)[100:101] = bytes([memoryview(buf)[100] ^ 0x01])
+                    store.path.write(at, buf, 4096)
+                finally:
+                    buf.release()
+        dests = [np.full(256 * KiB, 0x5A, np.uint8), np.full(4096, 0x5A, np.uint8), np.zeros(128 * KiB, np.uint8)]
+        assert store.get_into(["big", "small", "ok"], dests, keep_on_miss=True) == [None, None, 128 * KiB]
+        assert (dests[0] == 0x5A).all() and (dests[1] == 0x5A).all()
+        assert dests[2].tobytes() == value("ok", 128 * KiB)
+        assert store.stats()["corrupt_dropped"] == 2 and "big" not in store and "small" not in store
+
     def test_foreign_data_is_never_formatted_over(self, block_target: Any, open_store: Any) -> None:
         path = BlockPath(block_target)
         try:

@@ -147,8 +147,18 @@ CONFIGS = {
 }
 
 
-@pytest.fixture
-def make_store(tmp_path: Path) -> Iterator[Callable[[bool, bool], KVCacheStore]]:
+@pytest.fixture(params=["openat2", "walk"])
+def make_store(
+    tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[[bool, bool], KVCacheStore]]:
+    """Stores over real tiers; ``walk``: as on a kernel without openat2 (before 5.6), where the shared tier
+    resolves names with a walk of directory descriptors."""
+    if request.param == "walk":
+        import sfstore.kvcache.tiers as tiers
+        import sfstore.paths.beneath as beneath
+
+        monkeypatch.setattr(tiers, "_beneath", None)
+        monkeypatch.setattr(beneath, "_native_openat2", lambda: None)
     made: list[Any] = []
 
     def make(pinned: bool, block: bool) -> KVCacheStore:
