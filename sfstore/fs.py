@@ -350,11 +350,15 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 info = self.info(name)
                 return [info] if detail else [name]
             out: list[dict[str, Any]] = []
-            for entry, lst in self.file_path.beneath.scandir(name):
-                if lst is None or self.file_path.is_temporary(entry):  # removed while listing, or a writer's
-                    continue
-                child = posixpath.join(name, entry)
-                out.append(self._dirent_info(child, lst) if detail else {"name": child})
+            if not detail:
+                for entry in self.file_path.beneath.listdir(name):
+                    if not self.file_path.is_temporary(entry):
+                        out.append({"name": posixpath.join(name, entry)})
+            else:
+                for entry, lst in self.file_path.beneath.scandir(name):
+                    if lst is None or self.file_path.is_temporary(entry):  # removed while listing, or a writer's
+                        continue
+                    out.append(self._dirent_info(posixpath.join(name, entry), lst))
         except OSError as exc:
             raise _typed(exc, "ls", name) from None
         out.sort(key=lambda d: str(d["name"]))

@@ -406,6 +406,14 @@ class Beneath:
             os.close(fd)
         return out
 
+    def listdir(self, path: str | os.PathLike[str]) -> list[str]:
+        """Names in the directory ``path`` (no ``stat`` of each: :meth:`scandir` gives those)."""
+        fd = self.open_dir(path)
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
+
     def utime(self, path: str | os.PathLike[str], times: tuple[float, float] | None = None) -> None:
         """Set the access and modification times of ``path`` (its target, if a symlink inside the root)."""
         with self.locate(path, follow=True) as loc:
