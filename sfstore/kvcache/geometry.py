@@ -108,7 +108,11 @@ def chained_keys(
     """
     raw = _token_bytes(tokens)
     per = block_tokens * 8
-    seed = hashlib.blake2b(namespace + b"\0" + repr(tuple(extra)).encode(), digest_size=KEY_BYTES).digest()
+    try:
+        folded = repr(tuple(extra)).encode()
+    except (TypeError, UnicodeEncodeError) as exc:
+        raise errors.InvalidRequestError(f"extra must be an iterable of printable values: {exc}") from None
+    seed = hashlib.blake2b(namespace + b"\0" + folded, digest_size=KEY_BYTES).digest()
     keys = []
     prev = seed
     for i in range(len(raw) // per):

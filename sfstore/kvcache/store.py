@@ -224,6 +224,10 @@ class KVCacheStore:
                 raise errors.InvalidRequestError(
                     f"{what}: a tensor on the {block.device.type} device; blocks are CPU or CUDA tensors"
                 )
+            if str(getattr(block, "layout", "torch.strided")) != "torch.strided":
+                raise errors.InvalidRequestError(
+                    f"{what}: a {block.layout} tensor; blocks are dense (strided) tensors of {g.block_shape} {g.dtype}"
+                )
             if dtype != g.dtype:
                 raise errors.InvalidRequestError(
                     f"{what}: dtype {dtype} {shape}, but the geometry's dtype is {g.dtype} {g.block_shape}"
@@ -519,7 +523,8 @@ class KVCacheStore:
                     f"{op}: tensor {i}: per-layer transfers take torch tensors, not {type(t).__name__}"
                 )
             dtype = str(t.dtype).replace("torch.", "")
-            if dtype != g.dtype or t.numel() != g.layer_elements or t.device.type not in ("cpu", "cuda"):
+            if (dtype != g.dtype or t.numel() != g.layer_elements or t.device.type not in ("cpu", "cuda")
+                    or str(getattr(t, "layout", "torch.strided")) != "torch.strided"):
                 raise errors.InvalidRequestError(
                     f"{op}: tensor {i}: {tuple(t.shape)} {dtype} on {t.device.type}, but a layer of a block is "
                     f"{g.layer_shape} {g.dtype} (CPU or CUDA)"

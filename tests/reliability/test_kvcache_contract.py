@@ -316,6 +316,7 @@ BAD_BLOCKS: dict[str, Callable[[], Any]] = {
     "torch one element short": lambda: torch.zeros(GEOM.block_bytes // 2 - 1, dtype=torch.bfloat16),
     "torch one element over": lambda: torch.zeros(GEOM.block_bytes // 2 + 1, dtype=torch.bfloat16),
     "torch meta device": lambda: torch.zeros(GEOM.block_shape, dtype=torch.bfloat16, device="meta"),
+    "torch sparse": lambda: torch.zeros(GEOM.block_shape, dtype=torch.bfloat16).to_sparse(),
     "numpy one element short": lambda: np.zeros(GEOM.block_bytes // 2 - 1, np.uint16),
     "numpy 2-D uint16": lambda: np.zeros((2, GEOM.block_bytes // 4), np.uint16),
     "numpy non-contiguous": lambda: np.zeros(GEOM.block_bytes, np.uint16)[::2],
@@ -424,6 +425,8 @@ def test_bad_arguments_are_typed(make_store: Callable[[bool, bool], KVCacheStore
         ("token ids of floats", lambda: kv.keys_for([0.5] * 16), errors.InvalidRequestError),
         ("token ids a str", lambda: kv.keys_for("hello"), errors.InvalidRequestError),
         ("prefetch of a bad key", lambda: kv.prefetch([b"x"]), errors.InvalidKeyError),
+        ("extra not iterable", lambda: kv.keys_for(range(16), extra=5), errors.InvalidRequestError),  # type: ignore[arg-type]
+        ("a sparse layer", lambda: kv.put_layer(keys[:1], 0, [two[0][0].to_sparse()]), errors.InvalidRequestError),
     ]
     failed = []
     for name, call, exc in cases:
