@@ -332,7 +332,8 @@ class BlockStore:
         where = f"block store {p.device}"
         sizes = None
         if size_classes is not None:
-            sizes = defaults.SETTINGS["block_size_classes"].parse(list(size_classes), "BlockStore size_classes")
+            listed = _listed(size_classes, "BlockStore size_classes")
+            sizes = defaults.SETTINGS["block_size_classes"].parse(listed, "BlockStore size_classes")
         head = self._read_meta(0, meta)
         layout = None if force else Layout.decode(head, where)
         if layout is not None:

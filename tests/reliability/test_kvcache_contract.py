@@ -293,6 +293,15 @@ def test_a_corrupt_block_slot_falls_through_to_a_good_shared_copy(
     assert torch.equal(dst[0], src[0]) and torch.equal(dst[1], src[1])
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"size_classes": 5}, {"size_classes": "4096"}, {"lock_timeout": math.nan}, {"lock_timeout": -1},
+    {"lock_timeout": math.inf}, {"lock_timeout": "1"}, {"capacity": -1}, {"capacity": "8M"}, {"on_evict": 3},
+], ids=lambda kw: repr(kw))
+def test_block_store_bad_constructor_arguments_are_typed(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(errors.SfstoreError):
+        BlockStore({"kind": "image", "path": str(tmp_path / "c.img"), "size": 8 << 20}, format=True, **kwargs)
+
+
 def test_block_store_get_into_keep_on_miss_leaves_a_corrupt_values_buffer(tmp_path: Path) -> None:
     with BlockStore({"kind": "image", "path": str(tmp_path / "b.img"), "size": 8 << 20},
                     size_classes=(64 << 10,)) as store:
