@@ -920,14 +920,6 @@ class _DoneRead:
 _DIRECT_MIN = 1 << 20  # read_many: files at least this large are read with O_DIRECT
 
 
-def _open_beneath_fn() -> Any:
-    try:
-        from sfstore import _native
-    except ImportError:
-        return None
-    return _native.open_beneath
-
-
 def _bytes_for_filling(n: int) -> tuple[bytes | bytearray, memoryview]:
     """A buffer of ``n`` bytes to read into, and a writable view of it: an uninitialised ``bytes`` (no copy
     when handed out) where the native helper is built, else a ``bytearray`` (:func:`_as_bytes` copies it)."""
