@@ -57,6 +57,10 @@ FdInfo describe_fd(int fd) {
         throw SfError("os", e, "file descriptor " + std::to_string(fd) + " is not open");
     }
     FdInfo info{flags, (flags & O_DIRECT) != 0, 4096, 4096};
+    // What pread/pwrite answer: a zero-byte pread (it moves nothing) where the descriptor reads, else lseek.
+    char none;
+    bool refused = (flags & O_ACCMODE) != O_WRONLY ? pread(fd, &none, 0, 0) < 0 : lseek(fd, 0, SEEK_CUR) < 0;
+    info.seekable = !(refused && errno == ESPIPE);
     KStatx sx;
     std::memset(&sx, 0, sizeof sx);
     if (syscall(SYS_statx, fd, "", AT_EMPTY_PATH, kStatxDioAlign, &sx) == 0 && (sx.stx_mask & kStatxDioAlign) &&
@@ -214,6 +218,11 @@ std::shared_ptr<Batch> Engine::start(std::vector<RequestSpec> reqs, const std::u
         const RequestSpec& r = b->reqs[i];
         if (r.length == 0) continue;
         const FdInfo& fi = infos.at(r.fd);
+        if (!fi.seekable) {
+            b->errs[i] = ESPIPE;
+            stats_.errors += 1;
+            continue;
+        }
         uint32_t idx = static_cast<uint32_t>(i);
         uint64_t end = r.offset + r.length;
         if (!fi.direct) {
@@ -279,8 +288,9 @@ std::shared_ptr<Batch> Engine::start(std::vector<RequestSpec> reqs, const std::u
     }
     size_t deferred = 0;
     for (auto& r : b->reqs) {
-        // Small reads are checked in line: queueing one costs more than hashing it.
-        r.deferred = defer_verify_ && r.verify && r.length >= kDeferVerifyMin;
+        // Small reads are checked in line: queueing one costs more than hashing it. A request that failed
+        // while planned has no op to queue its check.
+        r.deferred = defer_verify_ && r.verify && r.length >= kDeferVerifyMin && b->errs[&r - &b->reqs[0]] == 0;
         deferred += r.deferred;
     }
     stats_.batches += 1;

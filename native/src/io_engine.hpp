@@ -61,6 +61,7 @@ struct Op {
     uint64_t uoff;  // file range the caller wants from this op: [uoff, uoff + ulen)
     uint64_t ulen;
     uint64_t done = 0;        // bytes already moved (short buffered I/O is resubmitted)
+    int64_t again_since = 0;  // steady-clock ns of the first EAGAIN in a row (uring: O_NONBLOCK descriptors)
     Region bounce{};          // bounce buffer while the op is in flight
     bool prepared = false;
 
@@ -111,6 +112,10 @@ struct FdInfo {
     bool direct;
     uint32_t mem_align;
     uint32_t off_align;
+    // Whether the descriptor has positions (lseek works). Requests on a pipe, FIFO, socket or eventfd end
+    // with ESPIPE, as pread/pwrite end there, in every backend: io_uring would read such a stream instead,
+    // and wait forever on an empty one.
+    bool seekable = true;
 };
 
 class Engine : public std::enable_shared_from_this<Engine> {

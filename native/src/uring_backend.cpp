@@ -30,6 +30,7 @@ namespace {
 
 // user_data of the eventfd poll; ops use their address, which is never this value.
 constexpr uint64_t kWakeTag = 1;
+constexpr int64_t kAgainLimitNs = int64_t(10) * 1000 * 1000 * 1000;
 
 class UringBackend final : public Backend {
 public:
@@ -270,9 +271,24 @@ private:
             Op* op = static_cast<Op*>(io_uring_cqe_get_data(cqe));
             --inflight_;
             int64_t res = cqe->res;
-            if (res == -EINTR || res == -EAGAIN || engine_->complete(op, res)) retry_.push_back(op);  // reserved
+            if (res == -EINTR || (res == -EAGAIN && again_in_time(op))) {
+                retry_.push_back(op);  // reserved: never allocates
+                continue;
+            }
+            op->again_since = 0;
+            if (engine_->complete(op, res)) retry_.push_back(op);
         }
         io_uring_cq_advance(&ring_, reaped);
+    }
+
+    // An O_NONBLOCK descriptor makes io_uring answer EAGAIN where a read or write would wait (pread would
+    // wait): issue it again, for at most kAgainLimitNs in a row, then end it with EAGAIN.
+    static bool again_in_time(Op* op) {
+        int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+        if (op->again_since == 0) op->again_since = now;
+        return now - op->again_since < kAgainLimitNs;
     }
 
     // Finishes every op not yet handed to the kernel with err.

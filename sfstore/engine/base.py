@@ -318,9 +318,30 @@ class IOEngine(ABC):
         """
 
     @staticmethod
+    def _as_batch(requests: Any) -> list[Request] | tuple[Request, ...]:
+        """``requests`` as a list (a list or tuple as it is); anything that is not an iterable of requests, a
+        string among them, is an :class:`~sfstore.errors.InvalidRequestError`."""
+        if isinstance(requests, (list, tuple)):
+            return requests
+        if isinstance(requests, (str, bytes, bytearray, memoryview, dict)):
+            raise errors.InvalidRequestError(
+                f"requests must be a sequence of Request tuples, not {type(requests).__name__}"
+            )
+        try:
+            return list(requests)
+        except TypeError:
+            raise errors.InvalidRequestError(
+                f"requests must be a sequence of Request tuples, not {type(requests).__name__}"
+            ) from None
+
+    @staticmethod
     def _check_checksums(requests: Sequence[Request], checksums: Sequence[int | None] | None) -> None:
         if checksums is None:
             return
+        if isinstance(checksums, (str, bytes)) or not isinstance(checksums, Sequence):
+            raise errors.InvalidRequestError(
+                f"checksums must be a sequence of int or None, one per request, not {type(checksums).__name__}"
+            )
         if len(checksums) != len(requests):
             raise errors.InvalidRequestError(f"checksums: {len(checksums)} given for {len(requests)} requests")
         for i, (r, c) in enumerate(zip(requests, checksums, strict=True)):
@@ -328,7 +349,8 @@ class IOEngine(ABC):
                 continue
             if isinstance(c, bool) or not isinstance(c, int):
                 raise errors.InvalidRequestError(f"request {i}: a checksum must be an int or None, not {c!r}")
-            if r[0] != "read":
+            # A malformed request is validate_batch's to name; here only a checksum on a write is refused.
+            if isinstance(r, tuple) and r and r[0] != "read":
                 raise errors.InvalidRequestError(f"request {i}: checksums are checked on reads only")
 
     def run(self, requests: Iterable[Request]) -> list[int]:

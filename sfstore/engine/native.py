@@ -130,7 +130,7 @@ class NativeEngine(IOEngine):
 
     def submit(self, requests: Sequence[Request], *, checksums: Sequence[int | None] | None = None) -> IOFuture:
         self._check_open()
-        reqs = requests if isinstance(requests, (list, tuple)) else list(requests)
+        reqs = self._as_batch(requests)
         bounce = bool(defaults.get("bounce"))
         if checksums is None:
             return NativeIOFuture(self._handle.submit(reqs, bounce), reqs)

@@ -227,7 +227,7 @@ class PythonEngine(IOEngine):
 
     def submit(self, requests: Sequence[Request], *, checksums: Sequence[int | None] | None = None) -> IOFuture:
         self._check_open()
-        batch_requests = list(requests)
+        batch_requests = list(self._as_batch(requests))
         self._check_checksums(batch_requests, checksums)
         bounce = bool(defaults.get("bounce"))
         bounce_size = int(defaults.get("bounce_buffer_size"))
