@@ -17,12 +17,22 @@ and every read that succeeds on the reference file returns its bytes. The seed i
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import socket
+import threading
 from pathlib import Path
 
+import pytest
 from reliability_helpers import run_child
+
+from sfstore import _native, defaults, errors
+from sfstore.buffers import RegisteredBufferPool
+from sfstore.engine import IOEngine, Request, get_engine
+from sfstore.engine.native import NativeEngine
+from sfstore.engine.python import PythonEngine
 
 _CHILD = r'''
 import errno, json, math, mmap, os, random, socket, sys, time, traceback
@@ -332,3 +342,129 @@ def test_fuzz_engines_and_buffer_pools(tmp_path: Path, scale: int) -> None:
         + json.dumps(report["failures"], indent=1)
     )
     assert report["counts"]["ok"] > 0 and report["counts"]["typed_errors"] > 0
+
+
+# -- the cases the adversarial run named, one by one ------------------------------------------------------------
+
+ENGINES = ["python", "threads"] + (["uring"] if _native.uring_status()[0] else [])
+
+
+def _engine(name: str) -> IOEngine:
+    return PythonEngine(4, 2) if name == "python" else NativeEngine(name, 4, 2)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("op", ["\udcff", "re\udcffad", "read\x00", b"read", None])
+def test_an_op_that_is_not_read_or_write_is_a_typed_error(tmp_path: Path, name: str, op: object) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 16)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with _engine(name) as engine, pytest.raises(errors.InvalidRequestError, match="op must be"):
+            engine.submit([(op, fd, 0, 4, bytearray(4))])  # native code left a pending exception: SystemError
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("timeout", [-5, -0.001, float("nan"), "1", True])
+def test_acquire_with_a_bad_timeout_is_refused_not_a_wait_forever(timeout: object) -> None:
+    pool = RegisteredBufferPool(4096, max_buffers=1, mlock="off", cuda_register="off")
+    held = pool.acquire()
+    outcome: list[BaseException | None] = []
+
+    def take() -> None:
+        try:
+            pool.acquire(timeout=timeout)  # type: ignore[arg-type]
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=take, daemon=True)
+    worker.start()
+    worker.join(5)
+    assert outcome, f"acquire(timeout={timeout!r}) still waiting after 5 s"
+    assert isinstance(outcome[0], errors.InvalidRequestError) and "timeout" in str(outcome[0])
+    held.release()
+    pool.close()
+
+
+@pytest.mark.parametrize("size", [0, -1, 1, 4095, 2**40, 2**64, 1.5])
+def test_pool_buffer_size_out_of_range_is_refused_naming_it(size: object) -> None:
+    with pytest.raises(errors.ConfigError, match="buffer_size"):
+        RegisteredBufferPool(size)  # type: ignore[arg-type]  # 0 silently meant 8 MiB
+
+
+def test_pool_buffer_size_none_is_the_setting() -> None:
+    with RegisteredBufferPool(None, mlock="off", cuda_register="off") as pool:
+        assert pool.buffer_size == defaults.get("buffer_size")
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5, "2", True])
+def test_pool_max_buffers_out_of_range_is_refused_naming_it(count: object) -> None:
+    with pytest.raises(errors.InvalidRequestError, match="max_buffers"):
+        RegisteredBufferPool(4096, max_buffers=count)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("argument", "args"), [
+    ("queue_depth", ("threads", 2**32, 1, 4096, 0)),
+    ("queue_depth", ("uring", 0, 1, 4096, 0)),
+    ("threads", ("threads", 1, 2**32, 4096, 0)),
+    ("threads", ("threads", 1, -1, 4096, 0)),
+    ("bounce_buffer_size", ("threads", 1, 1, 2**64, 0)),
+    ("spin_us", ("uring", 1, 1, 4096, 2**32)),
+    ("spin_us", ("uring", 1, 1, 4096, -1)),
+    ("backend", ("\udcff", 1, 1, 4096, 0)),
+])
+def test_native_engine_arguments_out_of_range_are_refused_naming_them(argument: str, args: tuple) -> None:
+    with pytest.raises(errors.InvalidRequestError, match=argument):
+        _native.IOEngine(*args)  # was a nanobind TypeError naming nothing
+
+
+@pytest.mark.parametrize(("queue_depth", "threads", "argument"), [
+    (2**32, 2, "queue_depth"), (4, 2**32, "io_threads"), (0, 2, "queue_depth"), (4, 1.5, "io_threads"),
+])
+@pytest.mark.parametrize("name", ["threads", "uring", "python"])
+def test_engine_constructors_refuse_out_of_range_values_naming_them(
+    name: str, queue_depth: object, threads: object, argument: str
+) -> None:
+    with pytest.raises(errors.ConfigError, match=argument):
+        if name == "python":
+            PythonEngine(queue_depth, threads)  # type: ignore[arg-type]
+        else:
+            NativeEngine(name, queue_depth, threads)  # type: ignore[arg-type]
+    with pytest.raises(errors.ConfigError, match=argument):
+        get_engine(name, queue_depth=queue_depth, threads=threads)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_requests_on_streams_end_with_espipe_in_every_engine(tmp_path: Path, name: str) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    r, w = os.pipe()
+    s1, s2 = socket.socketpair()
+    fds = [os.open(fifo, os.O_RDWR), os.open(fifo, os.O_RDWR | os.O_NONBLOCK), r, s1.fileno(),
+           os.eventfd(0), os.eventfd(0, os.EFD_NONBLOCK)]
+    try:
+        with _engine(name) as engine:
+            for fd in fds:
+                future = engine.submit([Request.read(fd, 0, 16, bytearray(16))])
+                assert future.wait(5), f"{name}: a read of fd {fd} ({os.readlink(f'/proc/self/fd/{fd}')}) hangs"
+                with pytest.raises(errors.IOEngineError) as info:
+                    future.get(0)
+                assert info.value.errno == errno.ESPIPE
+            future = engine.submit([Request.write(w, 0, 3, b"abc")])
+            assert future.wait(5)
+            assert future.results(0) == [-errno.ESPIPE]
+    finally:
+        for fd in [*fds[:2], fds[4], fds[5], r, w]:
+            os.close(fd)
+        s1.close()
+        s2.close()
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_a_closed_engine_says_so(tmp_path: Path, name: str) -> None:
+    engine = _engine(name)
+    engine.close()
+    with pytest.raises(errors.EngineUnavailableError):
+        engine.submit([])
