@@ -468,3 +468,20 @@ def test_a_closed_engine_says_so(tmp_path: Path, name: str) -> None:
     engine.close()
     with pytest.raises(errors.EngineUnavailableError):
         engine.submit([])
+
+
+def test_native_open_beneath_takes_undecodable_names_and_refuses_nul(tmp_path: Path) -> None:
+    raw = os.fsencode("caf\udce9")  # the byte 0xe9: not UTF-8, as os.listdir hands it back
+    (tmp_path / os.fsdecode(raw)).write_bytes(b"x")
+    dirfd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in (os.fsdecode(raw), raw):  # str with a surrogate escape (was a nanobind TypeError), bytes
+            fd = _native.open_beneath(dirfd, name, os.O_RDONLY)
+            assert os.read(fd, 4) == b"x"
+            os.close(fd)
+        with pytest.raises(FileNotFoundError):
+            _native.open_beneath(dirfd, "missing\udcff", os.O_RDONLY)
+        with pytest.raises(errors.InvalidRequestError, match="path"):
+            _native.open_beneath(dirfd, "a\x00b", os.O_RDONLY)
+    finally:
+        os.close(dirfd)
