@@ -272,6 +272,16 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 break
         return _normalize(text)
 
+    def expand_path(self, path: Any, recursive: bool = False, maxdepth: int | None = None, **kwargs: Any) -> list[str]:
+        """fsspec's expansion of globs, lists and (``recursive``) directories; nothing found raises the typed
+        :class:`~sfstore.errors.PathNotFoundError` (fsspec raises a bare ``FileNotFoundError``)."""
+        try:
+            return list(super().expand_path(path, recursive=recursive, maxdepth=maxdepth, **kwargs))
+        except FileNotFoundError as exc:
+            if isinstance(exc, errors.SfstoreError):
+                raise
+            raise errors.os_error(errno.ENOENT, "no such path", _url(str(self._strip_protocol(path)))) from None
+
     def unstrip_protocol(self, name: str) -> str:
         """The URL of a name: ``a/b`` -> ``sf://a/b``."""
         return "sf://" + str(self._strip_protocol(name))

@@ -366,7 +366,8 @@ class Beneath:
                     os.close(fd)
                     continue
                 return fd
-        raise OSError(errno.ELOOP, "the name kept changing into a symlink", self.full(parts))
+        # EAGAIN, not ELOOP: the name exists (it is being swapped), so it must not read as absent
+        raise OSError(errno.EAGAIN, "the name kept changing into a symlink while it was opened", self.full(parts))
 
     def open_dir(self, path: str | os.PathLike[str]) -> int:
         """A readable descriptor of the directory ``path`` (for ``os.scandir``, ``fsync``)."""

@@ -244,6 +244,9 @@ def test_cat_on_error(sffs: SFFileSystem) -> None:
     sffs.mkdir("e/dir")
     with pytest.raises(IsADirectoryError):
         sffs.cat(["e/a", "e/dir"])
+    for nothing in (lambda: sffs.cat("e/nothing-*"), lambda: sffs.expand_path("e/gone", recursive=True)):
+        with pytest.raises(errors.PathNotFoundError):  # fsspec's expansion raises a bare FileNotFoundError
+            nothing()
 
 
 def test_cat_ranges_coalesces_adjacent_ranges(sffs: SFFileSystem) -> None:
