@@ -159,7 +159,10 @@ class SfstoreTier(SecondaryTierManager):  # type: ignore[misc]
             raise errors.InvalidRequestError(f"load job: {len(keys)} keys but {len(chunk_ids)} chunks")
 
         def work() -> JobResult:
-            tiers = self.store.get_into([self.key(k) for k in keys], [self._chunk_view(c) for c in chunk_ids])
+            # A key that misses is recomputed by vLLM into the same chunk, so its bytes need not survive the miss:
+            # block-store hits land straight in the chunk instead of through a staging copy.
+            tiers = self.store.get_into([self.key(k) for k in keys], [self._chunk_view(c) for c in chunk_ids],
+                                        keep_on_miss=False)
             ok = [k for k, t in zip(keys, tiers, strict=True) if t is not None]
             if len(ok) == len(keys):
                 return JobResult(job_id=job_metadata.job_id, success=True, transfer_bytes=len(ok) * self._chunk)
