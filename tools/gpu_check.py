@@ -1049,6 +1049,12 @@ def main(argv: list[str] | None = None) -> int:
             taken = report.finished
             report.finished = True
         if not taken:
+            # The timer thread holds the report (and through it the checks' tensors) until it ends: joined here,
+            # its last references go now, on its own thread, not while the interpreter finalizes. There, a torch
+            # tensor freed on that thread gives the GIL up and asks for it back, CPython ends the thread with
+            # pthread_exit, and the forced unwind through torch's noexcept frames aborts the process
+            # ("terminate called without an active exception").
+            timer.join()
             shutil.rmtree(scratch, ignore_errors=True)
     if taken:  # the watchdog is writing the report and will exit
         time.sleep(3600)
@@ -1056,10 +1062,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Everything is written and flushed; end without interpreter teardown. About 1 run in 15 with CPU torch
-    # tensors aborted after teardown ("terminate called without an active exception", no Python frame: a C++
-    # thread object destroyed joinable at exit; whose is not found yet), turning a finished check into exit 134.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())

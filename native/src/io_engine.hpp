@@ -3,6 +3,8 @@
 // per-request results. Nothing here holds or needs the GIL.
 #pragma once
 
+#include <unistd.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -155,6 +157,8 @@ public:
     unsigned depth() const { return backend_->depth(); }
     EngineStats& stats() { return stats_; }
     size_t bounce_size() const { return bounce_size_; }
+    // In a forked child: the engine's threads (and its batches' progress) stayed in the parent.
+    bool forked() const { return getpid() != owner_pid_; }
 
 private:
     // Bounce buffers: huge pages where their size allows (pinning a 4 KiB-page buffer for each O_DIRECT request

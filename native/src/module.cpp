@@ -247,8 +247,9 @@ struct PyFuture {
     PyFuture(const PyFuture&) = delete;
     PyFuture(PyFuture&& o) noexcept : batch(std::move(o.batch)), views(std::move(o.views)) { o.views.clear(); }
     ~PyFuture() {
-        // The kernel may still be writing into these buffers: never let them go before the batch ends.
-        if (batch && !views.empty()) {
+        // The kernel may still be writing into these buffers: never let them go before the batch ends. In a
+        // forked child the batch runs on in the parent, into the parent's memory: nothing to wait for here.
+        if (batch && !views.empty() && !batch->engine->forked()) {
             NoGil nogil;
             batch->wait(-1);
         }
@@ -258,7 +259,20 @@ struct PyFuture {
         for (auto& v : views) PyBuffer_Release(&v);
         views.clear();
     }
+    // In a forked child a batch that had finished is as it was (its buffers were filled before fork); one still
+    // running never finishes there: say so rather than wait forever. No lock is taken in the child: a thread
+    // of the parent may have held it at fork.
+    bool in_child() const { return batch->engine->forked(); }
+    void check_process() const {
+        if (in_child() && !batch->done.load())
+            raise_sf("unavailable", EIO,
+                     "this batch was still running in the parent process at fork(); its results stay there");
+    }
     bool is_done() {
+        if (in_child()) {
+            check_process();
+            return true;
+        }
         std::lock_guard<std::mutex> lk(batch->engine->wait_mu());  // see Batch::finish_one
         return batch->done.load();
     }
@@ -605,6 +619,11 @@ NB_MODULE(_native, m) {
         .def("wait",
              [](PyFuture& f, nb::handle timeout) {
                  double t = timeout_arg(timeout);
+                 if (f.in_child()) {
+                     f.check_process();
+                     f.release_views();
+                     return true;
+                 }
                  bool d;
                  {
                      NoGil nogil;
@@ -619,7 +638,9 @@ NB_MODULE(_native, m) {
                  return std::make_pair(f.batch->moved_direct.load(), f.batch->moved_bounced.load());
              })
         .def("results", [](PyFuture& f) {
-            {
+            if (f.in_child()) {
+                f.check_process();
+            } else {
                 NoGil nogil;
                 f.batch->wait(-1);
             }

@@ -313,3 +313,38 @@ def test_interpreter_exit_with_live_engines_pools_and_native_waits_is_clean(
         assert reports[-1] == {"done": True}
         if fork:
             assert reports[0] == {"child_status": 0}
+
+
+@pytest.mark.parametrize("backend", [b for b in ENGINES if b != "python"])
+def test_a_batch_running_at_fork_is_refused_in_the_child_which_exits_cleanly(tmp_path: Path, backend: str) -> None:
+    code = _PRELUDE + rf"""
+import sys
+from sfstore.engine import Request
+from sfstore.engine.native import NativeEngine
+e = NativeEngine({backend!r}, 1, 1)
+fd = os.open("/dev/zero", os.O_RDONLY)
+buf = bytearray(32 << 20)
+done_before = e.submit([Request.read(fd, 0, 4096, buf)])
+done_before.get()
+# 64 reads of 32 MiB through one queue slot: still running when the child starts
+running = e.submit([Request.read(fd, 0, 32 << 20, buf) for _ in range(64)])
+pid = os.fork()
+if pid == 0:
+    out = {{}}
+    try:
+        running.wait(0)
+        out["running"] = "no error"
+    except Exception as exc:
+        out["running"] = error_fields(exc)
+    out["done_before"] = done_before.get(0)
+    report(**out)
+    sys.exit(0)  # a normal exit: the running batch's future is dropped here, and must not wait for it
+_, status = os.waitpid(pid, 0)
+report(child_status=status, parent=len(running.get()))
+"""
+    reports = _reports(run_child(code, env=_env(tmp_path), timeout=60))
+    child, parent = reports
+    assert parent == {"child_status": 0, "parent": 64}
+    assert child["done_before"] == [4096]
+    if child["running"] != "no error":  # the batch may have finished before fork on a fast machine
+        assert child["running"]["type"] == "EngineUnavailableError", child
