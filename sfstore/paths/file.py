@@ -164,6 +164,11 @@ class FilePath(StoragePath):
         self.root = os.path.realpath(raw)
         self.beneath = Beneath(self.root, aliases=(raw,))
         self.mount = MountFacts.from_mount(mount_for(self.root))
+        # Arguments obey the settings' ranges (a 1-byte chunk would move a MiB in a million requests).
+        if chunk_size is not None:
+            chunk_size = defaults.SETTINGS["file_chunk_size"].parse(chunk_size, "FilePath(chunk_size=...)")
+        if parallelism is not None:
+            parallelism = defaults.SETTINGS["file_parallelism"].parse(parallelism, "FilePath(parallelism=...)")
         self.chunk_size = int(chunk_size or defaults.get("file_chunk_size") or self.mount.default_chunk_size())
         self.parallelism = int(parallelism or defaults.get("file_parallelism") or self.mount.default_parallelism())
         self._engine = engine

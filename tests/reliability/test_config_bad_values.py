@@ -247,3 +247,21 @@ def test_describe_reports_a_bad_data_dir_instead_of_raising(tmp_path: Path, monk
 
     report = probe()
     assert report["data_dir"] is not None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"chunk_size": 1}, "chunk_size"),
+        ({"chunk_size": -5}, "chunk_size"),
+        ({"chunk_size": 5000}, "chunk_size"),
+        ({"chunk_size": 1 << 40}, "chunk_size"),
+        ({"parallelism": 10**9}, "parallelism"),
+        ({"parallelism": -1}, "parallelism"),
+    ],
+)
+def test_file_path_arguments_obey_the_settings_ranges(tmp_path: Path, kwargs: dict[str, Any], needle: str) -> None:
+    from sfstore.paths.file import FilePath
+
+    with pytest.raises(errors.ConfigError, match=needle):
+        FilePath(tmp_path / "root", **kwargs)
