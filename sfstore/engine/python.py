@@ -43,6 +43,7 @@ class _PythonFuture(IOFuture):
         self._event = threading.Event()
         self._causes: dict[int, BaseException] = {}
         self._moved = [0, 0]  # direct, bounced; updated under the batch lock
+        self._pid = os.getpid()
 
     def transferred(self) -> tuple[int, int]:
         return (self._moved[0], self._moved[1])
@@ -50,10 +51,19 @@ class _PythonFuture(IOFuture):
     def done(self) -> bool:
         return self._event.is_set()
 
+    def _check_process(self) -> None:
+        # In a forked child the workers running this batch stayed in the parent: it never finishes here.
+        if not self._event.is_set() and os.getpid() != self._pid:
+            raise errors.EngineUnavailableError(
+                "this batch was still running in the parent process at fork(); its results stay there"
+            )
+
     def wait(self, timeout: float | None = None) -> bool:
+        self._check_process()
         return self._event.wait(wait_seconds(timeout))
 
     def results(self, timeout: float | None = None) -> list[int]:
+        self._check_process()
         if not self._event.wait(wait_seconds(timeout)):
             raise self.timeout_error(timeout)
         return list(self._results)

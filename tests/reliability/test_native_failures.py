@@ -315,13 +315,14 @@ def test_interpreter_exit_with_live_engines_pools_and_native_waits_is_clean(
             assert reports[0] == {"child_status": 0}
 
 
-@pytest.mark.parametrize("backend", [b for b in ENGINES if b != "python"])
+@pytest.mark.parametrize("backend", ENGINES)
 def test_a_batch_running_at_fork_is_refused_in_the_child_which_exits_cleanly(tmp_path: Path, backend: str) -> None:
     code = _PRELUDE + rf"""
 import sys
 from sfstore.engine import Request
 from sfstore.engine.native import NativeEngine
-e = NativeEngine({backend!r}, 1, 1)
+from sfstore.engine.python import PythonEngine
+e = PythonEngine(1, 1) if {backend!r} == "python" else NativeEngine({backend!r}, 1, 1)
 fd = os.open("/dev/zero", os.O_RDONLY)
 buf = bytearray(32 << 20)
 done_before = e.submit([Request.read(fd, 0, 4096, buf)])
