@@ -175,12 +175,14 @@ def _acquire_timeout(timeout: Any) -> float:
         return -1.0
     from sfstore.errors import InvalidRequestError
 
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+    if isinstance(timeout, (bool, str, bytes)) or not hasattr(timeout, "__float__"):
         raise InvalidRequestError(f"acquire: timeout must be a number of seconds or None, not {timeout!r}")
     try:
         seconds = float(timeout)
     except OverflowError:  # an int beyond any float
         seconds = float("inf") if timeout > 0 else float("-inf")
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"acquire: timeout must be a number of seconds or None, not {timeout!r}") from None
     if math.isnan(seconds) or seconds < 0:
         raise InvalidRequestError(
             f"acquire: timeout must be >= 0 seconds, or None to wait without end, not {timeout!r}"
