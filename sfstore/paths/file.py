@@ -217,6 +217,13 @@ class FilePath(StoragePath):
                 self._small_engine = get_engine("threads", threads=n, queue_depth=n)
             except errors.EngineUnavailableError:
                 self._small_engine = self.engine
+            except errors.OutOfResourcesError as exc:
+                # Memory or a thread limit (ulimit -v, RLIMIT_NPROC) refuses n more threads: the main engine
+                # still reads the files, with fewer in flight, and the path says so.
+                self._small_engine = self.engine
+                note = f"many-file reads on the main engine: {n} reader threads could not start ({exc})"
+                if note not in self.fallbacks:
+                    self.fallbacks.append(note)
         return self._small_engine
 
     def describe(self) -> dict[str, Any]:
@@ -252,7 +259,7 @@ class FilePath(StoragePath):
             except OSError as exc:
                 raise errors.os_error(exc.errno or errno.EIO, f"cannot open {probe!r}", probe) from None
             try:
-                direct = _enable_direct(fd, probe, required=mode == "on")
+                direct = enable_direct(fd, probe, required=mode == "on")
             finally:
                 os.close(fd)
                 os.unlink(name, dir_fd=rootfd)
@@ -328,13 +335,16 @@ class FilePath(StoragePath):
 
     # -- reads -----------------------------------------------------------------------------------------------
 
-    def _open_read(self, path: str | os.PathLike[str], direct: bool | None = None) -> tuple[int, str, int]:
+    def _open_read(
+        self, path: str | os.PathLike[str], direct: bool | None = None, follow: bool = True
+    ) -> tuple[int, str, int]:
         """Open a regular file for reading beneath the root: ``(fd, full, size)``.
 
         Opened with ``O_NONBLOCK`` (a FIFO without a writer would block ``open`` forever), checked with
         ``fstat``, then switched to blocking (and O_DIRECT where the path uses it; ``direct`` overrides).
+        ``follow=False``: a symlink as the last component is refused (ELOOP).
         """
-        fd, full = self._open_nonblocking(path)
+        fd, full = self._open_nonblocking(path, follow)
         try:
             size = _regular_size(fd, full)
             _set_status(fd, full, self.direct if direct is None else direct)
@@ -344,11 +354,12 @@ class FilePath(StoragePath):
             raise
         return fd, full, size
 
-    def _open_nonblocking(self, path: str | os.PathLike[str]) -> tuple[int, str]:
+    def _open_nonblocking(self, path: str | os.PathLike[str], follow: bool = True) -> tuple[int, str]:
         """:meth:`open_beneath` read-only with ``O_NONBLOCK`` (a FIFO opens at once); a socket, which
         ``open`` refuses with ENXIO, raises :class:`~sfstore.errors.NotARegularFileError` as a FIFO would."""
+        flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
         try:
-            return self.open_beneath(path, os.O_RDONLY | os.O_NONBLOCK)
+            return self.open_beneath(path, flags)
         except errors.SfstoreOSError as exc:
             if exc.errno == errno.ENXIO:
                 self._refuse_special(path, exc)
@@ -365,10 +376,11 @@ class FilePath(StoragePath):
                 errno.EINVAL, f"not a regular file ({_kind(mode)})", full, errors.NotARegularFileError
             ) from exc
 
-    def open_file(self, path: str | os.PathLike[str]) -> OpenFile:
+    def open_file(self, path: str | os.PathLike[str], *, follow: bool = True) -> OpenFile:
         """Open the regular file ``path`` for reading: reads of the returned :class:`OpenFile` stay on that file
-        whatever is renamed or swapped meanwhile."""
-        fd, full, _ = self._open_read(path)
+        whatever is renamed or swapped meanwhile. ``follow=False`` refuses a symlink as the last component
+        (:class:`~sfstore.errors.SfstoreOSError` with errno ELOOP); links on the way are still followed."""
+        fd, full, _ = self._open_read(path, follow=follow)
         return OpenFile(self, fd, full)
 
     def _finish(self, fut: IOFuture, requests: int, timeout: float | None = None, files: int = 0) -> list[int]:
@@ -712,7 +724,7 @@ class AtomicWriter:
             raise errors.os_error(exc.errno or errno.EIO, f"cannot open {tmp_full!r}", tmp_full) from None
         try:
             if fp.direct:
-                _enable_direct(self._fd, tmp_full, required=True)
+                enable_direct(self._fd, tmp_full, required=True)
         except BaseException:
             os.close(self._fd)
             os.unlink(self._tmp, dir_fd=loc.dirfd)
@@ -978,7 +990,7 @@ def _set_status(fd: int, full: str, direct: bool) -> None:
         ) from None
 
 
-def _enable_direct(fd: int, full: str, *, required: bool) -> bool:
+def enable_direct(fd: int, full: str, *, required: bool) -> bool:
     """Add O_DIRECT to ``fd``; return whether it is set. ``required``: a refusal raises (errno EINVAL)."""
     o_direct = getattr(os, "O_DIRECT", 0)
     if not o_direct:

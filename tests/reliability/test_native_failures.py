@@ -68,17 +68,16 @@ for attempt in range(3):
     except Exception as exc:
         report(ok=False, error=error_fields(exc))
 # still usable for what fits: one file at a time
-report(single=len(fs.cat_file("d/f3")))
+report(single=len(fs.cat_file("d/f3")), fallbacks=fs.file_path.fallbacks)
 """
     reports = _reports(run_child(code, address_space=AS_LIMIT, env=_env(tmp_path)))
     outcomes, last = reports[:-1], reports[-1]
     assert len(outcomes) == 3
     for outcome in outcomes:
-        if not outcome["ok"]:
-            _assert_out_of_resources(outcome["error"], (11, 12))
-        else:
-            assert outcome["n"] == 20
-    assert last == {"single": 1000}
+        # The 64 small-file reader threads do not fit: the main engine reads the files instead, and says so.
+        assert outcome == {"ok": True, "n": 20}, outcome
+    assert last["single"] == 1000
+    assert any("reader threads could not start" in f for f in last["fallbacks"]), last
 
 
 def test_engine_with_more_threads_than_memory_allows_raises_and_a_smaller_one_works(tmp_path: Path) -> None:
