@@ -8,6 +8,11 @@ renameat2 flags (NFS refuses them with EINVAL) get a two-step replace: the old c
 ``<name>``; :func:`cleanup` (run by every save, list and load in that parent) renames such an old checkpoint
 back, so the previous checkpoint is what readers find. Staging and old directories of dead processes of this
 host are removed by the next save in the parent; other hosts' are left alone for :data:`FOREIGN_STALE_SECONDS`.
+
+Names are never acted on by their full path: the parent directory is opened beneath the file path's root
+(:class:`~sfstore.paths.beneath.Beneath`), and the staging directory, its shards, the publishing renames and
+every removal act relative to that descriptor, so a directory on the way swapped for a symlink to elsewhere
+makes a save, list or load fail (or act on the directory opened), never act outside the root.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import platform
 import posixpath
 import re
 import secrets
-import shutil
 import socket
 import stat
 import threading
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfstore import errors
-from sfstore.paths.file import FilePath, fsync_dir, pid_alive
+from sfstore.paths.file import FilePath, pid_alive
 
 __all__ = [
     "Location",
@@ -64,16 +68,32 @@ def _host() -> str:
 
 @dataclass(frozen=True)
 class Location:
-    """A checkpoint directory: the file path it lives on, its parent directory (absolute) and its name."""
+    """A checkpoint directory: the file path it lives on, its parent directory (absolute, for messages and
+    names handed to ``fp``), its name, and the parent below ``fp``'s root (``rel``, ``""``: the root)."""
 
     fp: FilePath
     parent: str
     name: str
     url: str
+    rel: str = ""
 
     @property
     def path(self) -> str:
         return os.path.join(self.parent, self.name)
+
+    def open_parent(self) -> int:
+        """A readable descriptor of the parent directory, opened beneath ``fp``'s root (the caller closes it)."""
+        return open_dir(self.fp, self.rel, self.parent)
+
+
+def open_dir(fp: FilePath, rel: str, full: str) -> int:
+    """A readable descriptor of the directory ``rel`` (below ``fp``'s root), typed errors naming ``full``."""
+    try:
+        return fp.beneath.open_dir(rel)
+    except errors.PathEscapeError:
+        raise
+    except OSError as exc:
+        raise _os_err(exc, "cannot open the directory", full) from None
 
 
 def _file_path(root: str, create: bool) -> FilePath:
@@ -130,25 +150,33 @@ def locate(url: str | os.PathLike[str], *, create: bool) -> Location:
             raise errors.InvalidRequestError(f"checkpoint url {os.fspath(url)!r} names no directory")
         fp = _checkpoint_root()
         head, base = posixpath.split(text)
-        parent = fp.resolve(head or "")
-        if create:
-            os.makedirs(parent, exist_ok=True)
+        parent = fp.full(head or "")  # refuses '..' above the root; symlinks are met beneath it, at each use
+        rel = parent[len(fp.root):].lstrip("/")
     if base in ("", ".", "..") or base.startswith("."):
         raise errors.InvalidRequestError(
             f"checkpoint name {base!r} (from {os.fspath(url)!r}) must not be empty or start with '.'"
         )
-    fp.resolve(os.path.join(parent, base))  # refuses escapes
-    return Location(fp, parent, base, os.fspath(url))
+    if absolute:
+        rel = ""
+    elif create and rel:
+        try:
+            fp.beneath.mkdir(rel, parents=True, exist_ok=True)
+        except errors.PathEscapeError:
+            raise
+        except OSError as exc:
+            raise _os_err(exc, "cannot create the checkpoint directory's parent", parent) from None
+    return Location(fp, parent, base, os.fspath(url), rel)
 
 
 def locate_dir(prefix: str | os.PathLike[str]) -> tuple[FilePath, str]:
-    """The file path and absolute directory of a ``list``/``latest`` prefix (a directory of checkpoints)."""
+    """The file path and absolute directory of a ``list``/``latest`` prefix (a directory of checkpoints); the
+    name is computed, not resolved: open it with :func:`open_dir` (beneath the root)."""
     absolute, text = split_url(prefix)
     if absolute:
         fp = _file_path(text, False)
         return fp, fp.root
     fp = _checkpoint_root()
-    return fp, fp.resolve(text if text not in ("", ".") else "")
+    return fp, fp.full(text if text not in ("", ".") else "")
 
 
 # -- reading small files -------------------------------------------------------------------------------------
@@ -212,9 +240,14 @@ def read_regular(fp: FilePath, path: str, *, limit: int, what: str) -> bytes:
 # -- staging and publishing ------------------------------------------------------------------------------------
 
 
+def staging_name(loc: Location, kind: str = "staging") -> str:
+    """A fresh staging (or old) directory name next to ``loc`` (a name in its parent directory)."""
+    return f".{loc.name}.sfstore-{kind}-{_host()}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
 def staging_path(loc: Location, kind: str = "staging") -> str:
-    """A fresh staging (or old) directory name next to ``loc``."""
-    return os.path.join(loc.parent, f".{loc.name}.sfstore-{kind}-{_host()}-{os.getpid()}-{secrets.token_hex(6)}")
+    """A fresh staging (or old) directory's full name next to ``loc`` (for messages)."""
+    return os.path.join(loc.parent, staging_name(loc, kind))
 
 
 USE_RENAMEAT2 = True
@@ -225,8 +258,9 @@ _libc: Any = None
 _FLAGS_REFUSED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
-def _renameat2(src: str, dst: str, flags: int) -> int:
-    """renameat2(2); returns 0 or the errno. ENOSYS when neither glibc nor the syscall table has it."""
+def _renameat2(src: str, dst: str, flags: int, dirfd: int = _AT_FDCWD) -> int:
+    """renameat2(2) of ``src`` to ``dst``, both relative to ``dirfd``; returns 0 or the errno. ENOSYS when
+    neither glibc nor the syscall table has it."""
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
@@ -235,127 +269,195 @@ def _renameat2(src: str, dst: str, flags: int) -> int:
     if fn is not None:
         fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
         fn.restype = ctypes.c_int
-        rc = fn(_AT_FDCWD, s, _AT_FDCWD, d, flags)
+        rc = fn(dirfd, s, dirfd, d, flags)
     else:
         nr = _SYS_RENAMEAT2.get(platform.machine())
         if nr is None:
             return errno.ENOSYS
         rc = _libc.syscall(
-            ctypes.c_long(nr), ctypes.c_int(_AT_FDCWD), s, ctypes.c_int(_AT_FDCWD), d, ctypes.c_uint(flags)
+            ctypes.c_long(nr), ctypes.c_int(dirfd), s, ctypes.c_int(dirfd), d, ctypes.c_uint(flags)
         )
     return 0 if rc == 0 else ctypes.get_errno()
 
 
-def is_checkpoint_dir(path: str) -> bool:
-    """Whether ``path`` is a directory holding a manifest (or an empty directory)."""
+def is_checkpoint_dir(path: str | int, name: str | None = None) -> bool:
+    """Whether ``path`` (or the entry ``name`` of the directory descriptor ``path``) is a directory holding a
+    manifest (or an empty directory); a symlink is not."""
     from sfstore.checkpoint.manifest import MANIFEST_NAME
 
     try:
-        with os.scandir(path) as it:
-            names = [e.name for e in it]
+        if isinstance(path, int):
+            fd = os.open(name or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=path)
+        else:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
+    try:
+        names = os.listdir(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
     return not names or MANIFEST_NAME in names
+
+
+def exists_at(dirfd: int, name: str) -> bool:
+    """Whether the entry ``name`` exists in the directory ``dirfd`` (a dangling symlink does)."""
+    try:
+        os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def rmtree_at(fp: FilePath, dirfd: int, name: str, full: str) -> None:
+    """Remove the entry ``name`` of ``dirfd`` and what it holds, walking descriptors (links removed, never
+    followed); best effort."""
+    try:
+        fp.beneath.rmtree_at(dirfd, name, full)
+    except OSError:
+        pass
+
+
+def _fsync(fd: int, full: str) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise _os_err(exc, "cannot fsync the directory", full) from None
 
 
 def _os_err(exc: OSError, what: str, path: str) -> errors.SfstoreOSError:
     return errors.os_error(exc.errno or errno.EIO, what, path)
 
 
-def publish(staging: str, loc: Location, *, overwrite: bool, exchange: bool | None = None) -> None:
-    """Move the (fsynced) ``staging`` directory to ``loc`` atomically and fsync the parent.
+def publish(staging: str, loc: Location, *, overwrite: bool, exchange: bool | None = None,
+            dirfd: int | None = None) -> None:
+    """Move the (fsynced) staging directory named ``staging`` (in ``loc``'s parent) to ``loc`` atomically and
+    fsync the parent.
 
     ``overwrite=False``: an existing ``loc`` raises :class:`~sfstore.errors.PathExistsError`. ``overwrite=True``
     replaces it (RENAME_EXCHANGE, else the two-step fallback) and removes the old one; a ``loc`` that is not
     an sfstore checkpoint directory is never replaced. ``exchange=False`` forces the fallback (default:
-    :data:`USE_RENAMEAT2`).
+    :data:`USE_RENAMEAT2`). ``dirfd``: the parent's descriptor (the one the staging directory was made in;
+    default: opened beneath the root now). Every rename and removal is relative to it.
     """
-    final = loc.path
+    staging = os.path.basename(staging)
+    if dirfd is None:
+        pfd = loc.open_parent()
+        try:
+            publish(staging, loc, overwrite=overwrite, exchange=exchange, dirfd=pfd)
+        finally:
+            os.close(pfd)
+        return
+    final, name = loc.path, loc.name
+    staging_full = os.path.join(loc.parent, staging)
     flags_ok = USE_RENAMEAT2 if exchange is None else exchange
     if flags_ok:
-        err = _renameat2(staging, final, RENAME_NOREPLACE)
+        err = _renameat2(staging, name, RENAME_NOREPLACE, dirfd)
         if err == 0:
-            fsync_dir(loc.parent)
+            _fsync(dirfd, loc.parent)
             return
         if err in _FLAGS_REFUSED:
             flags_ok = False
         elif err not in (errno.EEXIST, errno.ENOTEMPTY):
-            raise errors.os_error(err, f"cannot publish checkpoint {staging} as", final)
-    if not flags_ok and not os.path.lexists(final):
+            raise errors.os_error(err, f"cannot publish checkpoint {staging_full} as", final)
+    if not flags_ok and not exists_at(dirfd, name):
         try:
-            os.rename(staging, final)  # without NOREPLACE an empty directory made meanwhile is replaced
+            # without NOREPLACE an empty directory made meanwhile is replaced
+            os.rename(staging, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
         except OSError as exc:
             if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise _os_err(exc, f"cannot publish checkpoint {staging} as", final) from None
+                raise _os_err(exc, f"cannot publish checkpoint {staging_full} as", final) from None
         else:
-            fsync_dir(loc.parent)
+            _fsync(dirfd, loc.parent)
             return
     # `final` exists.
     if not overwrite:
         raise errors.os_error(errno.EEXIST, "checkpoint exists (pass overwrite=True to replace it)", final)
-    if os.path.islink(final) or not os.path.isdir(final) or not is_checkpoint_dir(final):
+    if not is_checkpoint_dir(dirfd, name):  # a symlink, a file, or a directory that is no checkpoint
         raise errors.os_error(
             errno.EEXIST, "refusing to replace something that is not an sfstore checkpoint directory", final
         )
     if flags_ok:
-        err = _renameat2(staging, final, RENAME_EXCHANGE)
+        err = _renameat2(staging, name, RENAME_EXCHANGE, dirfd)
         if err == 0:
-            fsync_dir(loc.parent)
-            shutil.rmtree(staging, ignore_errors=True)  # now the old checkpoint
+            _fsync(dirfd, loc.parent)
+            rmtree_at(loc.fp, dirfd, staging, staging_full)  # now the old checkpoint
             return
         if err not in _FLAGS_REFUSED:
-            raise errors.os_error(err, f"cannot exchange checkpoint {staging} with", final)
-    old = staging_path(loc, "old")
+            raise errors.os_error(err, f"cannot exchange checkpoint {staging_full} with", final)
+    old = staging_name(loc, "old")
     try:
-        os.rename(final, old)
+        os.rename(name, old, src_dir_fd=dirfd, dst_dir_fd=dirfd)
     except OSError as exc:
         raise _os_err(exc, "cannot move the old checkpoint aside", final) from None
     try:
-        os.rename(staging, final)
+        os.rename(staging, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
     except OSError as exc:
-        os.rename(old, final)  # put the previous one back
-        raise _os_err(exc, f"cannot publish checkpoint {staging} as", final) from None
-    fsync_dir(loc.parent)
-    shutil.rmtree(old, ignore_errors=True)
+        os.rename(old, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)  # put the previous one back
+        raise _os_err(exc, f"cannot publish checkpoint {staging_full} as", final) from None
+    _fsync(dirfd, loc.parent)
+    rmtree_at(loc.fp, dirfd, old, os.path.join(loc.parent, old))
 
 
 # -- cleanup and recovery --------------------------------------------------------------------------------------
 
 
-def cleanup(parent: str, *, remove: bool = True) -> int:
+def cleanup(parent: str | int, *, remove: bool = True, fp: FilePath | None = None, full: str = "") -> int:
     """Recover interrupted replaces and (``remove=True``) remove stale staging/old directories in ``parent``.
 
-    An ``old`` directory of a dead process whose checkpoint name is missing is renamed back to that name (the
-    replace never completed: the previous checkpoint is restored). Returns the number of entries handled.
+    ``parent`` is a directory descriptor (opened beneath the root: see :meth:`Location.open_parent`; ``full``
+    names it in messages, ``fp`` removes with its walk of descriptors) or, for callers outside a root, a host
+    path. An ``old`` directory of a dead process whose checkpoint name is missing is renamed back to that name
+    (the replace never completed: the previous checkpoint is restored). Returns the number of entries handled.
     Errors (permissions, races with other cleaners) are ignored: cleanup is best effort.
     """
+    if not isinstance(parent, int):
+        try:
+            fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return 0
+        try:
+            return cleanup(fd, remove=remove, fp=fp, full=parent)
+        finally:
+            os.close(fd)
     host = _host()
     handled = 0
     try:
-        entries = list(os.scandir(parent))
+        with os.scandir(parent) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
     except OSError:
         return 0
     now = time.time()
-    for e in sorted(entries, key=lambda e: e.name):
-        m = _MARK.match(e.name)
-        if m is None:
+    for name, is_dir in sorted(entries):
+        m = _MARK.match(name)
+        if m is None or not is_dir:
             continue
         try:
-            if not e.is_dir(follow_symlinks=False):
-                continue
             if m["host"] == host:
                 if pid_alive(int(m["pid"])):
                     continue
-            elif now - e.stat(follow_symlinks=False).st_mtime < FOREIGN_STALE_SECONDS:
+            elif now - os.stat(name, dir_fd=parent, follow_symlinks=False).st_mtime < FOREIGN_STALE_SECONDS:
                 continue
-            final = os.path.join(parent, m["name"])
-            if m["kind"] == "old" and not os.path.lexists(final):
-                os.rename(e.path, final)
-                fsync_dir(parent)
+            if m["kind"] == "old" and not exists_at(parent, m["name"]):
+                os.rename(name, m["name"], src_dir_fd=parent, dst_dir_fd=parent)
+                os.fsync(parent)
                 handled += 1
             elif remove:
-                shutil.rmtree(e.path, ignore_errors=True)
+                if fp is not None:
+                    rmtree_at(fp, parent, name, os.path.join(full, name))
+                else:
+                    _rmtree_quiet(parent, name)
                 handled += 1
         except OSError:
             continue
     return handled
+
+
+def _rmtree_quiet(dirfd: int, name: str) -> None:
+    from sfstore.paths.beneath import Beneath
+
+    try:
+        Beneath("/").rmtree_at(dirfd, name, name)  # acts on the descriptor alone: the root is never opened
+    except OSError:
+        pass

@@ -204,10 +204,15 @@ def finish(fp: FilePath, fut: IOFuture, length: int, *, write: bool, path: str) 
     return got
 
 
-def write_small(path: str, data: bytes) -> None:
-    """Create ``path`` (which must not exist) with ``data``, and fsync it."""
+def write_small(path: str, data: bytes, *, dirfd: int | None = None) -> None:
+    """Create ``path`` (which must not exist) with ``data``, and fsync it. With ``dirfd`` the file is created
+    as ``basename(path)`` in that directory descriptor (``path`` names it in errors), a symlink refused."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        if dirfd is None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        else:
+            fd = os.open(os.path.basename(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o644, dir_fd=dirfd)
     except OSError as exc:
         raise errors.os_error(exc.errno or 5, "cannot create", path) from None
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +84,11 @@ def read_manifest(fp: FilePath, directory: str) -> Manifest:
     try:
         raw = _fs.read_regular(fp, path, limit=MAX_MANIFEST_BYTES, what="manifest")
     except errors.PathNotFoundError:
-        if not os.path.isdir(directory):
+        try:
+            is_dir = stat.S_ISDIR(fp.stat(directory).st_mode)
+        except errors.SfstoreError:
+            is_dir = False
+        if not is_dir:
             raise errors.os_error(2, "no checkpoint directory", directory) from None
         raise errors.os_error(2, f"not an sfstore checkpoint: {MANIFEST_NAME} is missing", path) from None
     return Manifest.from_json(raw)
@@ -100,22 +105,27 @@ def list_checkpoints(prefix: str | os.PathLike[str] = "") -> builtins.list[Check
         fp, directory = _fs.locate_dir(prefix)
     except errors.PathNotFoundError:
         return []
-    if not os.path.isdir(directory):
+    try:
+        dirfd = _fs.open_dir(fp, fp.relative(directory), directory)  # beneath the root: a swapped name fails
+    except (errors.PathNotFoundError, errors.NotADirectoryPathError):
         return []
-    _fs.cleanup(directory, remove=False)  # finish interrupted replaces: the previous checkpoint comes back
+    try:
+        _fs.cleanup(dirfd, remove=False, fp=fp, full=directory)  # finish interrupted replaces
+        with os.scandir(dirfd) as it:
+            names = sorted(e.name for e in it)
+    finally:
+        os.close(dirfd)
     out: builtins.list[CheckpointInfo] = []
-    with os.scandir(directory) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for e in entries:
-        if e.name.startswith("."):
+    for name in names:
+        if name.startswith("."):
             continue
+        path = os.path.join(directory, name)
         try:
-            if not e.is_dir():
-                continue
-            manifest = read_manifest(fp, e.path)
+            # Names are read beneath the root again: a directory swapped meanwhile is refused, not followed out.
+            manifest = read_manifest(fp, path)
         except (errors.SfstoreError, OSError):
             continue  # not a checkpoint (or one being removed): not listed
-        out.append(info_for(_entry_url(absolute, fp, e.path), e.path, e.name, manifest))
+        out.append(info_for(_entry_url(absolute, fp, path), path, name, manifest))
     out.sort(key=lambda i: (i.created_ns, i.name))
     return out
 

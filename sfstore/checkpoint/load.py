@@ -15,7 +15,9 @@ copied to the GPU from the pinned buffer, and the buffer is dropped before the n
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -30,7 +32,7 @@ from sfstore.checkpoint.catalog import CheckpointInfo, read_manifest
 from sfstore.checkpoint.manifest import Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import KeyPath, format_path, tensor_paths, unflatten
 from sfstore.checksums import xxh3_64_hex
-from sfstore.paths.file import FilePath, ReadFuture
+from sfstore.paths.file import FilePath, OpenFile, ReadFuture
 
 if TYPE_CHECKING:
     import torch
@@ -112,23 +114,31 @@ def _view(base: torch.Tensor, offset: int, nbytes: int, dtype_name: str, shape: 
     return piece.view(dtype).reshape(shape)
 
 
-def _shard_path(loc_dir: str, fp: FilePath, shard: ShardRecord) -> str:
+def _open_shard(loc_dir: str, fp: FilePath, shard: ShardRecord) -> OpenFile:
+    """The shard file, opened once beneath the root (every read of it goes to that descriptor), checked to be
+    a regular file of the recorded size. A symlink in its place is refused: shards are files of the directory."""
     path = os.path.join(loc_dir, shard.file)
-    real = fp.resolve(path)
-    if os.path.dirname(real) != os.path.realpath(loc_dir):
-        raise _corrupt(f"shard {shard.file} links out of the checkpoint directory (to {real})", shard.file)
     try:
-        st = os.stat(real)
-    except FileNotFoundError:
+        st = fp.stat(path, follow=False)
+        if stat.S_ISLNK(st.st_mode):
+            raise _corrupt(f"shard {shard.file} links out of the checkpoint directory (a symlink)", shard.file)
+        _fs.check_regular(st, path, "shard", shard=shard.file)
+        of = fp.open_file(path, follow=False)
+    except errors.PathNotFoundError:
         raise _corrupt(f"shard {shard.file} is missing", shard.file) from None
-    except OSError as exc:
-        raise errors.os_error(exc.errno or 5, "cannot stat shard", real) from None
-    _fs.check_regular(st, real, "shard", shard=shard.file)
-    size = st.st_size
+    except (errors.NotARegularFileError, errors.IsADirectoryPathError) as exc:
+        raise _corrupt(f"shard {shard.file} is not a regular file ({exc})", shard.file) from None
+    except errors.SfstoreOSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _corrupt(f"shard {shard.file} links out of the checkpoint directory (a symlink)",
+                           shard.file) from None
+        raise
+    size = of.size
     if size != shard.size:
+        of.close()
         what = "truncated" if size < shard.size else "longer than recorded"
         raise _corrupt(f"shard {shard.file} is {what}: {size} bytes, the manifest says {shard.size}", shard.file)
-    return real
+    return of
 
 
 class _ShardReader:
@@ -136,17 +146,21 @@ class _ShardReader:
 
     def __init__(self, fp: FilePath, directory: str, shards: list[ShardRecord], ahead: int) -> None:
         self.fp, self.directory, self.shards, self.ahead = fp, directory, shards, max(1, ahead)
-        self.queue: deque[tuple[ShardRecord, str, HostBuffer, ReadFuture]] = deque()
+        self.queue: deque[tuple[ShardRecord, OpenFile, HostBuffer, ReadFuture]] = deque()
         self.next = 0
 
     def _fill(self) -> None:
         while self.next < len(self.shards) and len(self.queue) < self.ahead:
             shard = self.shards[self.next]
             self.next += 1
-            path = _shard_path(self.directory, self.fp, shard)
-            hb = load_buffers.take(shard.size)
-            fut = self.fp.read_into_async(path, hb.buf, 0, shard.size)
-            self.queue.append((shard, path, hb, fut))
+            of = _open_shard(self.directory, self.fp, shard)
+            try:
+                hb = load_buffers.take(shard.size)
+                fut = of.read_into_async(hb.buf, 0, shard.size)
+            except BaseException:
+                of.close()
+                raise
+            self.queue.append((shard, of, hb, fut))
 
     def __iter__(self) -> _ShardReader:
         return self
@@ -155,19 +169,24 @@ class _ShardReader:
         self._fill()
         if not self.queue:
             raise StopIteration
-        shard, _path, hb, fut = self.queue.popleft()
-        got = fut.get()
+        shard, of, hb, fut = self.queue.popleft()
+        try:
+            got = fut.get()
+        finally:
+            of.close()
         self._fill()
         if got != shard.size:
             raise _corrupt(f"shard {shard.file} is truncated: read {got} of {shard.size} bytes", shard.file)
         return shard, hb
 
     def close(self) -> None:
-        for _shard, _path, _hb, fut in self.queue:
+        for _shard, of, _hb, fut in self.queue:
             try:
                 fut.get()
             except errors.SfstoreError:
                 pass
+            finally:
+                of.close()
         self.queue.clear()
 
 
@@ -303,10 +322,10 @@ def _byte_view(target: Any) -> Any:
     return target.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def _read_header(fp: FilePath, path: str, shard: ShardRecord) -> tuple[stf.Header, bytes]:
-    first = fp.read(path, 0, min(shard.size, 64 << 10))
+def _read_header(of: OpenFile, shard: ShardRecord) -> tuple[stf.Header, bytes]:
+    first = of.read(0, min(shard.size, 64 << 10))
     n = stf.header_length(first, shard.size, shard=shard.file)
-    raw = first if len(first) >= 8 + n else fp.read(path, 0, 8 + n)
+    raw = first if len(first) >= 8 + n else of.read(0, 8 + n)
     if len(raw) < 8 + n:
         raise _corrupt(f"shard {shard.file} is truncated inside its header", shard.file)
     return stf.parse_header(raw, shard.size, shard=shard.file), raw[: 8 + n]
@@ -324,8 +343,8 @@ def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, veri
     fresh: dict[str, Any] = {}
     for shard in manifest.shards:
         records = by_shard[shard.file]
-        path = _shard_path(directory, fp, shard)
-        header, head_bytes = _read_header(fp, path, shard)
+        of = _open_shard(directory, fp, shard)  # closed after its ranges are read (or when dropped, on errors)
+        header, head_bytes = _read_header(of, shard)
         _check_header(header, shard, records)
         ordered = sorted(records, key=lambda r: header.entries[r.name].begin)
         direct: dict[str, Any] = {}
@@ -348,7 +367,10 @@ def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, veri
             else:
                 assert hb is not None
                 ranges.append((offset, rec.nbytes, hb.buf, bounce_at[rec.name]))
-        got = fp.read_ranges_into(path, ranges)
+        try:
+            got = of.read_ranges_into(ranges)
+        finally:
+            of.close()
         for rec, n in zip(ordered, got, strict=True):
             if n != rec.nbytes:
                 raise _corrupt(
@@ -413,9 +435,10 @@ def _copy_into(dst: Any, src: Any) -> None:
 
 def _load_bare(fp: FilePath, path: str, device: torch.device) -> dict[str, Any]:
     """A plain ``.safetensors`` file: every tensor by name, as ``safetensors.torch.load_file`` reads it."""
-    size = fp.size(path)
-    hb = load_buffers.take(size)
-    got = fp.read_into(path, hb.buf, 0, size)
+    with fp.open_file(path) as of:
+        size = of.size
+        hb = load_buffers.take(size)
+        got = of.read_into(hb.buf, 0, size)
     name = os.path.basename(path)
     if got != size:
         raise _corrupt(f"{name} is truncated: read {got} of {size} bytes", name)
@@ -447,14 +470,26 @@ def load(
     target = url.url if isinstance(url, CheckpointInfo) else url
     loc = _fs.locate(target, create=False)
     path = loc.path
-    if not os.path.lexists(path):
-        _fs.cleanup(loc.parent, remove=False)  # an interrupted replace: bring the previous checkpoint back
     fp = loc.fp
-    if os.path.isfile(path):
+    try:
+        pfd = loc.open_parent()
+    except errors.PathNotFoundError:
+        raise errors.os_error(errno.ENOENT, "no checkpoint directory", path) from None
+    try:
+        if not _fs.exists_at(pfd, loc.name):
+            # an interrupted replace: bring the previous checkpoint back
+            _fs.cleanup(pfd, remove=False, fp=fp, full=loc.parent)
+    finally:
+        os.close(pfd)
+    try:
+        is_file = stat.S_ISREG(fp.stat(path).st_mode)
+    except errors.PathNotFoundError:
+        is_file = False
+    if is_file:
         if into is not None:
             raise errors.InvalidRequestError("load(into=...) needs an sfstore checkpoint, not a .safetensors file")
         with load_buffers.session():
-            return _load_bare(fp, fp.resolve(path), dev)
+            return _load_bare(fp, path, dev)
     manifest = read_manifest(fp, path)
     if into is not None and dev.type != "cpu":
         raise errors.InvalidRequestError("load(into=...) fills the given tensors where they are; omit device=")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import threading
 import time
 from collections import deque
@@ -43,8 +42,8 @@ from sfstore.checkpoint.catalog import CheckpointInfo, info_for
 from sfstore.checkpoint.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import Leaf, check_metadata, flatten, format_path
 from sfstore.checksums import xxh3_64_hex
-from sfstore.engine import IOFuture, open_fd
-from sfstore.paths.file import FilePath, fsync_dir
+from sfstore.engine import IOFuture
+from sfstore.paths.file import FilePath, enable_direct
 
 if TYPE_CHECKING:
     import torch
@@ -267,7 +266,9 @@ class _Job:
     loc: _fs.Location
     plan: _Plan
     overwrite: bool
-    staging: str = ""
+    staging: str = ""  # the staging directory's name in the parent (full name: staging_full)
+    parent_fd: int = -1  # the parent directory, opened beneath the root: staging, publish, removal act in it
+    staging_fd: int = -1  # the staging directory: shards and the manifest are created in it
     fds: dict[int, _OpenShard] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -275,19 +276,45 @@ class _Job:
     def fp(self) -> FilePath:
         return self.loc.fp
 
+    @property
+    def staging_full(self) -> str:
+        return os.path.join(self.loc.parent, self.staging)
+
     def start(self) -> None:
-        _fs.cleanup(self.loc.parent)
-        if not self.overwrite and os.path.lexists(self.loc.path):
-            raise errors.os_error(errno.EEXIST, "checkpoint exists (pass overwrite=True to replace it)", self.loc.path)
-        self.staging = _fs.staging_path(self.loc)
+        self.parent_fd = self.loc.open_parent()
         try:
-            os.mkdir(self.staging, 0o755)
-        except OSError as exc:
-            raise errors.os_error(exc.errno or 5, "cannot create the staging directory", self.staging) from None
+            _fs.cleanup(self.parent_fd, fp=self.fp, full=self.loc.parent)
+            if not self.overwrite and _fs.exists_at(self.parent_fd, self.loc.name):
+                raise errors.os_error(
+                    errno.EEXIST, "checkpoint exists (pass overwrite=True to replace it)", self.loc.path
+                )
+            self.staging = _fs.staging_name(self.loc)
+            try:
+                os.mkdir(self.staging, 0o755, dir_fd=self.parent_fd)
+                self.staging_fd = os.open(
+                    self.staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.parent_fd
+                )
+            except OSError as exc:
+                raise errors.os_error(
+                    exc.errno or 5, "cannot create the staging directory", self.staging_full
+                ) from None
+        except BaseException:
+            self.abort()
+            raise
 
     def open_shard(self, shard: _Shard) -> _OpenShard:
-        path = os.path.join(self.staging, shard.file)
-        fd, _ = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, direct=self.fp.direct)
+        path = os.path.join(self.staging_full, shard.file)
+        try:
+            fd = os.open(shard.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                         dir_fd=self.staging_fd)
+        except OSError as exc:
+            raise errors.os_error(exc.errno or errno.EIO, "cannot create", path) from None
+        if self.fp.direct:
+            try:
+                enable_direct(fd, path, required=True)
+            except BaseException:
+                os.close(fd)
+                raise
         sh = _OpenShard(shard, fd, path)
         with self.lock:
             self.fds[fd] = sh
@@ -329,9 +356,12 @@ class _Job:
         # Tensors in the order the state dict holds them (shards order them by alignment).
         manifest.tensors = {it.name: manifest.tensors[it.name] for it in plan.items}
         data = manifest.to_json()
-        write_small(os.path.join(self.staging, MANIFEST_NAME), data)
-        fsync_dir(self.staging)
-        _fs.publish(self.staging, self.loc, overwrite=self.overwrite)
+        write_small(os.path.join(self.staging_full, MANIFEST_NAME), data, dirfd=self.staging_fd)
+        try:
+            os.fsync(self.staging_fd)
+        except OSError as exc:
+            raise errors.os_error(exc.errno or 5, "cannot fsync", self.staging_full) from None
+        _fs.publish(self.staging, self.loc, overwrite=self.overwrite, dirfd=self.parent_fd)
         self.staging = ""
         return info_for(self.loc.url, self.loc.path, self.loc.name, manifest)
 
@@ -343,9 +373,15 @@ class _Job:
             if not sh.closed:
                 sh.closed = True
                 os.close(sh.fd)
-        if self.staging:
-            shutil.rmtree(self.staging, ignore_errors=True)
+        if self.staging_fd >= 0:
+            os.close(self.staging_fd)
+            self.staging_fd = -1
+        if self.staging and self.parent_fd >= 0:
+            _fs.rmtree_at(self.fp, self.parent_fd, self.staging, self.staging_full)
             self.staging = ""
+        if self.parent_fd >= 0:
+            os.close(self.parent_fd)
+            self.parent_fd = -1
 
 
 def _locate(url: Any) -> _fs.Location:

@@ -21,7 +21,6 @@ from typing import Any
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.checksums import xxh3_64
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
-from sfstore.paths.beneath import Beneath
 from sfstore.paths.file import FilePath
 
 __all__ = ["HEADER", "Slot", "PinnedTier", "SharedTier"]
@@ -184,12 +183,11 @@ class SharedTier:
         else:  # a directory under an existing file path (the router's): its counters show this tier's bytes
             self.fp = on
             self.prefix = os.fspath(directory).strip("/") + "/"
-            self.fp.resolve(self.prefix)  # refuses a directory outside it
+            self.fp.full(self.prefix)  # refuses '..' above its root (symlinks are met beneath it, at each use)
         self.fsync = fsync
         self.slot_bytes = -(-geom.block_bytes // 4096) * 4096
         self._dirfd: int | None = None
         self._dir_lock = threading.Lock()
-        self._walker: Beneath | None = None
         # A shared read lands in a scratch buffer and reaches the caller's memory only once verified (one copy);
         # a write's header is staged in a registered buffer. Both pools allocate on first use and reuse.
         self._scratch = RegisteredBufferPool(HEADER + self.slot_bytes)
@@ -221,9 +219,8 @@ class SharedTier:
                 if exc.errno != errno.ENOSYS:
                     raise
                 _beneath = None  # a kernel without openat2 (before 5.6): the walk of directory descriptors
-        if self._walker is None:
-            self._walker = Beneath(self.fp.resolve(self.prefix))
-        return self._walker.open(rel, flags)
+        # The file path's walk, from its root through the tier's directory: never a name resolved ahead.
+        return self.fp.beneath.open(self.prefix + rel, flags)
 
     def _entry(self, key: bytes) -> tuple[str, str]:
         h = key.hex()
@@ -383,10 +380,24 @@ class SharedTier:
             os.close(pfd)
 
     def count(self) -> int:
-        root = self.fp.resolve(self.prefix)
+        """Block files in the directory (its two-character subdirectories, read through descriptors)."""
+        try:
+            top = self.fp.beneath.open_dir(self.prefix.rstrip("/") or ".")
+        except OSError:
+            return 0
         n = 0
-        for _dirpath, _dirs, files in os.walk(root):
-            n += sum(1 for f in files if f.endswith(".kvb") and not self.fp.is_temporary(f))
+        try:
+            for sub in os.listdir(top):
+                try:
+                    fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top)
+                except OSError:
+                    continue
+                try:
+                    n += sum(1 for f in os.listdir(fd) if f.endswith(".kvb") and not self.fp.is_temporary(f))
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(top)
         return n
 
     def close(self) -> None:

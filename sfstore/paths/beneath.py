@@ -338,9 +338,16 @@ class Beneath:
     def open(self, path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
         """``os.open`` of ``path`` beneath the root (symlinks inside followed); ``O_CLOEXEC`` is added.
 
-        Pass ``O_NONBLOCK`` to open something that may be a FIFO without waiting for a writer.
+        Pass ``O_NONBLOCK`` to open something that may be a FIFO without waiting for a writer, ``O_NOFOLLOW``
+        to refuse a symlink as the last component (ELOOP; links on the way are followed beneath the root).
         """
         parts = self.parts(path)
+        if flags & os.O_NOFOLLOW and parts:
+            with self._locate(parts, follow=False, create=False) as loc:
+                try:
+                    return os.open(loc.name or ".", flags | os.O_CLOEXEC, mode, dir_fd=loc.dirfd)
+                except OSError as exc:
+                    raise OSError(exc.errno, exc.strerror, loc.full) from None
         if self._openat2 is not None:
             try:
                 return int(self._openat2(self.root_fd(), "/".join(parts) or ".", flags, mode))
@@ -503,26 +510,30 @@ class Beneath:
         holding them (directories that cannot be removed are left quietly). A non-directory is unlinked.
         """
         with self._entry(path, "remove") as loc:
-            name = loc.name or ""
+            self.rmtree_at(loc.dirfd, loc.name or "", loc.full, maxdepth)
+
+    def rmtree_at(self, dirfd: int, name: str, full: str, maxdepth: int | None = None) -> None:
+        """:meth:`rmtree` of the entry ``name`` of the directory descriptor ``dirfd`` (``full`` names it in
+        errors); acts on descriptors alone, so it serves directories the caller opened beneath the root."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                raise OSError(exc.errno, exc.strerror, full) from None
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=loc.dirfd)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
-                    raise OSError(exc.errno, exc.strerror, loc.full) from None
-                try:
-                    os.unlink(name, dir_fd=loc.dirfd)
-                except OSError as exc2:
-                    raise OSError(exc2.errno, exc2.strerror, loc.full) from None
-                return
-            try:
-                self._clear(fd, loc.full, 1, maxdepth)
-            finally:
-                os.close(fd)
-            try:
-                os.rmdir(name, dir_fd=loc.dirfd)
-            except OSError as exc:
-                if maxdepth is None and exc.errno != errno.ENOENT:
-                    raise OSError(exc.errno, exc.strerror, loc.full) from None
+                os.unlink(name, dir_fd=dirfd)
+            except OSError as exc2:
+                raise OSError(exc2.errno, exc2.strerror, full) from None
+            return
+        try:
+            self._clear(fd, full, 1, maxdepth)
+        finally:
+            os.close(fd)
+        try:
+            os.rmdir(name, dir_fd=dirfd)
+        except OSError as exc:
+            if maxdepth is None and exc.errno != errno.ENOENT:
+                raise OSError(exc.errno, exc.strerror, full) from None
 
     def _clear(self, dirfd: int, full: str, depth: int, maxdepth: int | None) -> None:
         with os.scandir(dirfd) as it:

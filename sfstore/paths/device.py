@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import importlib
 import os
+import stat
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool, as_buffer, device_nbytes, is_device_buffer
-from sfstore.engine import IOFuture, Request, get_engine, open_fd
+from sfstore.engine import IOFuture, Request, get_engine
 from sfstore.paths.base import StoragePath
-from sfstore.paths.file import FilePath
+from sfstore.paths.file import FilePath, enable_direct
 
 __all__ = ["DevicePath", "DeviceFuture", "device_mode"]
 
@@ -147,9 +149,7 @@ class DevicePath(StoragePath):
     # -- files -----------------------------------------------------------------------------------------------
     def slab(self, path: str | os.PathLike[str], size: int) -> str:
         """Create (preallocated) or grow the slab file ``path`` to ``size`` bytes; return its full path."""
-        full = self.fp.resolve(path)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        fd = os.open(full, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd, full = self._open(path, create=True)
         try:
             if os.fstat(fd).st_size < size:
                 try:
@@ -160,22 +160,51 @@ class DevicePath(StoragePath):
             os.close(fd)
         return full
 
-    def _fd(self, full: str) -> int:
+    def _open(self, path: str | os.PathLike[str], *, create: bool) -> tuple[int, str]:
+        """Open ``path`` read-write beneath the root (``create``: with missing parents, as a new file if
+        missing); a FIFO or device is refused without blocking. Returns the descriptor and the full name."""
+        full = self.fp.full(path)
+        flags = os.O_RDWR | os.O_NONBLOCK | (os.O_CREAT if create else 0)
+        try:
+            if create:
+                parent = os.path.dirname(os.fspath(path).rstrip("/"))
+                if parent:
+                    self.fp.beneath.mkdir(parent, parents=True, exist_ok=True)
+            fd = self.fp.beneath.open(path, flags, 0o644)
+        except errors.PathEscapeError:
+            raise
+        except FileNotFoundError:
+            raise errors.os_error(errno.ENOENT, "no such slab file", full) from None
+        except OSError as exc:
+            raise errors.os_error(exc.errno or errno.EIO, "cannot open", full) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise errors.os_error(errno.EINVAL, "not a regular file", full, errors.NotARegularFileError)
+            fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # blocking again (O_NONBLOCK only kept a FIFO from waiting)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, full
+
+    def _fd(self, path: str | os.PathLike[str], *, create: bool) -> tuple[int, str]:
+        """The cached descriptor of ``path`` (opened once beneath the root, O_DIRECT where allowed)."""
+        full = self.fp.full(path)
         with self._lock:
             got = self._fds.get(full)
             if got is None:
-                got = open_fd(full, os.O_RDWR | os.O_CREAT, direct="auto")
+                fd, _ = self._open(path, create=create)
+                got = (fd, enable_direct(fd, full, required=False))
                 self._fds[full] = got
-            return got[0]
+            return got[0], full
 
-    def _cufile(self, full: str) -> Any:
+    def _cufile(self, path: str | os.PathLike[str], create: bool) -> Any:
+        fd, full = self._fd(path, create=create)
         with self._lock:
             f = self._cufiles.get(full)
             if f is None:
                 kvikio = importlib.import_module("kvikio")
-                if not os.path.exists(full):
-                    open(full, "ab").close()
-                f = kvikio.CuFile(full, "r+")
+                # The file this path's descriptor holds (opened beneath the root), never the name again.
+                f = kvikio.CuFile(f"/proc/self/fd/{fd}", "r+")
                 self._cufiles[full] = f
             return f
 
@@ -211,19 +240,16 @@ class DevicePath(StoragePath):
     def _io(self, path: str | os.PathLike[str], array: Any, offset: int, write: bool) -> DeviceFuture:
         if offset < 0:
             raise errors.InvalidRequestError(f"negative offset {offset}")
-        full = self.fp.resolve(path)
-        if not write and not os.path.exists(full):
-            raise errors.os_error(errno.ENOENT, "no such slab file", full)
         if is_device_buffer(array):
             n = device_nbytes(array)
             if self.mode in ("gds", "compat"):
-                return self._kvikio(full, array, n, offset, write)
-            return self._staged(full, array, n, offset, write)
+                return self._kvikio(path, array, n, offset, write)
+            return self._staged(path, array, n, offset, write)
         view = memoryview(as_buffer(array)).cast("B")
         if not write and view.readonly:
             raise errors.ReadOnlyBufferError("read_into: the destination array is read-only")
         n = view.nbytes
-        fd = self._fd(full)
+        fd, full = self._fd(path, create=write)
         req = (Request.write if write else Request.read)(fd, offset, n, view)
         fut = get_engine().submit([req])
         return DeviceFuture(lambda: self._finish(fut, n, write, full), fut.done)
@@ -237,8 +263,9 @@ class DevicePath(StoragePath):
             raise errors.os_error(errno.EIO, f"short {'write' if write else 'read'}: {got} of {n} bytes", full)
         return got
 
-    def _kvikio(self, full: str, array: Any, n: int, offset: int, write: bool) -> DeviceFuture:
-        f = self._cufile(full)
+    def _kvikio(self, path: str | os.PathLike[str], array: Any, n: int, offset: int, write: bool) -> DeviceFuture:
+        f = self._cufile(path, create=write)
+        full = self.fp.full(path)
         kfut = f.pwrite(array, n, offset) if write else f.pread(array, n, offset)
 
         def wait() -> int:
@@ -251,7 +278,7 @@ class DevicePath(StoragePath):
 
         return DeviceFuture(wait, kfut.done)
 
-    def _staged(self, full: str, array: Any, n: int, offset: int, write: bool) -> DeviceFuture:
+    def _staged(self, path: str | os.PathLike[str], array: Any, n: int, offset: int, write: bool) -> DeviceFuture:
         """GPU array through pinned staging buffers and the engine (synchronous; host mode)."""
         from sfstore.buffers import copy_host_to_device
 
@@ -259,7 +286,7 @@ class DevicePath(StoragePath):
             if self._stage is None:
                 self._stage = RegisteredBufferPool(_STAGE)
             pool = self._stage
-        fd = self._fd(full)
+        fd, full = self._fd(path, create=write)
         engine = get_engine()
         flat = _flat_device_bytes(array)
         done = 0

@@ -18,11 +18,8 @@ Run with ``-s`` to see the per-operation figures (calls, escapes, refusals, swap
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from reliability_helpers import start_swapper, stop_swapper, tree_signature
 
 from sfstore import errors
 from sfstore.fs import SFFileSystem
@@ -50,43 +48,8 @@ def _exchange_supported() -> bool:
 
 pytestmark = pytest.mark.skipif(not _exchange_supported(), reason="needs renameat2 (glibc 2.28+)")
 
-# The racer: exchanges top/d with top/d-abs, twice (d is the link, then the real directory again), then with
-# top/d-rel, twice; errors (top being rebuilt) are ignored. Prints "ready" after its first exchange and the
-# number of exchanges when terminated.
-_SWAPPER = r"""
-import ctypes, os, signal, sys
-libc = ctypes.CDLL(None, use_errno=True)
-top = sys.argv[1].encode()
-d, a, r = top + b"/d", top + b"/d-abs", top + b"/d-rel"
-n = 0
-def stop(*_):
-    sys.stdout.write(f"{n}\n"); sys.stdout.flush(); os._exit(0)
-signal.signal(signal.SIGTERM, stop)
-ready = False
-while True:
-    for other in (a, a, r, r):
-        if libc.renameat2(-100, d, -100, other, 2) == 0:
-            n += 1
-            if not ready:
-                sys.stdout.write("ready\n"); sys.stdout.flush(); ready = True
-"""
-
-
 def _signature(top: Path) -> dict[str, tuple[Any, ...]]:
-    """What lies below ``top`` (no symlinks followed): type, size, content hash and mtime of each entry."""
-    out: dict[str, tuple[Any, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(top):
-        for name in dirnames + filenames:
-            p = os.path.join(dirpath, name)
-            st = os.lstat(p)
-            rel = os.path.relpath(p, top)
-            if os.path.isdir(p) and not os.path.islink(p):
-                out[rel] = ("dir",)
-            else:
-                with open(p, "rb") as f:
-                    digest = hashlib.sha256(f.read()).hexdigest()
-                out[rel] = ("file", st.st_size, digest, st.st_mtime_ns)
-    return out
+    return tree_signature(top)
 
 
 def _make_outside(out: Path) -> None:
@@ -319,11 +282,8 @@ def _race(scene: Scene, op: Callable[[Scene], Any], mutates: bool, seconds: floa
     tally = Tally()
     beneath = scene.fs.file_path.beneath
     openat2 = beneath._openat2
-    swapper = subprocess.Popen(
-        [sys.executable, "-c", _SWAPPER, str(scene.top)], stdout=subprocess.PIPE, text=True
-    )
+    swapper = start_swapper(scene.top)
     try:
-        assert swapper.stdout is not None and swapper.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             tally.calls += 1
@@ -348,9 +308,7 @@ def _race(scene: Scene, op: Callable[[Scene], Any], mutates: bool, seconds: floa
                 scene.build_top()
     finally:
         beneath._openat2 = openat2
-        swapper.terminate()
-        out, _ = swapper.communicate(timeout=30)
-        tally.swaps = int(out.strip() or 0)
+        tally.swaps = stop_swapper(swapper)
     return tally
 
 

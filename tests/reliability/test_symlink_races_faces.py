@@ -1,0 +1,443 @@
+"""Symlink races against the faces above the file path: checkpoints, DCP, the KV cache's shared tier, the demo.
+
+Guards issue #14, defect 2, for the faces that build on :class:`~sfstore.paths.file.FilePath`:
+:func:`sfstore.checkpoint.save` / ``save_async`` / ``load`` / ``load(into=)`` / ``list`` / ``latest``, the
+``torch.distributed.checkpoint`` StorageWriter and StorageReader (single process, ``sf://`` urls under the
+checkpoint root), :class:`~sfstore.kvcache.KVCacheStore` ``put`` / ``get_into`` / ``contains`` / ``evict`` on a
+shared directory under a file path, :class:`~sfstore.paths.device.DevicePath` in host mode, and the demo's cold
+cache drop of its dataset files. The swapper of ``test_symlink_races.py`` (``reliability_helpers``) exchanges
+``<root>/top/d`` between a real directory and a symlink to a directory outside the root; every call names a
+path through ``top/d``. The outside directory holds a decoy of everything inside (a checkpoint, a DCP checkpoint
+and KV blocks under the same names, other values), so a read that escapes returns outside values and a write,
+move or removal that escapes changes the outside tree. Every other call runs with ``openat2`` switched off (the
+component walk). Per operation: 0 effects outside the root, nothing but :class:`~sfstore.errors.SfstoreError`
+raised, and at least one success in each mode (refusing everything does not pass).
+
+Each operation races for ``race_seconds`` (``SFSTORE_RELIABILITY_SECONDS``: 1 s in CI, 30 s in the flag run).
+Run with ``-s`` for the per-operation figures (calls, escapes, refusals, swaps).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from reliability_helpers import start_swapper, stop_swapper, tree_signature
+
+from sfstore import defaults, errors
+from sfstore.paths import beneath as beneath_mod
+from sfstore.paths.file import FilePath
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+from sfstore import checkpoint  # noqa: E402
+from sfstore.checkpoint import dcp as sf_dcp  # noqa: E402
+from sfstore.kvcache import KVCacheStore, KVGeometry  # noqa: E402
+from sfstore.kvcache import tiers as kv_tiers  # noqa: E402
+
+INSIDE, OUTSIDE = 1.0, 7.0  # the value of every tensor inside the root, and of every decoy outside it
+GEOM = KVGeometry(num_layers=1, block_tokens=16, num_kv_heads=1, head_dim=64, dtype="bfloat16")  # 4 KiB blocks
+KEY = bytes(range(32))  # a block inside and (other values) outside
+KEY_OUT = bytes(range(1, 33))  # a block only outside
+KEY_NEW = bytes(range(2, 34))  # a block nowhere (put writes it)
+
+
+def state(value: float) -> dict[str, Any]:
+    return {"w": torch.full((64, 16), value), "b": torch.full((16,), value), "step": 3}
+
+
+def block(value: float) -> Any:
+    return torch.full(GEOM.block_shape, value, dtype=torch.bfloat16)
+
+
+def _is_outside_value(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.numel() > 0 and bool((t.float() == OUTSIDE).any())
+
+
+def _fill(where: Path, value: float) -> None:
+    """A checkpoint ``ck``, a DCP checkpoint ``dcp``, a KV shared directory ``kv`` and a dataset file in ``where``."""
+    label = "inside" if value == INSIDE else "outside"
+    checkpoint.save(state(value), str(where / "ck"), metadata={"where": label})
+    dcp.save({"w": torch.full((64, 16), value)}, storage_writer=sf_dcp.StorageWriter(str(where / "dcp")),
+             no_dist=True)
+    kv = KVCacheStore(GEOM, pinned_bytes=0, shared_dir=str(where / "kv"))
+    keys = [KEY] if value == INSIDE else [KEY, KEY_OUT]
+    kv.put(keys, [block(value) for _ in keys])
+    kv.close()
+    (where / "ds").mkdir()
+    (where / "ds" / "shard-00000.npy").write_bytes(b"INSIDE" if value == INSIDE else b"OUTSIDE")
+    (where / "slab.bin").write_bytes(bytes([int(value)]) * 4096)
+
+
+@dataclass
+class Scene:
+    """A checkpoint root whose ``top/d`` is being swapped for a symlink to ``outside``."""
+
+    root: Path
+    outside: Path
+    inside_template: Path
+    outside_template: Path
+    fp: FilePath
+    baseline: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    generation: int = 0
+
+    @property
+    def top(self) -> Path:
+        return self.root / "top"
+
+    def build_top(self) -> None:
+        """(Re)build ``top`` atomically: ``d`` (a copy of the inside template) and the links ``d-abs``, ``d-rel``."""
+        self.generation += 1
+        new = self.root / f".top-new-{self.generation}"
+        new.mkdir()
+        shutil.copytree(self.inside_template, new / "d", symlinks=True)
+        os.symlink(self.outside, new / "d-abs")
+        os.symlink(os.path.relpath(self.outside, self.top), new / "d-rel")
+        if self.top.exists():
+            trash = self.root / f".top-old-{self.generation}"
+            os.rename(self.top, trash)
+            for _ in range(100):  # an exchange that resolved ``top`` before the rename may land in ``trash``
+                try:
+                    shutil.rmtree(trash)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    continue
+        os.rename(new, self.top)
+
+    def restore_outside(self) -> None:
+        shutil.rmtree(self.outside, ignore_errors=True)
+        shutil.copytree(self.outside_template, self.outside, symlinks=True)
+        self.baseline = tree_signature(self.outside)
+
+    def outside_changed(self) -> bool:
+        """Whether anything outside changed; if so, put it back (so the next change is seen too)."""
+        if tree_signature(self.outside) == self.baseline:
+            return False
+        self.restore_outside()
+        return True
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("templates")
+    inside, outside = base / "inside", base / "outside"
+    inside.mkdir()
+    outside.mkdir()
+    _fill(inside, INSIDE)
+    _fill(outside, OUTSIDE)
+    return inside, outside
+
+
+@pytest.fixture
+def scene(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, templates: tuple[Path, Path]) -> Iterator[Scene]:
+    monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "sfroot"))
+    monkeypatch.delenv("SFSTORE_CONFIG", raising=False)
+    defaults.reset()
+    import sfstore
+
+    fp = sfstore.open().file_path("checkpoint")
+    root = Path(fp.root)
+    s = Scene(root, tmp_path / "outside", templates[0], templates[1], fp)
+    s.restore_outside()
+    s.build_top()
+    yield s
+    defaults.reset()
+
+
+# -- the operations ---------------------------------------------------------------------------------------------
+
+
+def _load(s: Scene) -> Any:
+    return checkpoint.load("sf://top/d/ck")
+
+
+def _load_into(s: Scene) -> Any:
+    into = state(0.0)
+    checkpoint.load("sf://top/d/ck", into=into)
+    return into
+
+
+def _save(s: Scene) -> Any:
+    return checkpoint.save(state(INSIDE), "sf://top/d/new", metadata={"where": "inside"})
+
+
+def _save_over(s: Scene) -> Any:
+    return checkpoint.save(state(INSIDE), "sf://top/d/ck", overwrite=True, metadata={"where": "inside"})
+
+
+def _save_async(s: Scene) -> Any:
+    return checkpoint.save_async(state(INSIDE), "sf://top/d/ck", overwrite=True, metadata={"where": "inside"}).get()
+
+
+def _infos(found: Any) -> list[str]:
+    items = found if isinstance(found, list) else [found] if found is not None else []
+    return [str(i.metadata.get("where")) for i in items]
+
+
+def _list(s: Scene) -> Any:
+    return _infos(checkpoint.list("sf://top/d"))
+
+
+def _latest(s: Scene) -> Any:
+    found = checkpoint.latest("sf://top/d")
+    if found is None:
+        raise _Miss
+    return _infos(found)
+
+
+def _dcp_save(s: Scene) -> Any:
+    dcp.save({"w": torch.full((64, 16), INSIDE)},
+             storage_writer=sf_dcp.StorageWriter("sf://top/d/dcp", overwrite=True), no_dist=True)
+
+
+def _dcp_save_new(s: Scene) -> Any:
+    dcp.save({"w": torch.full((64, 16), INSIDE)}, storage_writer=sf_dcp.StorageWriter("sf://top/d/dcp2"),
+             no_dist=True)
+
+
+def _dcp_load(s: Scene) -> Any:
+    sd = {"w": torch.zeros(64, 16)}
+    dcp.load(sd, storage_reader=sf_dcp.StorageReader("sf://top/d/dcp"), no_dist=True)
+    return sd
+
+
+def _kv(s: Scene) -> KVCacheStore:
+    # A new store per call: it opens (and, with openat2 off, resolves) its directory while the swap runs.
+    return KVCacheStore(GEOM, pinned_bytes=0, shared_dir="top/d/kv", shared_on=s.fp)
+
+
+def _kv_get(s: Scene) -> Any:
+    kv = _kv(s)
+    try:
+        dst = [block(0.0), block(0.0)]
+        got = kv.get_into([KEY, KEY_OUT], dst)
+        if got[1] is not None:
+            return [dst[1]]  # the block that is only outside: any hit is an escape
+        if got[0] is None:
+            raise _Miss
+        return dst
+    finally:
+        kv.close()
+
+
+def _kv_contains(s: Scene) -> Any:
+    kv = _kv(s)
+    try:
+        if kv.contains(KEY_OUT):
+            return [torch.full((1,), OUTSIDE)]
+        if not kv.contains(KEY):
+            raise _Miss
+        return []
+    finally:
+        kv.close()
+
+
+def _kv_put(s: Scene) -> Any:
+    kv = _kv(s)
+    try:
+        kv.put([KEY_NEW], [block(INSIDE)])
+    finally:
+        kv.close()
+
+
+def _kv_evict(s: Scene) -> Any:
+    kv = _kv(s)
+    try:
+        if kv.evict([KEY], tiers=("shared",)) == 0:
+            raise _Miss
+    finally:
+        kv.close()
+
+
+def _kv_evict_outside_only(s: Scene) -> Any:
+    kv = _kv(s)
+    try:
+        kv.evict([KEY_OUT], tiers=("shared",))
+        if not kv.contains(KEY):
+            raise _Miss
+    finally:
+        kv.close()
+
+
+def _device_path(s: Scene) -> Any:
+    from sfstore.paths.device import DevicePath
+
+    return DevicePath(s.root, mode="host")
+
+
+def _device_read(s: Scene) -> Any:
+    dp = _device_path(s)
+    buf = np.zeros(4096, dtype=np.uint8)
+    try:
+        dp.read_into("top/d/slab.bin", buf)
+    finally:
+        dp.close()
+    return [torch.from_numpy(buf.astype(np.float32))]
+
+
+def _device_write(s: Scene) -> Any:
+    dp = _device_path(s)
+    try:
+        dp.write("top/d/slab.bin", np.full(4096, int(INSIDE), dtype=np.uint8))
+        dp.slab("top/d/new-slab.bin", 8192)
+    finally:
+        dp.close()
+
+
+def _demo_drop(s: Scene) -> Any:
+    from sfstore.demo import training
+
+    names = ["top/d/ds/shard-00000.npy"]
+    if not hasattr(training, "drop_cached"):  # before the fix: the loop make_dataset ran, by name
+        for name in names:
+            fd = os.open(s.fp.resolve(name), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        return None
+    training.drop_cached(s.fp, names)
+
+
+class _Miss(Exception):
+    """Raised by an operation that did not reach the inside data (a swap made it miss): not a success."""
+
+
+# name -> (operation, whether it changes the inside tree: rebuilt after each call)
+OPERATIONS: dict[str, tuple[Callable[[Scene], Any], bool]] = {
+    "checkpoint.save": (_save, True),
+    "checkpoint.save(overwrite)": (_save_over, True),
+    "checkpoint.save_async": (_save_async, True),
+    "checkpoint.load": (_load, False),
+    "checkpoint.load(into=)": (_load_into, False),
+    "checkpoint.list": (_list, False),
+    "checkpoint.latest": (_latest, False),
+    "dcp.StorageWriter(overwrite)": (_dcp_save, True),
+    "dcp.StorageWriter(new)": (_dcp_save_new, True),
+    "dcp.StorageReader": (_dcp_load, False),
+    "kvcache.get_into": (_kv_get, False),
+    "kvcache.contains": (_kv_contains, False),
+    "kvcache.put": (_kv_put, True),
+    "kvcache.evict": (_kv_evict, True),
+    "kvcache.evict(outside only)": (_kv_evict_outside_only, True),
+    "DevicePath.read_into(host)": (_device_read, False),
+    "DevicePath.write+slab(host)": (_device_write, True),
+    "demo.drop_cached": (_demo_drop, False),
+}
+
+
+def _leaks(value: Any) -> bool:
+    """Whether what an operation returned shows outside data (a tensor of the outside value, an outside label)."""
+    if isinstance(value, torch.Tensor):
+        return _is_outside_value(value)
+    if isinstance(value, str):
+        return value == "outside"
+    if isinstance(value, dict):
+        return any(_leaks(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_leaks(v) for v in value)
+    return False
+
+
+@dataclass
+class Tally:
+    calls: int = 0
+    ok: int = 0
+    ok_walked: int = 0  # of ``ok``: calls made with openat2 switched off
+    escapes: int = 0
+    refused: int = 0
+    missed: int = 0
+    untyped: list[str] = field(default_factory=list)
+    swaps: int = 0
+
+
+def _set_walk(scene: Scene, walked: bool, saved: dict[str, Any]) -> None:
+    """Switch ``openat2`` off (``walked``) or back on, for every resolution a face makes."""
+    beneath_mod._native_openat2 = (lambda: None) if walked else saved["native"]  # type: ignore[assignment]
+    scene.fp.beneath._openat2 = None if walked else saved["fp"]
+    kv_tiers._beneath = None if walked else saved["kv"]  # type: ignore[attr-defined]
+
+
+def _race(scene: Scene, op: Callable[[Scene], Any], mutates: bool, seconds: float) -> Tally:
+    tally = Tally()
+    saved = {"native": beneath_mod._native_openat2, "fp": scene.fp.beneath._openat2,
+             "kv": getattr(kv_tiers, "_beneath", None)}
+    swapper = start_swapper(scene.top)
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline or tally.calls < 4:
+            tally.calls += 1
+            walked = tally.calls % 2 == 0
+            _set_walk(scene, walked, saved)
+            escaped = False
+            try:
+                value = op(scene)
+            except _Miss:
+                tally.missed += 1
+            except errors.SfstoreError:
+                tally.refused += 1
+            except Exception as exc:  # any other type is a failure of the typed-error promise
+                tally.untyped.append(f"{type(exc).__name__}: {exc}")
+            else:
+                escaped = _leaks(value)
+                if not escaped:
+                    tally.ok += 1
+                    tally.ok_walked += walked
+            if scene.outside_changed():
+                escaped = True
+            if escaped:
+                tally.escapes += 1
+            if mutates:
+                scene.build_top()
+    finally:
+        _set_walk(scene, False, saved)
+        tally.swaps = stop_swapper(swapper)
+    return tally
+
+
+_NOT_YET = {"dcp.StorageWriter(overwrite)", "dcp.StorageWriter(new)", "dcp.StorageReader"}
+_NOT_YET_WHY = ("the DCP writer and reader still open the checkpoint directory as a FilePath of its resolved name "
+                "(check-then-use; escapes at 1 s on 528d6f2..b0f72fa), and torch turns their typed errors into "
+                "AssertionError/CheckpointException: not fixed yet")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.xfail(reason=_NOT_YET_WHY, strict=False)) if n in _NOT_YET else n
+     for n in OPERATIONS],
+)
+def test_no_face_escapes_the_root_while_a_directory_is_swapped_for_a_symlink(
+    scene: Scene, race_seconds: float, name: str
+) -> None:
+    op, mutates = OPERATIONS[name]
+    tally = _race(scene, op, mutates, race_seconds)
+    print(
+        f"\n{name}: {tally.calls} calls, {tally.escapes} escapes, {tally.ok} ok ({tally.ok_walked} walked), "
+        f"{tally.refused} refused (typed), {tally.missed} missed, {len(tally.untyped)} untyped, "
+        f"{tally.swaps} swaps in {race_seconds:g} s"
+    )
+    assert tally.swaps > 100, "the racer hardly ran: the race proves nothing"
+    assert tally.escapes == 0, f"{name} reached outside the root {tally.escapes} times in {tally.calls} calls"
+    assert not tally.untyped, f"{name} raised untyped errors: {sorted(set(tally.untyped))[:5]}"
+    assert tally.ok > tally.ok_walked > 0, f"{name} never succeeded (in both modes): refusing everything is no fix"
+    assert tree_signature(scene.outside) == scene.baseline
+
+
+def test_the_faces_work_without_a_race(scene: Scene) -> None:
+    """Each operation, with ``d`` the real directory and nothing racing, succeeds and sees the inside data."""
+    for name, (op, mutates) in OPERATIONS.items():
+        if name in _NOT_YET:
+            continue
+        value = op(scene)
+        assert not _leaks(value), name
+        if mutates:
+            scene.build_top()
+    assert tree_signature(scene.outside) == scene.baseline
