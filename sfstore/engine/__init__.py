@@ -40,7 +40,7 @@ ENGINE_ORDER: tuple[str, ...] = ("uring", "threads", "python")
 
 _NATIVE_BACKENDS = ("uring", "threads")
 
-_cache: dict[tuple[str, int, int], IOEngine] = {}
+_cache: dict[tuple[str, int, int, int, int], IOEngine] = {}
 _cache_lock = threading.Lock()
 
 
@@ -170,7 +170,10 @@ def get_engine(name: str | None = None, *, queue_depth: int | None = None, threa
         if threads is not None
         else defaults.get("io_threads")
     )
-    key = (choice, qd, th)
+    # The settings an engine is built with are part of its identity: a changed (or bad) value gets a new engine
+    # (or its ConfigError), never the cached one built with the old value.
+    spin, bounce = int(defaults.get("uring_spin_us")), int(defaults.get("bounce_buffer_size"))
+    key = (choice, qd, th, spin, bounce)
     with _cache_lock:
         engine = _cache.get(key)
         if engine is not None and not engine.closed:
@@ -180,7 +183,7 @@ def get_engine(name: str | None = None, *, queue_depth: int | None = None, threa
         if engine is None or engine.closed:
             engine = _resolve(choice, qd, th, origin)
         _cache[key] = engine
-        concrete = (engine.name, qd, th)
+        concrete = (engine.name, qd, th, spin, bounce)
         known = _cache.get(concrete)
         if known is None or known.closed:
             _cache[concrete] = engine

@@ -137,9 +137,17 @@ def test_get_engine_refuses_out_of_range_arguments(kwargs: dict[str, Any], needl
 def test_the_engine_setting_is_never_silently_replaced(
     monkeypatch: pytest.MonkeyPatch, env: str, value: str, needle: str
 ) -> None:
+    get_engine()  # an engine built with the good values is cached: it must not be handed out for the bad ones
     monkeypatch.setenv(env, value)
     with pytest.raises(errors.ConfigError, match=needle):
         get_engine()
+
+
+def test_a_changed_engine_setting_gets_an_engine_built_with_it() -> None:
+    first = get_engine()
+    with defaults.set(bounce_buffer_size=4 << 20):
+        assert get_engine() is not first
+    assert get_engine() is first
 
 
 # -- config files ------------------------------------------------------------------------------------------------
