@@ -7,8 +7,9 @@
 
 Where checkpoints live: ``"sf://a/b"`` or ``"a/b"`` is the directory ``a/b`` under the checkpoint class root
 (``sfstore.open().file_path("checkpoint")``, ``<root>/checkpoints`` by default); an absolute path
-(``/x/y/name`` or ``file:///x/y/name``) is that directory. Names are resolved through
-:meth:`~sfstore.paths.file.FilePath.resolve`, so ``..`` cannot climb out of the checkpoint root.
+(``/x/y/name`` or ``file:///x/y/name``) is that directory. Every file of a ``sf://`` checkpoint is named below
+the checkpoint root and resolved beneath it at each use (:class:`~sfstore.paths.beneath.Beneath`), so ``..``
+cannot climb out and a directory on the way swapped for a symlink to elsewhere is refused, never followed.
 
 Layout of a checkpoint directory:
 
@@ -58,6 +59,7 @@ import math
 import os
 import re
 import secrets
+import stat
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -94,8 +96,9 @@ from sfstore import errors
 from sfstore.buffers import as_buffer
 from sfstore.checkpoint import _fs
 from sfstore.checkpoint import safetensors_format as stf
-from sfstore.engine import IOFuture, Request, open_fd
-from sfstore.paths.file import FilePath, fsync_dir
+from sfstore.engine import IOFuture, Request
+from sfstore.paths.beneath import Location
+from sfstore.paths.file import AtomicWriter, FilePath, OpenFile, enable_direct
 
 __all__ = [
     "StorageWriter",
@@ -164,7 +167,8 @@ def _split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
 
 
 def resolve_checkpoint_dir(url: str | os.PathLike[str]) -> str:
-    """The absolute checkpoint directory that ``url`` names (not created).
+    """The absolute checkpoint directory that ``url`` names (not created): a name, true when computed, for
+    messages and checks; the writer and reader never act on it (they resolve beneath the root at each use).
 
     Parameters
     ----------
@@ -575,12 +579,87 @@ def _metadata_name(rank: int | None) -> str:
     return METADATA_NAME if rank is None else f"__{rank}.{METADATA_NAME}"
 
 
+class _CkDir:
+    """A DCP checkpoint directory: the file path whose root it is under and its name below that root
+    (``prefix``, ``""`` when it is the root itself).
+
+    A reader names each file below the root, resolved beneath it at each use; a writer works in
+    :meth:`dirfd`, the directory opened beneath the root once, so every file of one save lands in the same
+    directory whatever is swapped meanwhile. Either way a directory on the way swapped for a symlink to
+    elsewhere is refused, never followed out of the root.
+    """
+
+    def __init__(self, fp: FilePath, prefix: str) -> None:
+        self.fp, self.prefix = fp, prefix
+        self._fd = -1
+        self._pid = 0
+
+    def name(self, file: str) -> str:
+        return f"{self.prefix}/{file}" if self.prefix else file
+
+    def full(self, file: str = "") -> str:
+        return self.fp.full(self.name(file) if file else self.prefix)
+
+    def dirfd(self) -> int:
+        """The directory's ``O_PATH`` descriptor, opened beneath the root on first use (again after a fork)."""
+        if self._fd < 0 or self._pid != os.getpid():
+            try:
+                self._fd = self.fp.beneath.open(self.prefix or ".", _O_PATH | os.O_DIRECTORY)
+            except errors.SfstoreError:
+                raise
+            except OSError as exc:
+                raise errors.os_error(exc.errno or errno.EIO, "cannot open the checkpoint directory",
+                                      self.full()) from None
+            self._pid = os.getpid()
+        return self._fd
+
+    def open_readable(self) -> int:
+        """A readable descriptor of the directory (for listing and fsync); the caller closes it."""
+        try:
+            return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.dirfd())
+        except OSError as exc:
+            raise errors.os_error(exc.errno or errno.EIO, "cannot open the checkpoint directory", self.full()) from None
+
+    def close(self) -> None:
+        if self._fd >= 0 and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
+
+
 def _open_dir(url: str, *, create: bool, direct: str | None, chunk_size: int | None,
-              parallelism: int | None) -> FilePath:
-    full = resolve_checkpoint_dir(url)
-    if not create and not os.path.isdir(full):
-        raise errors.os_error(errno.ENOENT, f"no checkpoint at {url!r} (directory missing)", full)
-    return FilePath(full, create=create, direct=direct, chunk_size=chunk_size, parallelism=parallelism)
+              parallelism: int | None) -> _CkDir:
+    kind, where = _split_url(url)
+    options: dict[str, Any] = {"direct": direct, "chunk_size": chunk_size, "parallelism": parallelism}
+    if kind == "abs":
+        if not create and not os.path.isdir(where):
+            raise errors.os_error(errno.ENOENT, f"no checkpoint at {url!r} (directory missing)", where)
+        return _CkDir(FilePath(where, create=create, **options), "")
+    import sfstore
+
+    root = sfstore.open().file_path("checkpoint")
+    parts = root.beneath.parts(where)  # '..' above the root refused; symlinks are met beneath it, at each use
+    if not parts:
+        raise errors.PathEscapeError(f"checkpoint url {url!r} resolves to the checkpoint root itself")
+    prefix = "/".join(parts)
+    fp = FilePath(root.root, create=False, **options)
+    try:
+        if create:
+            fp.beneath.mkdir(prefix, parents=True, exist_ok=True)
+        elif not stat.S_ISDIR(fp.stat(prefix).st_mode):
+            raise errors.os_error(errno.ENOTDIR, f"no checkpoint at {url!r} (not a directory)", fp.full(prefix))
+    except errors.PathNotFoundError:
+        raise errors.os_error(errno.ENOENT, f"no checkpoint at {url!r} (directory missing)", fp.full(prefix)) from None
+    except errors.SfstoreError:
+        raise
+    except OSError as exc:
+        raise errors.os_error(exc.errno or errno.EIO, f"cannot create checkpoint {url!r}", fp.full(prefix)) from None
+    return _CkDir(fp, prefix)
 
 
 def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -644,7 +723,7 @@ class StorageWriter(_DcpStorageWriter):
         _split_url(self.url)
         self.overwrite = overwrite
         self._fp_options: dict[str, Any] = {"direct": direct, "chunk_size": chunk_size, "parallelism": parallelism}
-        self._fp: FilePath | None = None
+        self._fp: _CkDir | None = None
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = False
         self.rank: int | None = None
@@ -682,14 +761,22 @@ class StorageWriter(_DcpStorageWriter):
         self.rank = int(rank) if rank is not None else None
         self.use_collectives = bool(kwargs.get("use_collectives", True))
 
-    def _path(self) -> FilePath:
+    def _path(self) -> _CkDir:
         if self._fp is None:
             self._fp = _open_dir(self.url, create=True, **self._fp_options)
         return self._fp
 
-    def _metadata_exists(self, fp: FilePath) -> bool:
+    def _metadata_exists(self, ck: _CkDir) -> bool:
         names = [METADATA_NAME] if self.use_collectives else [_metadata_name(0), METADATA_NAME]
-        return any(os.path.lexists(fp.resolve(n)) for n in names)
+        for n in names:
+            try:
+                os.stat(n, dir_fd=ck.dirfd(), follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise errors.os_error(exc.errno or errno.EIO, "stat", ck.full(n)) from None
+            return True
+        return False
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Create the directory and refuse an existing checkpoint unless ``overwrite``.
@@ -709,11 +796,11 @@ class StorageWriter(_DcpStorageWriter):
         sfstore.errors.PathExistsError
             A checkpoint is already there and ``overwrite`` is False.
         """
-        fp = self._path()
-        if not self.overwrite and self._metadata_exists(fp):
+        ck = self._path()
+        if not self.overwrite and self._metadata_exists(ck):
             raise errors.os_error(
                 errno.EEXIST, f"a checkpoint already exists at {self.url!r} (pass overwrite=True to replace it)",
-                fp.root,
+                ck.full(),
             )
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__{self.rank}_{secrets.token_hex(8)}"))
@@ -774,16 +861,25 @@ class StorageWriter(_DcpStorageWriter):
         results : list of list of WriteResult
             Every rank's write results.
         """
-        fp = self._path()
+        ck = self._path()
         metadata.version = DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for ranks in results for wr in ranks}
         metadata.storage_meta = self.storage_meta()
         doc = encode_metadata(metadata)
         own = None if self.use_collectives or self.rank is None else self.rank
-        fsync_dir(fp.root)  # the data files' directory entries are durable before the metadata names them
-        fp.write(_metadata_name(own), doc, fsync=True, overwrite=True)
+        dfd = ck.open_readable()
+        try:  # the data files' directory entries are durable before the metadata names them
+            os.fsync(dfd)
+        except OSError as exc:
+            raise errors.os_error(exc.errno or errno.EIO, "cannot fsync", ck.full()) from None
+        finally:
+            os.close(dfd)
+        meta = _metadata_name(own)
+        with AtomicWriter(ck.fp, Location(ck.dirfd(), meta, ck.full(meta), owned=False), fsync=True,
+                          overwrite=True) as w:  # published atomically in the directory of the data files
+            w.write(doc)
         referenced = {loc.file for loc in metadata.storage_data.values() if isinstance(loc, ItemLocation)}
-        _remove_unreferenced(fp, referenced, own)
+        _remove_unreferenced(ck, referenced, own)
 
     def storage_meta(self) -> StorageMeta | None:
         """``StorageMeta(checkpoint_id=url, save_id=...)`` for the planner and the metadata."""
@@ -815,26 +911,36 @@ class StorageWriter(_DcpStorageWriter):
         return True
 
 
-def _remove_unreferenced(fp: FilePath, referenced: set[str], rank: int | None) -> None:
-    """Remove data files (and, for a coordinated save, per-rank metadata) the new checkpoint does not use."""
+def _remove_unreferenced(ck: _CkDir, referenced: set[str], rank: int | None) -> None:
+    """Remove data files (and, for a coordinated save, per-rank metadata) the new checkpoint does not use.
+
+    The directory is opened beneath the root once; its names are listed and removed relative to that
+    descriptor."""
     try:
-        entries = list(os.scandir(fp.root))
+        dirfd = ck.open_readable()
     except OSError:
         return
-    for entry in entries:
-        m = _DATA_NAME.match(entry.name)
-        stale = False
-        if m is not None and entry.name not in referenced:
-            stale = rank is None or int(m.group(1)) == rank
-        elif rank is None and _RANK_METADATA.match(entry.name):
-            stale = True
-        if stale:
-            try:
-                os.unlink(entry.path)
-            except OSError:
-                pass  # clean-up is best effort: the next save tries again
     try:
-        fp.clean_stale_temporaries("")
+        try:
+            names = os.listdir(dirfd)
+        except OSError:
+            return
+        for name in names:
+            m = _DATA_NAME.match(name)
+            stale = False
+            if m is not None and name not in referenced:
+                stale = rank is None or int(m.group(1)) == rank
+            elif rank is None and _RANK_METADATA.match(name):
+                stale = True
+            if stale:
+                try:
+                    os.unlink(name, dir_fd=dirfd)
+                except OSError:
+                    pass  # clean-up is best effort: the next save tries again
+    finally:
+        os.close(dirfd)
+    try:
+        ck.fp.clean_stale_temporaries(ck.prefix)
     except OSError:
         pass
 
@@ -842,18 +948,37 @@ def _remove_unreferenced(fp: FilePath, referenced: set[str], rank: int | None) -
 class _RankFileWriter:
     """Writes one rank's items into one data file, a window of requests in flight, and fsyncs it."""
 
-    def __init__(self, fp: FilePath, name: str) -> None:
-        self.fp = fp
+    def __init__(self, ck: _CkDir, name: str) -> None:
+        self.ck = ck
+        self.fp = ck.fp
         self.name = name
-        self.path = fp.resolve(name)
-        self.window = max(_MIN_WINDOW, fp.chunk_size * fp.parallelism)
+        self.path = ck.full(name)
+        self.window = max(_MIN_WINDOW, self.fp.chunk_size * self.fp.parallelism)
+
+    def _create(self) -> tuple[int, Any]:
+        """Create the data file in the checkpoint directory's descriptor (opened beneath the root once);
+        returns the file's descriptor and its location there (the file is removed through it on failure)."""
+        loc = Location(self.ck.dirfd(), self.name, self.path, owned=False)
+        try:
+            fd = os.open(loc.name or ".", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                         dir_fd=loc.dirfd)
+        except OSError as exc:
+            raise errors.os_error(exc.errno or errno.EIO, "cannot create", self.path) from None
+        try:
+            if self.fp.direct:
+                enable_direct(fd, self.path, required=True)
+        except BaseException:
+            os.close(fd)
+            os.unlink(loc.name or "", dir_fd=loc.dirfd)
+            raise
+        return fd, loc
 
     def write(self, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         if not items:
             return []
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
-        fd, _ = open_fd(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, direct="on" if self.fp.direct else "off")
+        fd, where = self._create()
         results: list[WriteResult] = []
         inflight: deque[tuple[IOFuture, int, list[Any]]] = deque()
         batch: list[Request] = []
@@ -902,7 +1027,7 @@ class _RankFileWriter:
                 fut.wait()
             os.close(fd)
             try:
-                os.unlink(self.path)
+                os.unlink(where.name or "", dir_fd=where.dirfd)
             except OSError:
                 pass
             raise
@@ -993,14 +1118,14 @@ class StorageReader(_DcpStorageReader):
         self.verify = verify
         self.temp_budget = int(temp_budget)
         self._fp_options: dict[str, Any] = {"direct": direct, "chunk_size": chunk_size, "parallelism": parallelism}
-        self._fp: FilePath | None = None
+        self._fp: _CkDir | None = None
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
         self._state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         self.load_id = str(uuid.uuid4())
         self.rank: int | None = None
         self.use_collectives = True
 
-    def _path(self) -> FilePath:
+    def _path(self) -> _CkDir:
         if self._fp is None:
             self._fp = _open_dir(self.url, create=False, **self._fp_options)
         return self._fp
@@ -1045,14 +1170,14 @@ class StorageReader(_DcpStorageReader):
             The metadata is oversized, not JSON, or fails validation.
         """
         rank = kwargs.get("rank")
-        fp = self._path()
+        ck = self._path()
         name = _metadata_name(None if rank is None else int(rank))
         try:
             # Opened without blocking and checked to be a regular file: a FIFO there is refused, not waited on.
-            raw = _fs.read_regular(fp, name, limit=MAX_METADATA_BYTES, what=f"metadata of {self.url!r}:")
+            raw = _fs.read_regular(ck.fp, ck.name(name), limit=MAX_METADATA_BYTES, what=f"metadata of {self.url!r}:")
         except errors.PathNotFoundError:
             raise errors.os_error(errno.ENOENT, f"no sfstore DCP checkpoint at {self.url!r} ({name} is missing)",
-                                  fp.resolve(name)) from None
+                                  ck.full(name)) from None
         metadata = decode_metadata(raw)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -1131,7 +1256,7 @@ class StorageReader(_DcpStorageReader):
             A missing or truncated data file, a checksum mismatch, a stored item whose size does not match its
             tensor, or a non-tensor item ``torch.load(weights_only=True)`` refuses.
         """
-        fp = self._path()
+        ck = self._path()
         per_file: dict[str, list[tuple[ReadItem, ItemLocation]]] = {}
         for item in plan.items:
             loc = self.storage_data.get(item.storage_index)
@@ -1141,7 +1266,7 @@ class StorageReader(_DcpStorageReader):
                     f"{list(item.storage_index.offset or [])}", tensor=item.storage_index.fqn)
             per_file.setdefault(loc.file, []).append((item, loc))
         for name, entries in per_file.items():
-            self._read_file(fp, name, entries, planner)
+            self._read_file(ck, name, entries, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -1169,19 +1294,26 @@ class StorageReader(_DcpStorageReader):
 
     # -- reading -----------------------------------------------------------------------------------------------
 
-    def _read_file(self, fp: FilePath, name: str, entries: list[tuple[ReadItem, ItemLocation]],
+    def _read_file(self, ck: _CkDir, name: str, entries: list[tuple[ReadItem, ItemLocation]],
                    planner: LoadPlanner) -> None:
-        full = fp.resolve(name)
+        # Opened once beneath the root (a FIFO refused without waiting): every range is read from that file.
+        full = ck.full(name)
         try:
-            st = os.stat(full)
-        except FileNotFoundError:
+            of = ck.fp.open_file(ck.name(name))
+        except errors.PathNotFoundError:
             raise errors.CorruptCheckpointError(
                 f"data file {name} of checkpoint {self.url!r} is missing", shard=name,
                 tensor=entries[0][0].storage_index.fqn) from None
-        except OSError as exc:
-            raise errors.os_error(exc.errno or errno.EIO, "cannot stat data file", full) from None
-        _fs.check_regular(st, full, f"data file of checkpoint {self.url!r}:", shard=name)
-        size = st.st_size
+        except (errors.NotARegularFileError, errors.IsADirectoryPathError):
+            what = f"data file of checkpoint {self.url!r}:"
+            _fs.check_regular(ck.fp.stat(ck.name(name)), full, what, shard=name)  # says what it is instead
+            raise errors.CorruptCheckpointError(f"{what} {full} is not a regular file", shard=name) from None
+        with of:
+            self._read_open_file(of, name, entries, planner)
+
+    def _read_open_file(self, of: OpenFile, name: str, entries: list[tuple[ReadItem, ItemLocation]],
+                        planner: LoadPlanner) -> None:
+        size = of.size
         for item, loc in entries:
             if loc.offset + loc.length > size:
                 raise errors.CorruptCheckpointError(
@@ -1193,12 +1325,12 @@ class StorageReader(_DcpStorageReader):
         for item, loc in entries:
             job = self._plan(item, loc, planner)
             if batch and temp + job.temp_bytes > self.temp_budget:
-                self._run(fp, name, batch, planner)
+                self._run(of, name, batch, planner)
                 batch, temp = [], 0
             batch.append(job)
             temp += job.temp_bytes
         if batch:
-            self._run(fp, name, batch, planner)
+            self._run(of, name, batch, planner)
 
     def _plan(self, item: ReadItem, loc: ItemLocation, planner: LoadPlanner) -> _Job:
         fqn = item.storage_index.fqn
@@ -1246,9 +1378,9 @@ class StorageReader(_DcpStorageReader):
         return _Job(item, loc, loc.offset + start * itemsize, (end - start) * itemsize, tmp, target=target,
                     box=box, whole=whole, temp_bytes=(end - start) * itemsize)
 
-    def _run(self, fp: FilePath, name: str, batch: list[_Job], planner: LoadPlanner) -> None:
+    def _run(self, of: OpenFile, name: str, batch: list[_Job], planner: LoadPlanner) -> None:
         ranges = [(j.file_offset, j.length, j.buffer, 0) for j in batch if j.length]
-        got = fp.read_ranges_into(name, ranges) if ranges else []
+        got = of.read_ranges_into(ranges) if ranges else []
         sized = iter(got)
         for job in batch:
             fqn = job.item.storage_index.fqn

@@ -15,6 +15,7 @@ def kv_cache_reuse(router: Any, prompt_tokens: int = 256) -> dict[str, Any]:
     import numpy as np
 
     from sfstore.kvcache import KVCacheStore, KVGeometry
+    from sfstore.paths.file import FilePath
 
     geom = KVGeometry(num_layers=8, block_tokens=16, num_kv_heads=4, head_dim=64, dtype="bfloat16")  # 128 KiB
     prefix = list(range(1000, 1000 + prompt_tokens))
@@ -42,8 +43,9 @@ def kv_cache_reuse(router: Any, prompt_tokens: int = 256) -> dict[str, Any]:
                           "tiers": sorted(set(t for t in tiers if t))})
         ok = ok and all(np.array_equal(a, b) for a, b in zip(out, expected, strict=False))
         stats = kv.stats()
-    shared = kv.shared.fp.resolve(kv.shared.prefix) if kv.shared else None
-    other = KVCacheStore(geom, model_id="demo-model", shared_dir=shared)  # as another process would
+    # As another process would: its own file path on the same root, the same directory below it.
+    other = KVCacheStore(geom, model_id="demo-model", shared_dir=kv.shared.prefix if kv.shared else None,
+                         shared_on=FilePath(kv.shared.fp.root) if kv.shared else None)
     with other:
         hit = other.lookup(prefix)
         out = [np.zeros(geom.block_bytes // 2, np.uint16) for _ in range(hit // geom.block_tokens)]

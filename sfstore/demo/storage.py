@@ -9,7 +9,8 @@ from typing import Any
 
 from sfstore import defaults
 from sfstore.buffers import RegisteredBufferPool
-from sfstore.engine import Request, get_engine, open_fd
+from sfstore.engine import Request, get_engine
+from sfstore.paths.file import FilePath, enable_direct
 
 __all__ = ["engine_round_trip", "hot_blocks"]
 
@@ -23,9 +24,10 @@ def engine_round_trip(data_dir: str | None = None, size: int = 64 * MiB, chunk: 
     allows), is fsynced, its pages are dropped (``posix_fadvise(DONTNEED)``) so the read is cold, and the read
     lands in registered buffers. One extra misaligned read shows the bounce path. Returns what happened.
     """
-    root = os.path.join(data_dir or defaults.get("data_dir"), "demo")
-    os.makedirs(root, exist_ok=True)
-    path = os.path.join(root, "roundtrip.bin")
+    # The file is opened beneath the data directory (demo/ made there), never by a name resolved ahead.
+    fp = FilePath(data_dir or defaults.get("data_dir"))
+    fp.beneath.mkdir("demo", exist_ok=True)
+    path = fp.full("demo/roundtrip.bin")
     engine = get_engine()
     before = engine.stats()
     nchunks = max(1, size // chunk)
@@ -40,7 +42,13 @@ def engine_round_trip(data_dir: str | None = None, size: int = 64 * MiB, chunk: 
             mv[:8] = i.to_bytes(8, "little")  # every chunk differs, so a misplaced chunk is caught
             digest_in.update(mv)
             mv.release()
-        fd, direct = open_fd(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        fd = fp.beneath.open("demo/roundtrip.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        mode = defaults.get("direct_io")
+        try:
+            direct = mode != "off" and enable_direct(fd, path, required=mode == "on")
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             t0 = time.perf_counter()
             engine.run([Request.write(fd, i * chunk, chunk, b) for i, b in enumerate(bufs)])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
-import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -163,6 +162,7 @@ def training_job(
     being saved after ``kill_after`` committed ones; resume from ``latest()`` in this process and train on."""
     import torch
 
+    import sfstore
     from sfstore import checkpoint
 
     ctx = multiprocessing.get_context("fork")
@@ -171,8 +171,12 @@ def training_job(
         old = checkpoint.list(RUN)
     except errors.PathNotFoundError:
         old = []
-    for info in old:  # a fresh run each time
-        shutil.rmtree(info.path, ignore_errors=True)
+    root = sfstore.open().file_path("checkpoint")
+    for info in old:  # a fresh run each time; removed beneath the checkpoint root (links removed, not followed)
+        try:
+            root.beneath.rmtree(root.relative(info.path))
+        except OSError:
+            pass
     proc = ctx.Process(target=_trainer, args=(names, every, workers, child))  # not daemonic: it has workers
     proc.start()
     try:
