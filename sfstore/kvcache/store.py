@@ -618,13 +618,17 @@ class KVCacheStore:
                           corrupt_dropped=corrupt, unreadable=unreadable)
         return tiers
 
-    def prefetch(self, keys: Sequence[bytes]) -> BlockStoreFuture[list[str | None]]:
-        """Bring the blocks into the pinned tier in the background; ``.get()`` gives the tier of each."""
+    def prefetch(self, keys: Sequence[bytes], *, count: bool = False) -> BlockStoreFuture[list[str | None]]:
+        """Bring the blocks into the pinned tier in the background; ``.get()`` gives the tier of each.
+
+        ``count``: count the blocks in ``gets`` / ``hits_*`` / ``misses``, for callers whose reads that follow
+        (:meth:`get_layer_into`) are of these blocks (an engine's per-layer loads), so each is counted once.
+        """
         self._check_open()  # (an empty batch is a valid no-op, as in every call)
         ks = self._check_keys(keys)
 
         def run() -> list[str | None]:
-            slots, tiers = self._fetch(ks, count=False)
+            slots, tiers = self._fetch(ks, count=bool(count))
             for s in slots:
                 if s is not None:
                     self.pinned.unpin(s)

@@ -1,6 +1,6 @@
 """vLLM adapter: :class:`SfstoreConnector`, a ``KVConnectorBase_V1`` over :class:`~sfstore.kvcache.KVCacheStore`.
 
-Load it into vLLM (tested against vLLM 0.33.0) with::
+Load it into vLLM (tested against vLLM 0.33.0's classes, and generating in vLLM 0.32.0's CPU engine) with::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "SfstoreConnector",
         "kv_connector_module_path": "sfstore.kvcache.vllm", "kv_role": "kv_both",
@@ -20,7 +20,11 @@ What it does, per engine step:
   (``store.put_layer``; the store commits a block once all its layers are in and writes it to its lower tiers in
   the background). Loads are synchronous for the scheduler (``load_kv_async`` False) and saves are copied out
   before the step ends, so no request holds its blocks after it finishes. A block that cannot be loaded (evicted
-  between the lookup and the load) is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it.
+  between the lookup and the load, or failing verification in a lower tier, which removes it there) is reported
+  through ``get_block_ids_with_load_errors`` and logged; vLLM recomputes it, and the connector saves it again.
+  That needs vLLM's ``kv_load_failure_policy`` to be ``"recompute"``: vLLM's own default, ``"fail"``, ends the
+  request with ``finish_reason="error"`` instead, so the connector sets ``"recompute"`` unless told otherwise
+  (``kv_load_failure_policy`` below). A damaged block fails at most the loads already planned when it was found.
 
 ``kv_connector_extra_config`` keys (all optional):
 
@@ -31,8 +35,15 @@ What it does, per engine step:
     Directory of the shared tier (NFS over RDMA on a cluster): blocks written there are seen by every process
     and node that uses the same directory and model.
 ``model_id``
-    Names the model in every key (default: vLLM's model name or path). Two servers share blocks only if their
-    ``model_id`` and KV geometry match.
+    Names the model in every key. Default: for a local model directory, its name and a digest of its
+    ``config.json`` and weight files (their names, sizes, first and last MiB), so any spelling of its path finds
+    the same blocks; for a hub model, its id and revision. Two servers share blocks only if their ``model_id``
+    and KV geometry match.
+``kv_load_failure_policy``
+    ``"recompute"`` (default) or ``"fail"``: set as vLLM's ``kv_load_failure_policy`` (a warning at start-up
+    says what ``"fail"`` means).
+``fsync_shared``
+    fsync each shared block file before publishing it (default False): durable across a node's crash, slower.
 ``pinned_bytes``
     Budget of the pinned host tier (default: the ``kvcache_pinned_bytes`` setting).
 ``kv_layout``
@@ -50,7 +61,11 @@ What it does, per engine step:
 
 Scheduler and worker connectors of one process (vLLM's single-process executor) share one store, so a block the
 worker saved is found by the scheduler's lookup at once. Across processes (tensor parallelism, a separate engine
-core) the scheduler sees what reached a tier they share: ``shared_dir``, or the block store of an sfstore config.
+core; vLLM's CPU platform always runs the worker in its own process unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+the scheduler sees only what reached a tier they share: ``shared_dir``, or the block store of an sfstore config.
+Without one, the scheduler never finds a block (the pinned tier is the worker's memory). With one, the blocks a
+step saved reach it in the background: a request scheduled right after can find only part of them, unless
+``wait_for_lower_tiers`` is set (each step then ends once its saves are written).
 With tensor parallelism each rank stores its own heads under its own keys and the scheduler looks up rank 0's.
 Pipeline parallelism and hybrid (HMA) models are not supported.
 """
@@ -58,7 +73,9 @@ Pipeline parallelism and hybrid (HMA) models are not supported.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -231,8 +248,9 @@ def _acquire_store(layout: _Layout, model_id: str, extra: dict[str, Any]) -> tup
     cfg = extra.get("sfstore_config")
     pinned = extra.get("pinned_bytes")
     shared = extra.get("shared_dir")
+    fsync = bool(extra.get("fsync_shared", False))
     key = (layout.geometry, model_id, str(cfg) if cfg is not None else None,
-           int(pinned) if pinned is not None else None, str(shared) if shared is not None else None)
+           int(pinned) if pinned is not None else None, str(shared) if shared is not None else None, fsync)
     with _stores_lock:
         entry = _stores.get(key)
         if entry is None:
@@ -244,7 +262,7 @@ def _acquire_store(layout: _Layout, model_id: str, extra: dict[str, Any]) -> tup
 
                 store = KVCacheStore.from_router(layout.geometry, sfstore.open(cfg), **kwargs)
             else:
-                store = KVCacheStore(layout.geometry, shared_dir=shared, **kwargs)
+                store = KVCacheStore(layout.geometry, shared_dir=shared, fsync_shared=fsync, **kwargs)
             entry = _stores[key] = [store, 0]
         entry[1] += 1
         return entry[0], key
@@ -260,6 +278,75 @@ def _release_store(key: tuple[Any, ...]) -> None:
             return
         del _stores[key]
     entry[0].close()
+
+
+# -- what names the model in the keys, and the load failure policy -----------------------------------------------------
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_FINGERPRINT_BYTES = 1 << 20
+
+
+def _file_fingerprint(path: str, h: Any) -> None:
+    """Name, size and the first and last MiB of a weight file: cheap for a large model, and different for two
+    checkpoints of one architecture (their weights differ from the first tensor on)."""
+    size = os.path.getsize(path)
+    h.update(f"{os.path.basename(path)}\0{size}\0".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_FINGERPRINT_BYTES))
+        if size > 2 * _FINGERPRINT_BYTES:
+            f.seek(size - _FINGERPRINT_BYTES)
+            h.update(f.read(_FINGERPRINT_BYTES))
+
+
+def model_identity(model_config: Any) -> str:
+    """What names a vLLM model in the store's keys: for a local model directory, its name and a digest of its
+    ``config.json`` and weight files (so ``./m``, ``/abs/m`` and a symlink to it share blocks, and two
+    checkpoints in directories of the same name do not); for a hub model, its id and revision."""
+    model = str(getattr(model_config, "model", None) or "vllm")
+    revision = getattr(model_config, "revision", None)
+    if os.path.isdir(model):
+        h = hashlib.sha256()
+        names = sorted(os.listdir(model))
+        for name in names:
+            if name == "config.json" or name.endswith(_WEIGHT_SUFFIXES):
+                path = os.path.join(model, name)
+                if os.path.isfile(path):
+                    if name == "config.json":
+                        with open(path, "rb") as f:
+                            h.update(b"config.json\0" + f.read())
+                    else:
+                        _file_fingerprint(path, h)
+        base = os.path.basename(os.path.normpath(os.path.realpath(model)))
+        return f"{base}#{h.hexdigest()[:32]}"
+    return f"{model}@{revision}" if revision else model
+
+
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+_NOTHING_TO_SAVE = 1 << 62  # a tracker's saved_blocks when the request has no token ids to key on
+
+
+def _set_load_failure_policy(kv_transfer_config: Any, extra: dict[str, Any], role: KVConnectorRole) -> str:
+    """Set vLLM's ``kv_load_failure_policy`` to the connector's (``recompute`` unless ``kv_connector_extra_config``
+    says ``"kv_load_failure_policy": "fail"``): a block sfstore cannot load is a cache miss, and vLLM's own default
+    (``fail``) would end its request with an error. vLLM's scheduler reads the policy after it creates its connector,
+    so setting it here takes effect."""
+    policy = str(extra.get("kv_load_failure_policy", "recompute"))
+    if policy not in LOAD_FAILURE_POLICIES:
+        raise errors.ConfigError(
+            f"kv_connector_extra_config kv_load_failure_policy must be one of {', '.join(LOAD_FAILURE_POLICIES)}, "
+            f"not {policy!r}"
+        )
+    current = getattr(kv_transfer_config, "kv_load_failure_policy", None)
+    if current is not None and current != policy:
+        kv_transfer_config.kv_load_failure_policy = policy
+        if role == KVConnectorRole.SCHEDULER:
+            log.info("SfstoreConnector: vLLM's kv_load_failure_policy set to %r (was %r): a block that cannot be "
+                     "loaded is recomputed%s", policy, current,
+                     "" if policy == "recompute" else "; its request fails")
+    if policy == "fail" and role == KVConnectorRole.SCHEDULER:
+        log.warning("SfstoreConnector: kv_load_failure_policy is 'fail': a KV block that fails verification or "
+                    "disappears between lookup and load fails its request (finish_reason 'error'); "
+                    "'recompute' (the connector's default) recomputes it instead")
+    return policy
 
 
 # -- the connector ---------------------------------------------------------------------------------------------------
@@ -281,11 +368,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         model_id = extra.get("model_id")
         if model_id is None:
-            mc = vllm_config.model_config
-            model_id = getattr(mc, "model", None) or "vllm"
-            revision = getattr(mc, "revision", None)
-            if revision:
-                model_id = f"{model_id}@{revision}"
+            model_id = model_identity(vllm_config.model_config)
+        self.load_failure_policy = _set_load_failure_policy(self._kv_transfer_config, extra, role)
         tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         self.model_id = str(model_id) if tp == 1 else f"{model_id}#tp{self._tp_rank(role)}/{tp}"
         self.save_decode_tokens = bool(extra.get("save_decode_tokens", False))
@@ -304,6 +388,10 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_ok: tuple[list[bytes], list[int]] = ([], [])
         self._load_errors: set[int] = set()
         self._saved_keys: set[bytes] = set()
+        self._dropped_before = 0
+        self._load_req: dict[int, str] = {}  # block id -> request, of this step's loads
+        self._failed_reqs: set[str] = set()  # requests with a block not loaded this step
+        self._loads_chunk: tuple[list[bytes], list[int]] | None = None
         # None: stage through the host when the cache is not on the CPU; True/False force it (tests)
         self.stage_copies: bool | None = None
 
@@ -394,8 +482,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 prompt = list(new.prompt_token_ids or ())
                 tracker = self._trackers[new.req_id] = _Tracker(new.req_id, prompt, (), len(prompt))
                 if new.prompt_token_ids is None:
-                    tracker.saved_blocks = 1 << 62  # nothing to key on
+                    tracker.saved_blocks = _NOTHING_TO_SAVE  # nothing to key on
             tracker.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._recomputing(tracker, new.num_computed_tokens)
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             scheduled.append((tracker, done))
         cached = scheduler_output.scheduled_cached_reqs
@@ -408,6 +497,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 tracker.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 tracker.block_ids.extend(new_ids[0])
+            self._recomputing(tracker, cached.num_computed_tokens[i])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             scheduled.append((tracker, done))
         for tracker, _done in scheduled:
@@ -420,6 +510,14 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 meta.saves.append(save)
         self._pending_loads.clear()
         return meta
+
+    def _recomputing(self, tracker: _Tracker, computed: int) -> None:
+        """A step that computes tokens of blocks counted as saved recomputes them: a load of them failed (vLLM
+        moved the request back to the first block it could not load) or a hit was cut short inside a block. Plan
+        their saves again (``_plan_save`` skips those still in the store), so a block dropped as corrupt is
+        rewritten."""
+        if tracker.saved_blocks < _NOTHING_TO_SAVE and computed < tracker.saved_blocks * self.block_tokens:
+            tracker.saved_blocks = computed // self.block_tokens
 
     def _plan_save(self, tracker: _Tracker, computed: int) -> BlockTransfer | None:
         bt = self.block_tokens
@@ -459,19 +557,70 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, SfstoreConnectorMetadata)
+        # No reset of the step's saved keys here: vLLM calls this after the forward pass (and so after
+        # save_kv_layer) on a step without loads; wait_for_save, which ends every step, resets them.
         self._loads = [t for t in meta.loads if t.keys]
         self._load_future = None
-        self._saved_keys = set()
+        self._load_req = {b: t.req_id for t in self._loads for b in t.block_ids}
+        self._failed_reqs = set()
         if self._loads:
             keys = [k for t in self._loads for k in t.keys]
-            self._load_future = self.store.prefetch(keys)
+            self._dropped_before = self._dropped()
+            if len(keys) > self.store.pinned.capacity // 2:
+                self._load_all_layers_now()
+            else:
+                self._load_future = self.store.prefetch(keys, count=True)
+
+    def _dropped(self) -> int:
+        c = self.store.counters.snapshot()
+        return int(c.get("corrupt_dropped", 0)) + int(c.get("unreadable", 0))
+
+    def _load_all_layers_now(self) -> None:
+        """The step's loads do not fit in the pinned tier beside each other: loading them layer by layer would
+        fetch every block again for every layer. Load them chunk by chunk instead, every layer of a chunk while it
+        is pinned, before the forward pass (the loads are synchronous for the scheduler either way)."""
+        keys = [k for t in self._loads for k in t.keys]
+        block_ids = [b for t in self._loads for b in t.block_ids]
+        chunk = max(1, self.store.pinned.capacity // 2)
+        failed: set[int] = set()
+        for i in range(0, len(keys), chunk):
+            ks, bs = keys[i:i + chunk], block_ids[i:i + chunk]
+            self._load_future = self.store.prefetch(ks, count=True)
+            self._loads_chunk = (ks, bs)
+            ks, bs = self._resolve_loads()
+            for name in self.layout.layer_names:
+                cache = self._kv_caches.get(name)
+                layer = self._layer_of(name)
+                if cache is None or layer is None:
+                    continue
+                try:
+                    tiers = self._load_layer(cache, layer, ks, bs)
+                except Exception:  # recomputed instead (get_block_ids_with_load_errors)
+                    log.exception("SfstoreConnector: loading layer %s of %d blocks failed", name, len(ks))
+                    tiers = [None] * len(ks)
+                failed.update(b for b, tier in zip(bs, tiers, strict=True) if tier is None)
+        for b in failed:
+            self._load_failed(b)
+        self._loads = []  # done: wait_for_layer_load has nothing left to copy
+        self._loads_chunk = None
+
+    def _load_failed(self, block_id: int) -> None:
+        """Report a block not loaded; its request's saves stop for this step: the blocks it computes now attend
+        to the missing one and are recomputed (and saved) in a later step, once vLLM recomputes it."""
+        self._load_errors.add(block_id)
+        req = self._load_req.get(block_id)
+        if req is not None:
+            self._failed_reqs.add(req)
 
     def _resolve_loads(self) -> tuple[list[bytes], list[int]]:
         """Once per step: wait for the prefetch, drop what it could not find (reported as load errors)."""
         if self._load_future is None:
             return self._load_ok
-        keys = [k for t in self._loads for k in t.keys]
-        block_ids = [b for t in self._loads for b in t.block_ids]
+        if self._loads_chunk is not None:
+            keys, block_ids = self._loads_chunk
+        else:
+            keys = [k for t in self._loads for k in t.keys]
+            block_ids = [b for t in self._loads for b in t.block_ids]
         try:
             tiers = self._load_future.get()
         except Exception:  # the blocks are recomputed: vLLM hears of them through get_block_ids_with_load_errors
@@ -481,11 +630,21 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ok_keys, ok_ids = [], []
         for k, b, tier in zip(keys, block_ids, tiers, strict=True):
             if tier is None:
-                self._load_errors.add(b)
+                self._load_failed(b)
             else:
                 ok_keys.append(k)
                 ok_ids.append(b)
         self._load_ok = (ok_keys, ok_ids)
+        failed = len(keys) - len(ok_keys)
+        if failed:
+            bad = self._dropped() - self._dropped_before
+            # A block that failed verification was removed from its tier: the lookups that follow miss it and
+            # the recomputed block is saved again, so it fails at most the loads already planned.
+            log.warning(
+                "SfstoreConnector: %d of %d blocks to load are recomputed: %d failed verification or could not be "
+                "read in a lower tier (removed there, saved again once recomputed), %d were gone since the lookup",
+                failed, len(keys), min(bad, failed), max(0, failed - bad),
+            )
         return self._load_ok
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -507,7 +666,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tiers = [None] * len(keys)
         for b, tier in zip(block_ids, tiers, strict=True):
             if tier is None:  # evicted since the prefetch, or the copy failed
-                self._load_errors.add(b)
+                self._load_failed(b)
 
     def _load_layer(self, cache: torch.Tensor, layer: int, keys: list[bytes], block_ids: list[int]) -> list[str | None]:
         if not self._staged(cache):
@@ -536,7 +695,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, SfstoreConnectorMetadata)
-        saves = [t for t in meta.saves if t.keys]
+        saves = [t for t in meta.saves if t.keys and t.req_id not in self._failed_reqs]
         if not saves:
             return
         try:
@@ -569,6 +728,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._saved_keys = set()
         self._loads = []
         self._load_ok = ([], [])
+        self._load_req = {}
+        self._failed_reqs = set()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None

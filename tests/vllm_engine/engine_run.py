@@ -1,0 +1,62 @@
+"""One vLLM engine run for the engine tier: ``python engine_run.py SPEC.json OUT.json`` (a child process per run).
+
+``SPEC`` names the model directory, the connector's extra config (``null``: no connector), the engine settings and
+the rounds of prompts (token ids); each round is one ``LLM.generate`` call, greedy. ``OUT`` gets, per round and
+prompt, the generated token ids, ``num_cached_tokens`` and the finish reason, and (in-process engines only) the
+connector's store statistics. Kept free of pytest so the engine runs exactly as a user's script would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    if not spec.get("multiprocessing", False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"], skip_tokenizer_init=True, dtype="float32", block_size=spec.get("block_size", 32),
+        enable_prefix_caching=False, max_model_len=spec.get("max_model_len", 2048), seed=0,
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048), max_num_seqs=spec.get("max_num_seqs", 8),
+        enable_chunked_prefill=True, enforce_eager=True, kv_cache_memory_bytes=spec.get("kv_cache_bytes", 256 << 20),
+    )
+    if spec.get("kv") is not None:
+        kv: dict[str, Any] = {"kv_connector": "SfstoreConnector", "kv_connector_module_path": "sfstore.kvcache.vllm",
+                              "kv_role": "kv_both", "kv_connector_extra_config": spec["kv"]}
+        kv.update(spec.get("kv_transfer", {}))
+        kwargs["kv_transfer_config"] = kv
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), detokenize=False)
+    rounds = []
+    for prompts in spec["rounds"]:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        rounds.append([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+                        "finish": o.outputs[0].finish_reason} for o in outs])
+    result: dict[str, Any] = {"rounds": rounds, "stats": None}
+    if spec.get("kv") is not None and not spec.get("multiprocessing", False):
+        from sfstore.kvcache import vllm as sfvllm
+
+        stores = [entry[0] for entry in sfvllm._stores.values()]
+        if stores:
+            stats = stores[0].stats()
+            result["stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, dict, list))}
+            if stores[0].shared is not None:
+                result["shared_io"] = stores[0].shared.fp.counters.snapshot()
+            # each prompt's block keys (as named in the shared directory), so a test can damage chosen blocks
+            result["keys"] = [[k.hex() for k in stores[0].keys_for(p)] for p in spec["rounds"][0]]
+    return result
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        spec_ = json.load(f)
+    out = run(spec_)
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f, default=str)
+    # the engine's own shutdown (its store closes and drains its background writes) runs at exit
