@@ -219,6 +219,9 @@ class BlockTransfer:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    # saves only, for vLLM's KV events: each block's tokens and the key of the block before it
+    token_ids: list[list[int]] | None = None
+    parents: list[bytes | None] | None = None
 
 
 @dataclasses.dataclass
@@ -349,6 +352,79 @@ def _set_load_failure_policy(kv_transfer_config: Any, extra: dict[str, Any], rol
     return policy
 
 
+# -- connector stats (vLLM's metrics) ---------------------------------------------------------------------------------
+try:  # vLLM's newer hooks: KV events and connector stats (in 0.32 and 0.33)
+    from vllm.distributed.kv_events import BlockRemoved as _BlockRemoved
+    from vllm.distributed.kv_events import BlockStored as _BlockStored
+    from vllm.distributed.kv_events import KVConnectorKVEvents, KVEventAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats as _Stats
+except ImportError:  # pragma: no cover - an older vLLM: the hooks are not there, nothing calls them
+    _BlockRemoved = _BlockStored = KVConnectorKVEvents = KVEventAggregator = _Stats = None
+
+# (stat name, store counter) counted from the store's counters; the others by the connector itself
+_STORE_STATS = (("hits_pinned", "hits_pinned"), ("hits_block", "hits_block"), ("hits_shared", "hits_shared"),
+                ("misses", "misses"), ("bytes_loaded", "bytes_got"), ("bytes_saved", "bytes_put"),
+                ("corrupt_dropped", "corrupt_dropped"))
+_OWN_STATS = ("load_failures", "blocks_saved")
+
+if _Stats is not None:
+
+    @dataclasses.dataclass
+    class SfstoreConnectorStats(_Stats):  # type: ignore[misc]
+        """sfstore's counts for vLLM's metrics, summed over workers and intervals."""
+
+        def reset(self) -> None:
+            self.data = dict[str, Any]()
+
+        def aggregate(self, other: Any) -> SfstoreConnectorStats:
+            for k, v in (other.data if other is not None else {}).items():
+                self.data[k] = self.data.get(k, 0) + v
+            return self
+
+        def reduce(self) -> dict[str, int | float]:
+            out: dict[str, int | float] = dict(self.data)
+            loads = sum(int(self.data.get(k, 0)) for k in ("hits_pinned", "hits_block", "hits_shared"))
+            tried = loads + int(self.data.get("misses", 0))
+            if tried:
+                out["hit_rate"] = loads / tried
+            return out
+
+        def is_empty(self) -> bool:
+            return not any(self.data.values())
+
+    class _KVEvents(KVConnectorKVEvents):  # type: ignore[misc]
+        """KV events of the workers, keeping those every worker reported (one tensor-parallel shard each)."""
+
+        def __init__(self, num_workers: int) -> None:
+            self._agg = KVEventAggregator(num_workers)
+
+        def add_events(self, events: list[Any]) -> None:
+            self._agg.add_events(events)
+
+        def aggregate(self) -> _KVEvents:
+            common = self._agg.get_common_events()
+            self._agg.clear_events()
+            self._agg.add_events(common)
+            self._agg.reset_workers()
+            return self
+
+        def increment_workers(self, count: int = 1) -> None:
+            self._agg.increment_workers(count)
+
+        def get_all_events(self) -> list[Any]:
+            return list(self._agg.get_all_events())
+
+        def get_number_of_workers(self) -> int:
+            return int(self._agg.get_number_of_workers())
+
+        def clear_events(self) -> None:
+            self._agg.clear_events()
+            self._agg.reset_workers()
+else:  # pragma: no cover
+    SfstoreConnectorStats = None  # type: ignore[assignment,misc]
+    _KVEvents = None  # type: ignore[assignment,misc]
+
+
 # -- the connector ---------------------------------------------------------------------------------------------------
 class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM KV connector (v1 API) that loads and saves KV-cache blocks through a :class:`KVCacheStore`."""
@@ -382,6 +458,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending_loads: dict[str, BlockTransfer] = {}
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._asleep: dict[str, torch.Tensor] = {}  # the caches while vLLM sleeps (unregister_kv_caches)
         self._layer_index = self.layout.layer_index
         self._loads: list[BlockTransfer] = []
         self._load_future: Any = None
@@ -389,6 +466,11 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_errors: set[int] = set()
         self._saved_keys: set[bytes] = set()
         self._dropped_before = 0
+        self._is_scheduler = role == KVConnectorRole.SCHEDULER
+        self._events: list[Any] = []  # worker: KV events since the last get_kv_connector_kv_cache_events
+        self._worker_events: Any = None  # scheduler: the workers' events since the last take_events
+        self._stats = dict.fromkeys(_OWN_STATS, 0)
+        self._stats_base: dict[str, int] = self.store.counters.snapshot()
         self._load_req: dict[int, str] = {}  # block id -> request, of this step's loads
         self._failed_reqs: set[str] = set()  # requests with a block not loaded this step
         self._loads_chunk: tuple[list[bytes], list[int]] | None = None
@@ -530,10 +612,12 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         keys = self.store.keys_for(list(tokens[:end * bt]), tracker.extra)
         first = tracker.saved_blocks
         tracker.saved_blocks = end
-        pairs = [(keys[i], tracker.block_ids[i]) for i in range(first, end) if not self.store.contains(keys[i])]
-        if not pairs:
+        chosen = [i for i in range(first, end) if not self.store.contains(keys[i])]
+        if not chosen:
             return None
-        return BlockTransfer(tracker.req_id, [k for k, _ in pairs], [b for _, b in pairs])
+        return BlockTransfer(tracker.req_id, [keys[i] for i in chosen], [tracker.block_ids[i] for i in chosen],
+                             token_ids=[list(tokens[i * bt:(i + 1) * bt]) for i in chosen],
+                             parents=[keys[i - 1] if i else None for i in chosen])
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._trackers.pop(request.request_id, None)
@@ -550,6 +634,23 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if name in self._layer_index:
                 block_layer_view(cache, 0, self.layout)  # checks the page shape (and, for "cpu", contiguity)
         self._kv_caches = dict(kv_caches)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33's sleep mode: yes. The connector holds vLLM's cache tensors, whose memory sleep unmaps and
+        wake-up maps again at the same addresses; the store's tiers are host memory and files, untouched."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep (transfers are drained: every step waits for its copies): forget the caches, so nothing
+        copies into unmapped memory. Idempotent."""
+        if self._kv_caches:
+            self._asleep, self._kv_caches = self._kv_caches, {}
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: the caches registered before sleep again. Idempotent."""
+        if self._asleep:
+            self._kv_caches, self._asleep = self._asleep, {}
 
     def _layer_of(self, layer_name: str) -> int | None:
         return self._layer_index.get(layer_name)
@@ -636,6 +737,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 ok_ids.append(b)
         self._load_ok = (ok_keys, ok_ids)
         failed = len(keys) - len(ok_keys)
+        self._record_failed_loads([k for k, tier in zip(keys, tiers, strict=True) if tier is None])
         if failed:
             bad = self._dropped() - self._dropped_before
             # A block that failed verification was removed from its tier: the lookups that follow miss it and
@@ -725,6 +827,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.store.discard_partial(list(self._saved_keys))
         if self._saved_keys and self.wait_for_lower_tiers:
             self.store.wait_for_puts()
+        if self._saved_keys:
+            self._record_saves()
         self._saved_keys = set()
         self._loads = []
         self._load_ok = ([], [])
@@ -733,6 +837,86 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
+
+    # ============================== KV events and stats (vLLM's newer hooks) ==============================
+    def _record_saves(self) -> None:
+        """KV events of this step's saved blocks (those now in the pinned tier): one ``BlockStored`` per tier the
+        store writes them to (``sfstore/pinned``, ``sfstore/block``, ``sfstore/shared``; the lower tiers receive
+        them in the background unless ``wait_for_lower_tiers``)."""
+        if not self.has_connector_metadata() or _BlockStored is None:
+            return
+        meta = self._get_connector_metadata()
+        tiers = self.store.stats()["tiers"]
+        for t in meta.saves:
+            if t.req_id in self._failed_reqs or t.token_ids is None or t.parents is None:
+                continue
+            for key, toks, parent in zip(t.keys, t.token_ids, t.parents, strict=True):
+                if key not in self._saved_keys or key not in self.store.pinned:  # not committed this step
+                    continue
+                self._stats["blocks_saved"] += 1
+                for tier in tiers:
+                    self._events.append(_BlockStored(
+                        block_hashes=[key], parent_block_hash=parent, token_ids=toks,
+                        block_size=self.block_tokens, lora_id=None, medium=f"sfstore/{tier}", lora_name=None,
+                    ))
+
+    def _record_failed_loads(self, keys: list[bytes]) -> None:
+        self._stats["load_failures"] += len(keys)
+        if _BlockRemoved is not None and keys:
+            # gone from the tier it was found in (dropped if it failed verification); which tier is not known
+            self._events.append(_BlockRemoved(block_hashes=list(keys), medium=None))
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """Worker side: the blocks stored and removed since the last call, for vLLM's KV event publisher (routers
+        such as Dynamo or llm-d see what sfstore holds); ``medium`` names the sfstore tier."""
+        if not self._events or _KVEvents is None:
+            return None
+        events, self._events = self._events, []
+        out = _KVEvents(num_workers=1)
+        out.add_events(events)
+        return out
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Scheduler side: collect the workers' KV events (those every worker reported, as vLLM's own connectors
+        aggregate them across tensor-parallel ranks)."""
+        events = getattr(connector_output, "kv_cache_events", None)
+        if events is None or _KVEvents is None or not isinstance(events, _KVEvents):
+            return
+        if self._worker_events is None:
+            self._worker_events = events
+        else:
+            self._worker_events.add_events(events.get_all_events())
+            self._worker_events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self) -> Any:
+        """Scheduler side: the KV events collected since the last call (vLLM publishes them each step)."""
+        if self._worker_events is None:
+            return ()
+        batch, self._worker_events = self._worker_events, None
+        batch.aggregate()
+        events = batch.get_all_events()
+        batch.clear_events()
+        return events
+
+    def get_kv_connector_stats(self) -> Any:
+        """Worker side: what the connector did since the last call (vLLM's metrics: hits per tier, misses, load
+        failures, blocks saved, bytes loaded and saved, blocks dropped as corrupt)."""
+        if _Stats is None or self._is_scheduler:
+            return None  # the workers report (in one process both roles share the store: it would count twice)
+        now = self.store.counters.snapshot()
+        data = {name: int(now.get(src, 0)) - int(self._stats_base.get(src, 0)) for name, src in _STORE_STATS}
+        self._stats_base = now
+        data.update(self._stats)
+        self._stats = dict.fromkeys(_OWN_STATS, 0)
+        stats = SfstoreConnectorStats(data=data)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        """The stats object of this connector, from its dict (how vLLM rebuilds stats sent between processes)."""
+        if _Stats is None:
+            return None
+        return SfstoreConnectorStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

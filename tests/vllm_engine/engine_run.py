@@ -10,8 +10,40 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
+import threading
+import time
 from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _subscribe(endpoint: str, events: list[dict[str, Any]], stop: threading.Event) -> None:
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.bind(endpoint)  # vLLM's publisher connects to a tcp endpoint without a wildcard (binds only to "*")
+    sock.setsockopt(zmq.SUBSCRIBE, b"kv")
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while not stop.is_set():
+        if not poller.poll(100):
+            continue
+        _topic, _seq, payload = sock.recv_multipart()
+        for e in decoder.decode(payload).events:
+            hashes = getattr(e, "block_hashes", [])
+            events.append({"type": type(e).__name__, "medium": getattr(e, "medium", None),
+                           "hashes": [h.hex() if isinstance(h, bytes) else h for h in hashes],
+                           "tokens": len(getattr(e, "token_ids", []) or [])})
+    sock.close(0)
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -31,6 +63,18 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                               "kv_role": "kv_both", "kv_connector_extra_config": spec["kv"]}
         kv.update(spec.get("kv_transfer", {}))
         kwargs["kv_transfer_config"] = kv
+    events: list[dict[str, Any]] = []
+    stop = threading.Event()
+    sub = None
+    if spec.get("kv_events"):
+        # vLLM's own ZMQ publisher, and a subscriber as a router (Dynamo, llm-d) runs one; it binds, vLLM connects
+        port = _free_port()
+        kwargs["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                      "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"}
+        sub = threading.Thread(target=_subscribe, args=(f"tcp://127.0.0.1:{port}", events, stop), daemon=True)
+        sub.start()
+    if spec.get("stats"):
+        kwargs["disable_log_stats"] = False
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), detokenize=False)
     rounds = []
@@ -38,7 +82,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         rounds.append([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
                         "finish": o.outputs[0].finish_reason} for o in outs])
-    result: dict[str, Any] = {"rounds": rounds, "stats": None}
+    if spec.get("stats"):
+        llm.llm_engine.do_log_stats()  # vLLM's stat logger prints the connector's stats ("KV Transfer metrics")
+    if sub is not None:
+        time.sleep(1.0)  # the publisher's thread sends what the last steps queued
+        stop.set()
+        sub.join(5)
+    result: dict[str, Any] = {"rounds": rounds, "stats": None, "events": events}
     if spec.get("kv") is not None and not spec.get("multiprocessing", False):
         from sfstore.kvcache import vllm as sfvllm
 

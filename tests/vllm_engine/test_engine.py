@@ -68,7 +68,7 @@ def run_engine(tmp: Path, name: str, spec: dict[str, Any], cwd: Path | None = No
     """Run one engine in a child process; its result (see engine_run.py), with its log on failure."""
     spec_file, out_file = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_file.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run([sys.executable, str(HERE / "engine_run.py"), str(spec_file), str(out_file)],
                           cwd=cwd or tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
@@ -144,7 +144,24 @@ def damaged(work: Path, model: Path, shared: Path, first: dict[str, Any], second
         f.write(bytes([byte[0] ^ 0xFF]))
     os.truncate(block_file(shared, keys_b[3]), FILE_BYTES // 2)
     block_file(shared, keys_a[12]).unlink()
-    return run_engine(work, "damaged", {"model": str(model), "kv": {"shared_dir": str(shared)}, "rounds": [[A, B]]})
+    return run_engine(work, "damaged", {"model": str(model), "kv": {"shared_dir": str(shared)}, "rounds": [[A, B]],
+                                        "kv_events": True, "stats": True})
+
+
+def test_damaged_blocks_show_in_kv_events_and_vllm_metrics(first: dict[str, Any], damaged: dict[str, Any]) -> None:
+    keys_a, keys_b = first["keys"][0], first["keys"][1]
+    removed = [h for e in damaged["events"] if e["type"] == "BlockRemoved" for h in e["hashes"]]
+    assert sorted(removed) == sorted([keys_a[10], keys_b[3]])
+    stored = [(e["hashes"][0], e["medium"], e["tokens"]) for e in damaged["events"] if e["type"] == "BlockStored"]
+    # the recomputed blocks, saved again: A's 10 (was corrupt) and 12 (was deleted), B's 3 (was truncated)
+    assert sorted(stored) == sorted((k, f"sfstore/{tier}", BLOCK) for k in (keys_a[10], keys_a[12], keys_b[3])
+                                    for tier in ("pinned", "shared"))
+    line = next(ln for ln in damaged["log"].splitlines() if "KV Transfer metrics:" in ln)
+    metrics = dict(kv.split("=") for kv in line.split("KV Transfer metrics:")[1].strip().split(", "))
+    assert int(metrics["load_failures"]) == 2
+    assert int(metrics["corrupt_dropped"]) == 2
+    assert int(metrics["blocks_saved"]) == 3
+    assert int(metrics["hits_shared"]) == 11 + 8
 
 
 @pytest.fixture(scope="module")
