@@ -437,6 +437,33 @@ def test_chunked_prefill_saves_each_block_once_with_stand_in_attention_kernel(mo
         assert eng.connector.get_num_new_matched_tokens(make_request("c2", prompt), 0) == (144, False)
 
 
+def test_sleep_mode_unregisters_and_restores_the_caches_with_stand_in_attention_kernel(model_dir: Path) -> None:
+    """vLLM 0.33's sleep mode: the connector says it supports it, holds no cache while vLLM sleeps (a stray load
+    is refused, not copied into unmapped memory) and loads into the same caches after wake-up."""
+    prompt = [(i * 7 + 5) % 1000 for i in range(70)]  # 4 full blocks
+    extra = {"pinned_bytes": 4 << 20, "model_id": "tiny-sleep"}
+    with engine(model_dir, extra, prefix_caching=False) as eng:
+        assert type(eng.worker).supports_sleep_mode(eng.cfg.kv_transfer_config) is True
+        eng.add(make_request("s1", prompt))
+        eng.run()
+        eng.worker.unregister_kv_caches()
+        eng.worker.unregister_kv_caches()  # idempotent
+        name = layer_names()[0]
+        key = eng.connector.store.keys_for(prompt, ())[:1]
+        eng.worker._loads, eng.worker._load_ok = [sfvllm.BlockTransfer("x", key, [0])], (key, [0])
+        with pytest.raises(sfvllm.errors.InvalidRequestError, match="no registered KV cache"):
+            eng.worker.wait_for_layer_load(name)
+        eng.worker._loads, eng.worker._load_ok, eng.worker._load_future = [], ([], []), None
+        eng.worker.restore_kv_caches()
+        eng.worker.restore_kv_caches()  # idempotent
+        eng.add(make_request("s2", [*prompt, 9]))
+        so = eng.step()
+        assert next(r for r in so.scheduled_new_reqs if r.req_id == "s2").num_computed_tokens == 64
+        assert eng.step_log[-1]["load_errors"] == set()
+        assert_blocks_hold(eng, eng.blocks_of("s2")[:4], prompt[:64])
+        eng.run()
+
+
 def test_block_missing_at_load_time_is_reported_with_stand_in_attention_kernel(model_dir: Path) -> None:
     prompt = [(i * 7 + 1) % 1000 for i in range(70)]  # 4 full blocks
     extra = {"pinned_bytes": 4 << 20, "model_id": "tiny-miss"}

@@ -3,7 +3,8 @@
 ``SPEC`` names the model directory, the connector's extra config (``null``: no connector), the engine settings and
 the rounds of prompts (token ids); each round is one ``LLM.generate`` call, greedy. ``OUT`` gets, per round and
 prompt, the generated token ids, ``num_cached_tokens`` and the finish reason, and (in-process engines only) the
-connector's store statistics. Kept free of pytest so the engine runs exactly as a user's script would.
+connector's store statistics. Kept free of pytest so the engine runs exactly as a user's script would
+(test_vllm_engine.py runs it).
 """
 
 from __future__ import annotations
