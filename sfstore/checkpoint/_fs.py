@@ -403,24 +403,15 @@ def publish(staging: str, loc: Location, *, overwrite: bool, exchange: bool | No
 # -- cleanup and recovery --------------------------------------------------------------------------------------
 
 
-def cleanup(parent: str | int, *, remove: bool = True, fp: FilePath | None = None, full: str = "") -> int:
+def cleanup(parent: int, *, fp: FilePath, full: str, remove: bool = True) -> int:
     """Recover interrupted replaces and (``remove=True``) remove stale staging/old directories in ``parent``.
 
-    ``parent`` is a directory descriptor (opened beneath the root: see :meth:`Location.open_parent`; ``full``
-    names it in messages, ``fp`` removes with its walk of descriptors) or, for callers outside a root, a host
-    path. An ``old`` directory of a dead process whose checkpoint name is missing is renamed back to that name
-    (the replace never completed: the previous checkpoint is restored). Returns the number of entries handled.
-    Errors (permissions, races with other cleaners) are ignored: cleanup is best effort.
+    ``parent`` is a readable directory descriptor opened beneath ``fp``'s root (see
+    :meth:`Location.open_parent`); ``full`` names it. Every rename and removal is relative to it. An ``old``
+    directory of a dead process whose checkpoint name is missing is renamed back to that name (the replace
+    never completed: the previous checkpoint is restored). Returns the number of entries handled. Errors
+    (permissions, races with other cleaners) are ignored: cleanup is best effort.
     """
-    if not isinstance(parent, int):
-        try:
-            fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            return 0
-        try:
-            return cleanup(fd, remove=remove, fp=fp, full=parent)
-        finally:
-            os.close(fd)
     host = _host()
     handled = 0
     try:
@@ -444,20 +435,8 @@ def cleanup(parent: str | int, *, remove: bool = True, fp: FilePath | None = Non
                 os.fsync(parent)
                 handled += 1
             elif remove:
-                if fp is not None:
-                    rmtree_at(fp, parent, name, os.path.join(full, name))
-                else:
-                    _rmtree_quiet(parent, name)
+                rmtree_at(fp, parent, name, os.path.join(full, name))
                 handled += 1
         except OSError:
             continue
     return handled
-
-
-def _rmtree_quiet(dirfd: int, name: str) -> None:
-    from sfstore.paths.beneath import Beneath
-
-    try:
-        Beneath("/").rmtree_at(dirfd, name, name)  # acts on the descriptor alone: the root is never opened
-    except OSError:
-        pass

@@ -219,7 +219,8 @@ class SharedTier:
                 if exc.errno != errno.ENOSYS:
                     raise
                 _beneath = None  # a kernel without openat2 (before 5.6): the walk of directory descriptors
-        # The file path's walk, from its root through the tier's directory: never a name resolved ahead.
+        # The file path's walk of descriptors, from its root through the tier's directory (never a name
+        # resolved ahead): confined to that root, where the kernel's lookup is confined to the directory.
         return self.fp.beneath.open(self.prefix + rel, flags)
 
     def _entry(self, key: bytes) -> tuple[str, str]:

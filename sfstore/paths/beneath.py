@@ -132,6 +132,24 @@ class Beneath:
                 self._pid = pid
         return self._fd
 
+    def close(self) -> None:
+        """Close the root's descriptor (a later operation opens it again)."""
+        with self._lock:
+            fd, self._fd = self._fd, -1
+            if fd >= 0 and self._pid == os.getpid():  # a forked child's number may be another file's
+                os.close(fd)
+
+    def __del__(self) -> None:
+        # Every FilePath has one of these: without this, each FilePath made and dropped (one per DCP
+        # writer or reader, per DevicePath) would keep its root's descriptor open until the process ends.
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0 and getattr(self, "_pid", 0) == os.getpid():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            self._fd = -1
+
     # -- names -----------------------------------------------------------------------------------------------
 
     def parts(self, path: str | os.PathLike[str]) -> list[str]:

@@ -166,10 +166,9 @@ class DevicePath(StoragePath):
         full = self.fp.full(path)
         flags = os.O_RDWR | os.O_NONBLOCK | (os.O_CREAT if create else 0)
         try:
-            if create:
-                parent = os.path.dirname(os.fspath(path).rstrip("/"))
-                if parent:
-                    self.fp.beneath.mkdir(parent, parents=True, exist_ok=True)
+            parents = self.fp.beneath.parts(path)[:-1]
+            if create and parents:
+                self.fp.beneath.mkdir("/".join(parents), parents=True, exist_ok=True)
             fd = self.fp.beneath.open(path, flags, 0o644)
         except errors.PathEscapeError:
             raise
@@ -203,8 +202,12 @@ class DevicePath(StoragePath):
             f = self._cufiles.get(full)
             if f is None:
                 kvikio = importlib.import_module("kvikio")
-                # The file this path's descriptor holds (opened beneath the root), never the name again.
-                f = kvikio.CuFile(f"/proc/self/fd/{fd}", "r+")
+                # The file this path's descriptor holds (opened beneath the root), never the name again:
+                # kvikio takes a path only, and reopening /proc/self/fd/N opens that very inode.
+                try:
+                    f = kvikio.CuFile(f"/proc/self/fd/{fd}", "r+")
+                except Exception as exc:  # kvikio raises RuntimeError for what open(2) refuses
+                    raise errors.os_error(errno.EIO, f"kvikio cannot open the file ({exc})", full) from None
                 self._cufiles[full] = f
             return f
 
