@@ -3,7 +3,8 @@
 ``python vllm_ttft.py SPEC.json OUT.json``. ``SPEC``: ``model``, ``connector`` (``none``, ``sfstore`` or
 ``example``: vLLM's ExampleConnector, which stores each request's KV as safetensors files in a directory),
 ``extra`` (the connector's extra config), ``prompts`` (token ids), ``repeat_same`` (time each prompt twice in this
-process: the second is a hit from the pinned tier) and, for the first-timed case, nothing else. Each prompt is one
+process: the second is a hit from the pinned tier) and ``eager`` (vLLM's ``enforce_eager``; default off: the
+model compiled, as vLLM runs it by default). Each prompt is one
 ``LLM.generate`` with ``max_tokens=1`` after a warm-up prompt: its wall time is the time to first token. ``OUT``:
 ``{"ttft_s": [...], "again_s": [...], "cached": [...], "cached_again": [...], "error": None}``.
 """
@@ -24,7 +25,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
 
     kwargs: dict[str, Any] = dict(
         model=spec["model"], skip_tokenizer_init=True, dtype="float32", block_size=32, enable_prefix_caching=False,
-        max_model_len=8192, seed=0, max_num_batched_tokens=8192, max_num_seqs=4, enforce_eager=True,
+        max_model_len=8192, seed=0, max_num_batched_tokens=8192, max_num_seqs=4,
+        enforce_eager=bool(spec.get("eager", False)),
         kv_cache_memory_bytes=1 << 30,
     )
     conn = spec["connector"]

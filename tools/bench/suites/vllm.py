@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHILD = Path(__file__).resolve().parents[1] / "vllm_ttft.py"
 GOALS = (("sfstore-shared-cold", "none", 0.5), ("sfstore-pinned", "none", 0.2), ("sfstore-shared-cold", "example-cold",
                                                                                  1 / 1.5))
+EAGER = [False]  # --eager, for every engine process of the run
 MODEL_SCRIPT = """
 import sys, torch, transformers
 torch.manual_seed(0)
@@ -57,13 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("vllm suite")
     g.add_argument("--engine-python", metavar="PATH", default=str(ROOT / ".venv-vllm-engine" / "bin" / "python"),
                    help="Python of the engine venv (default .venv-vllm-engine/bin/python; tools/vllm-engine-env.sh)")
+    g.add_argument("--eager", action="store_true",
+                   help="vLLM's enforce_eager (no torch.compile: shorter start-up, slower forward passes)")
     g.add_argument("--lengths", default="512,1536,4096", metavar="N,N",
                    help="prompt lengths in tokens (default 512,1536,4096; --quick: 1536)")
 
 
 def _child(python: str, work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     spec_file, out_file = work / f"{name}.spec.json", work / f"{name}.out.json"
-    spec_file.write_text(json.dumps(spec))
+    spec_file.write_text(json.dumps({**spec, "eager": EAGER[0]}))
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run([python, str(CHILD), str(spec_file), str(out_file)], cwd=work, env=env,
                           capture_output=True, text=True, timeout=1800)
@@ -93,6 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     python = args.engine_python
     if not os.access(python, os.X_OK):
         raise BenchSetupError(f"no engine venv at {python}: tools/vllm-engine-env.sh makes .venv-vllm-engine")
+    EAGER[0] = bool(args.eager)
     base = Path(args.dir or default_bench_dir())
     check_bench_dir(base)
     work = base / "vllm"
@@ -145,7 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {name} = {r['ratio']:.2f} (goal <= {r['goal_max']:.2f}: {'met' if r['met'] else 'NOT met'})",
                   flush=True)
         cases.append(case)
-    return {"bench": "vllm", "machine": machine_info(base), "date": utc_now(), "cases": cases}
+    return {"bench": "vllm", "machine": machine_info(base), "date": utc_now(), "cases": cases,
+            "params": {"eager": bool(args.eager), "repeat": args.repeat, "lengths": lengths}}
 
 
 register(Suite(name="vllm", help="time to first token in a real vLLM engine (CPU): sfstore's tiers vs no connector "
