@@ -248,3 +248,26 @@ def test_multiprocess_executor_next_request_full_hit(baseline: dict[str, Any], w
     assert [g["cached"] for g in got] == [0, 1984] * 3
     assert [g["tokens"] for g in got[1::2]] == [g["tokens"] for g in got[0::2]]
     assert [r["tokens"] for r in out["rounds"][-1]] == [t[:1] for t in tokens(baseline["rounds"][0])[:2]]
+
+
+def test_fail_policy_fails_one_request_then_the_block_is_gone(baseline: dict[str, Any], work: Path, model: Path,
+                                                              shared: Path, first: dict[str, Any],
+                                                              after_damage: dict[str, Any]) -> None:
+    """Under ``kv_load_failure_policy: fail`` (asked for explicitly, and warned about), a corrupt shared block fails
+    the request that loads it, once: it is removed, so the next request misses it, computes it and saves it."""
+    key = first["keys"][0][5]
+    with open(block_file(shared, key), "r+b") as f:
+        f.seek(4096 + 17)
+        byte = f.read(1)
+        f.seek(4096 + 17)
+        f.write(bytes([byte[0] ^ 0x55]))
+    out = run_engine(work, "fail-policy", {"model": str(model), "kv": {"shared_dir": str(shared),
+                                                                         "kv_load_failure_policy": "fail"},
+                                           "rounds": [[A], [A], [A]]})
+    assert "kv_load_failure_policy is 'fail'" in out["log"]
+    failed, missed, hit = (r[0] for r in out["rounds"])
+    assert failed["finish"] == "error"
+    assert (missed["finish"], missed["cached"]) == ("length", 5 * BLOCK)  # the lookup stops at the removed block
+    assert missed["tokens"] == tokens(baseline["rounds"][0])[0]
+    assert (hit["cached"], hit["tokens"]) == (FULL["A"], missed["tokens"])  # saved again: the full hit
+    assert out["stats"]["corrupt_dropped"] == 1
