@@ -16,6 +16,7 @@ cache is off, so every cached token is one sfstore loaded. What this guards:
 * a corrupted, a truncated and a deleted shared block give the same output with no failed request (under the
   connector's default failure policy), are dropped and counted, are saved again, and the next process gets the
   full hit again;
+* under ``kv_load_failure_policy: fail`` a corrupt block fails one request only, and start-up warns;
 * with vLLM's multiprocess executor (scheduler and worker in different processes) and ``wait_for_lower_tiers``,
   a request right after another with the same prompt gets the full hit every time (the saves of a step with no
   loads are waited for).
