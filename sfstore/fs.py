@@ -500,7 +500,8 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         out: list[bytes | BaseException] = [b""] * n
         for name, members in self._group_by_file(paths).items():
             try:
-                self._read_coalesced(name, members, starts_l, ends_l, gap, max_block, out)
+                with self._open_file(name) as f:
+                    self._read_coalesced(f, members, starts_l, ends_l, gap, max_block, out)
             except Exception as exc:
                 if on_error != "return":
                     raise
@@ -514,21 +515,8 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             groups.setdefault(self._strip_protocol(p), []).append(i)
         return groups
 
-    def _read_coalesced(
-        self,
-        name: str,
-        members: list[int],
-        starts: list[int | None],
-        ends: list[int | None],
-        gap: int,
-        max_block: int,
-        out: list[bytes | BaseException],
-    ) -> None:
-        with self._open_file(name) as f:
-            self._read_coalesced_from(f, members, starts, ends, gap, max_block, out)
-
     @staticmethod
-    def _read_coalesced_from(
+    def _read_coalesced(
         f: OpenFile,
         members: list[int],
         starts: list[int | None],

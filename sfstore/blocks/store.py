@@ -888,6 +888,16 @@ class BlockStore:
                 hits += 1
                 nbytes += e.length
 
+        def finish_oldest() -> None:
+            """Deliver the oldest wave in flight, then release its buffers (also when delivering fails)."""
+            fut0, items0, held0 = waves.popleft()
+            try:
+                deliver(fut0, items0)
+            finally:
+                fut0.wait()
+                for b in held0:
+                    b.release()
+
         try:
             sizes = [entries[i].length for i in live]  # type: ignore[union-attr]
             classes = self._classes
@@ -933,21 +943,9 @@ class BlockStore:
                     raise
                 waves.append((fut, items, held))
                 if len(waves) > _WAVES_IN_FLIGHT:
-                    fut0, items0, held0 = waves.popleft()
-                    try:
-                        deliver(fut0, items0)
-                    finally:
-                        fut0.wait()
-                        for b in held0:
-                            b.release()
+                    finish_oldest()
             while waves:
-                fut0, items0, held0 = waves.popleft()
-                try:
-                    deliver(fut0, items0)
-                finally:
-                    fut0.wait()
-                    for b in held0:
-                        b.release()
+                finish_oldest()
         finally:
             for fut0, _items, held0 in waves:
                 fut0.wait()

@@ -28,9 +28,11 @@ type them), or :class:`~sfstore.errors.PathEscapeError`.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from sfstore import errors
@@ -464,21 +466,21 @@ class Beneath:
             raise errors.InvalidRequestError(f"refusing to {what} the root {self.root}")
         return loc
 
-    def unlink(self, path: str | os.PathLike[str]) -> None:
-        """Remove the entry ``path`` (a symlink: the link itself); not a directory."""
-        with self._entry(path, "unlink") as loc:
+    def _remove(self, path: str | os.PathLike[str], what: str, call: Callable[..., None]) -> None:
+        """``call(name, dir_fd=)`` (``os.unlink`` or ``os.rmdir``) on the entry ``path``; errors name ``path``."""
+        with self._entry(path, what) as loc:
             try:
-                os.unlink(loc.name or "", dir_fd=loc.dirfd)
+                call(loc.name or "", dir_fd=loc.dirfd)
             except OSError as exc:
                 raise OSError(exc.errno, exc.strerror, loc.full) from None
 
+    def unlink(self, path: str | os.PathLike[str]) -> None:
+        """Remove the entry ``path`` (a symlink: the link itself); not a directory."""
+        self._remove(path, "unlink", os.unlink)
+
     def rmdir(self, path: str | os.PathLike[str]) -> None:
         """Remove the empty directory ``path`` (a symlink to one is refused with ENOTDIR)."""
-        with self._entry(path, "remove") as loc:
-            try:
-                os.rmdir(loc.name or "", dir_fd=loc.dirfd)
-            except OSError as exc:
-                raise OSError(exc.errno, exc.strerror, loc.full) from None
+        self._remove(path, "remove", os.rmdir)
 
     def mkdir(
         self, path: str | os.PathLike[str], mode: int = 0o777, *, parents: bool = False, exist_ok: bool = False
@@ -505,21 +507,24 @@ class Beneath:
         os.close(fd)
         return True
 
-    def rename(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-        """``rename(2)`` of the entry ``src`` to ``dst`` (a symlink: the link itself), both beneath the root."""
-        with self._entry(src, "move") as a, self._entry(dst, "replace") as b:
+    def _two(
+        self, src: str | os.PathLike[str], dst: str | os.PathLike[str], what: str, call: Callable[..., None]
+    ) -> None:
+        """``call(src_name, dst_name, src_dir_fd=, dst_dir_fd=)`` on the entries ``src`` and ``dst`` (``dst``
+        may be replaced); errors name both."""
+        with self._entry(src, what) as a, self._entry(dst, "replace") as b:
             try:
-                os.rename(a.name or "", b.name or "", src_dir_fd=a.dirfd, dst_dir_fd=b.dirfd)
+                call(a.name or "", b.name or "", src_dir_fd=a.dirfd, dst_dir_fd=b.dirfd)
             except OSError as exc:
                 raise OSError(exc.errno, exc.strerror, a.full, None, b.full) from None
 
+    def rename(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        """``rename(2)`` of the entry ``src`` to ``dst`` (a symlink: the link itself), both beneath the root."""
+        self._two(src, dst, "move", os.rename)
+
     def link(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
         """Hard-link the entry ``src`` as ``dst`` (fails with EEXIST if ``dst`` exists)."""
-        with self._entry(src, "link") as a, self._entry(dst, "replace") as b:
-            try:
-                os.link(a.name or "", b.name or "", src_dir_fd=a.dirfd, dst_dir_fd=b.dirfd, follow_symlinks=False)
-            except OSError as exc:
-                raise OSError(exc.errno, exc.strerror, a.full, None, b.full) from None
+        self._two(src, dst, "link", functools.partial(os.link, follow_symlinks=False))
 
     def rmtree(self, path: str | os.PathLike[str], maxdepth: int | None = None) -> None:
         """Remove ``path`` and what it holds, walking directory descriptors (symlinks removed, never followed).
