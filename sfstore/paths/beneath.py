@@ -538,18 +538,27 @@ class Beneath:
     def rmtree_at(self, dirfd: int, name: str, full: str, maxdepth: int | None = None) -> None:
         """:meth:`rmtree` of the entry ``name`` of the directory descriptor ``dirfd`` (``full`` names it in
         errors); acts on descriptors alone, so it serves directories the caller opened beneath the root."""
+        self._remove_at(dirfd, name, full, 1, maxdepth, missing_ok=False)
+
+    def _remove_at(
+        self, dirfd: int, name: str, full: str, depth: int, maxdepth: int | None, *, missing_ok: bool
+    ) -> None:
+        """Remove the entry ``name`` of ``dirfd``: a directory with what it holds (entries ``depth`` levels
+        below and deeper, past ``maxdepth``, stay), anything else (a symlink, never followed) unlinked.
+        ``missing_ok``: an entry gone meanwhile is no error."""
         try:
             fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+        except FileNotFoundError as exc:
+            if missing_ok:
+                return
+            raise OSError(exc.errno, exc.strerror, full) from None
         except OSError as exc:
-            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):  # replaced by a non-directory: unlink it
                 raise OSError(exc.errno, exc.strerror, full) from None
-            try:
-                os.unlink(name, dir_fd=dirfd)
-            except OSError as exc2:
-                raise OSError(exc2.errno, exc2.strerror, full) from None
+            self._unlink_at(dirfd, name, full, missing_ok=missing_ok)
             return
         try:
-            self._clear(fd, full, 1, maxdepth)
+            self._clear(fd, full, depth, maxdepth)
         finally:
             os.close(fd)
         try:
@@ -566,33 +575,17 @@ class Beneath:
             if is_dir:
                 if maxdepth is not None and depth >= maxdepth:
                     continue
-                try:
-                    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
-                except FileNotFoundError:
-                    continue
-                except OSError as exc:
-                    if exc.errno not in (errno.ENOTDIR, errno.ELOOP):  # replaced by a non-directory: unlink it
-                        raise OSError(exc.errno, exc.strerror, child) from None
-                    self._unlink_quiet(dirfd, name, child)
-                    continue
-                try:
-                    self._clear(fd, child, depth + 1, maxdepth)
-                finally:
-                    os.close(fd)
-                try:
-                    os.rmdir(name, dir_fd=dirfd)
-                except OSError as exc:
-                    if maxdepth is None and exc.errno != errno.ENOENT:
-                        raise OSError(exc.errno, exc.strerror, child) from None
+                self._remove_at(dirfd, name, child, depth + 1, maxdepth, missing_ok=True)
             else:
-                self._unlink_quiet(dirfd, name, child)
+                self._unlink_at(dirfd, name, child, missing_ok=True)
 
     @staticmethod
-    def _unlink_quiet(dirfd: int, name: str, full: str) -> None:
+    def _unlink_at(dirfd: int, name: str, full: str, *, missing_ok: bool) -> None:
         try:
             os.unlink(name, dir_fd=dirfd)
-        except FileNotFoundError:
-            pass
+        except FileNotFoundError as exc:
+            if not missing_ok:
+                raise OSError(exc.errno, exc.strerror, full) from None
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, full) from None
 

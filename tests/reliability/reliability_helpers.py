@@ -1,5 +1,6 @@
 """Helpers of the reliability suite: a child process under resource limits (``from reliability_helpers import
-run_child``); the symlink swapper of the race tests (``start_swapper``, ``stop_swapper``, ``tree_signature``)."""
+run_child``); a call on a thread that fails the test when it hangs (``run_bounded``); the symlink swapper of the
+race tests (``start_swapper``, ``stop_swapper``, ``tree_signature``)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChildResult", "run_child", "start_swapper", "stop_swapper", "tree_signature"]
+import pytest
+
+__all__ = ["ChildResult", "run_bounded", "run_child", "start_swapper", "stop_swapper", "tree_signature"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,34 @@ def run_child(
         cwd=cwd,
     )
     return ChildResult(done.returncode, done.stdout, done.stderr)
+
+
+def run_bounded(call: Callable[[], Any], timeout: float, fifos: Iterable[str | Path] = ()) -> Any:
+    """``call()`` on a daemon thread: its result, or its exception raised here. Still running after ``timeout``
+    seconds, it fails the test (a hang), after opening each of ``fifos`` for writing (a writer end appears, so a
+    reader blocked in ``open()`` on it ends) and waiting ``timeout`` seconds more for the thread."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed to the test thread
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        for fifo in fifos:
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        t.join(timeout)
+        pytest.fail(f"{call} did not return within {timeout} s (hung, e.g. blocked on a special file)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 # The racer of the symlink-race tests: exchanges <top>/d with <top>/d-abs, twice (d is the link, then the real

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from reliability_helpers import run_bounded
 
 from sfstore import checkpoint, errors
 from sfstore.checkpoint import MANIFEST_NAME
@@ -30,28 +30,7 @@ TIMEOUT = 10.0
 
 def bounded(fn: Callable[[], Any], fifos: list[Path]) -> Any:
     """``fn()``'s result or exception; a test failure if it does not return within ``TIMEOUT`` seconds."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:
-            box["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(TIMEOUT)
-    if t.is_alive():
-        for fifo in fifos:  # release the blocked open() (a writer end appears), so the thread can finish
-            try:
-                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:
-                pass
-        t.join(5)
-        pytest.fail(f"{fn} did not return within {TIMEOUT} s (blocked on a special file)")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    return run_bounded(fn, TIMEOUT, fifos)
 
 
 def make_special(path: Path, kind: str) -> Iterator[None]:

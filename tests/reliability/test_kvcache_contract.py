@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from reliability_helpers import run_bounded
 
 from sfstore import errors
 from sfstore.blocks import BlockStore
@@ -47,26 +47,9 @@ def raw(t: Any) -> bytes:
     return bytes(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def bounded(fn: Callable[[], Any], on_hang: Callable[[], None] = lambda: None) -> Any:
-    """``fn()`` in a thread; a hang past ``SECONDS`` fails the test (after ``on_hang`` released it)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:
-            box["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(SECONDS)
-    if t.is_alive():
-        on_hang()
-        t.join(SECONDS)
-        pytest.fail(f"the get did not return within {SECONDS} s (hung)")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+def bounded(fn: Callable[[], Any], fifo: Path | None = None) -> Any:
+    """``fn()`` in a thread; a hang past ``SECONDS`` fails the test (after opening ``fifo`` released it)."""
+    return run_bounded(fn, SECONDS, [] if fifo is None else [fifo])
 
 
 def shared_file(shared: Path, key: bytes) -> Path:
@@ -177,17 +160,6 @@ def make_store(
         s.close()
 
 
-def release_fifo(path: Path) -> Callable[[], None]:
-    def release() -> None:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-            os.close(fd)
-        except OSError:
-            pass
-
-    return release
-
-
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_bad_shared_block_misses_alone_and_leaves_its_destination_as_it_was(
@@ -213,7 +185,7 @@ def test_a_bad_shared_block_misses_alone_and_leaves_its_destination_as_it_was(
     before = [raw(d) for d in dst]
     before_stats = kv.stats()
 
-    tiers = bounded(lambda: kv.get_into(keys, dst), release_fifo(path))
+    tiers = bounded(lambda: kv.get_into(keys, dst), path)
 
     good_tier = "block" if block else "shared"
     assert tiers == [good_tier, None, good_tier, good_tier]
@@ -230,7 +202,7 @@ def test_a_bad_shared_block_misses_alone_and_leaves_its_destination_as_it_was(
     if damage == "symlink-out-of-the-root":
         assert (outside / path.name).read_bytes()[:8] == b"SFKVBLK1"
     # the key stays a miss (never a wrong hit), and a put of the block publishes it again where it can
-    assert bounded(lambda: kv.get_into([keys[bad]], dst[bad:bad + 1]), release_fifo(path)) == [None]
+    assert bounded(lambda: kv.get_into([keys[bad]], dst[bad:bad + 1]), path) == [None]
     assert raw(dst[bad]) == before[bad]
     if damage != "directory":  # a directory at a key's path is not the tier's to remove
         kv.evict([keys[bad]], tiers=("block",))
@@ -238,7 +210,7 @@ def test_a_bad_shared_block_misses_alone_and_leaves_its_destination_as_it_was(
         kv.wait_for_puts()
         kv.evict([keys[bad]], tiers=("pinned", "block"))
         again = sentinel(1)
-        assert bounded(lambda: kv.get_into([keys[bad]], again), release_fifo(path)) == ["shared"]
+        assert bounded(lambda: kv.get_into([keys[bad]], again), path) == ["shared"]
         assert torch.equal(again[0], src[bad])
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from reliability_helpers import run_bounded
 
 from sfstore import errors
 from sfstore.fs import SFFileSystem
@@ -38,28 +39,7 @@ BIG = os.urandom(3 << 20)  # 3 MiB: get_file's streamed path
 def _bounded(call: Callable[[], Any], unblock: Path | None = None) -> Any:
     """Run ``call`` on a thread; fail if it is still running after ``TIMEOUT`` s (then open ``unblock``, a FIFO,
     for writing so a reader stuck on it ends). Returns the call's result or raises its exception."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # handed to the test thread
-            box["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(TIMEOUT)
-    if t.is_alive():
-        if unblock is not None:
-            try:
-                os.close(os.open(unblock, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:
-                pass
-            t.join(TIMEOUT)
-        pytest.fail(f"{call} did not return within {TIMEOUT} s: it waited on a special file")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    return run_bounded(call, TIMEOUT, [] if unblock is None else [unblock])
 
 
 @pytest.fixture
