@@ -1,24 +1,32 @@
 """Helpers of the reliability suite: a child process under resource limits (``from reliability_helpers import
 run_child``); a call on a thread that fails the test when it hangs (``run_bounded``); the symlink swapper of the
-race tests (``start_swapper``, ``stop_swapper``, ``tree_signature``)."""
+race tests (``start_swapper``, ``stop_swapper``, ``tree_signature``), the top they swap in (``replace_top``), their
+race loop and its checks (``race``, ``check_race``, ``Tally``, ``Miss``)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import stat
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
-__all__ = ["ChildResult", "run_bounded", "run_child", "start_swapper", "stop_swapper", "tree_signature"]
+from sfstore import errors
+
+__all__ = [
+    "ChildResult", "Miss", "Tally", "check_race", "race", "replace_top", "run_bounded", "run_child", "start_swapper",
+    "stop_swapper", "tree_signature",
+]
 
 
 @dataclass(frozen=True)
@@ -149,3 +157,130 @@ def tree_signature(top: str | Path) -> dict[str, tuple[Any, ...]]:
             else:
                 out[rel] = ("special", stat.S_IFMT(st.st_mode), st.st_mtime_ns)
     return out
+
+
+def replace_top(root: Path, new: Path, outside: Path) -> None:
+    """Give ``new`` (holding the real directory ``d``) the links ``d-abs`` and ``d-rel`` to ``outside``, and put
+    it in place of ``<root>/top`` atomically (the old one is removed)."""
+    top = root / "top"
+    os.symlink(outside, new / "d-abs")
+    os.symlink(os.path.relpath(outside, top), new / "d-rel")
+    if top.exists():
+        trash = root / (new.name.replace(".top-new-", ".top-old-", 1))
+        os.rename(top, trash)
+        # fd-based on Linux: never follows the links being swapped. An exchange that resolved ``top`` before
+        # the rename may still land in ``trash`` just after it, so retry what that disturbs.
+        for _ in range(100):
+            try:
+                shutil.rmtree(trash)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                continue
+    os.rename(new, top)
+
+
+class Miss(Exception):
+    """Raised by a raced operation that did not reach the inside data (a swap made it miss): not a success."""
+
+
+@dataclass
+class Tally:
+    """What a race counted."""
+
+    calls: int = 0
+    ok: int = 0
+    ok_walked: int = 0  # of ``ok``: calls made with openat2 switched off
+    escapes: int = 0
+    refused: int = 0
+    missed: int = 0
+    untyped: list[str] = field(default_factory=list)
+    swaps: int = 0
+
+
+class RaceScene(Protocol):
+    """A root whose ``top/d`` is swapped for a symlink to ``outside``; ``baseline`` is what ``outside`` holds."""
+
+    outside: Path
+    baseline: dict[str, tuple[Any, ...]]
+
+    @property
+    def top(self) -> Path: ...
+
+    def build_top(self) -> None: ...
+
+    def outside_changed(self) -> bool: ...
+
+
+def race(
+    scene: RaceScene,
+    op: Callable[[Any], Any],
+    mutates: bool,
+    seconds: float,
+    *,
+    set_walk: Callable[[bool], None],
+    leaks: Callable[[Any], bool],
+    until_succeeded: bool = False,
+) -> Tally:
+    """Call ``op(scene)`` for ``seconds`` while the swapper runs, every other call with ``set_walk(True)``
+    (openat2 switched off: the component walk); a result that ``leaks`` outside data, or a change outside, is an
+    escape; ``top`` is rebuilt after each call of an op that ``mutates``. ``until_succeeded``: an operation of
+    many resolutions succeeds rarely while the swap runs, so past the deadline it goes on (for at most 10 times
+    as long, and for 4 calls at least) until it has succeeded in both modes."""
+    tally = Tally()
+    swapper = start_swapper(scene.top)
+    try:
+        deadline = time.monotonic() + seconds
+        overtime = deadline + 10 * seconds
+
+        def more() -> bool:
+            now = time.monotonic()
+            if not until_succeeded:
+                return now < deadline
+            succeeded = tally.ok > tally.ok_walked > 0
+            return now < deadline or tally.calls < 4 or (not succeeded and now < overtime)
+
+        while more():
+            tally.calls += 1
+            walked = tally.calls % 2 == 0
+            set_walk(walked)
+            escaped = False
+            try:
+                value = op(scene)
+            except Miss:
+                tally.missed += 1
+            except errors.SfstoreError:
+                tally.refused += 1
+            except Exception as exc:  # any other type is a failure of the typed-error promise
+                tally.untyped.append(f"{type(exc).__name__}: {exc}")
+            else:
+                escaped = leaks(value)
+                if not escaped:
+                    tally.ok += 1
+                    tally.ok_walked += walked
+            if scene.outside_changed():
+                escaped = True
+            if escaped:
+                tally.escapes += 1
+            if mutates:
+                scene.build_top()
+    finally:
+        set_walk(False)
+        tally.swaps = stop_swapper(swapper)
+    return tally
+
+
+def check_race(name: str, tally: Tally, seconds: float, scene: RaceScene) -> None:
+    """Print a race's figures and assert what it promises: the racer ran, 0 escapes, only typed errors, a
+    success in both modes, the outside as it was."""
+    print(
+        f"\n{name}: {tally.calls} calls, {tally.escapes} escapes, {tally.ok} ok ({tally.ok_walked} walked), "
+        f"{tally.refused} refused (typed), {tally.missed} missed, {len(tally.untyped)} untyped, "
+        f"{tally.swaps} swaps in {seconds:g} s"
+    )
+    assert tally.swaps > 100, "the racer hardly ran: the race proves nothing"
+    assert tally.escapes == 0, f"{name} reached outside the root {tally.escapes} times in {tally.calls} calls"
+    assert not tally.untyped, f"{name} raised untyped errors: {sorted(set(tally.untyped))[:5]}"
+    assert tally.ok > tally.ok_walked > 0, f"{name} never succeeded (in both modes): refusing everything is no fix"
+    assert tree_signature(scene.outside) == scene.baseline

@@ -290,6 +290,21 @@ def _json_paths(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ..
             yield from _json_paths(v, (*path, i))
 
 
+def _with_hostile_values(good: Any, spots: list[tuple[Any, ...]], values: list[Any], rng: random.Random) -> Any:
+    """A copy of the JSON ``good`` with 1-3 of its ``spots`` set to (copies of) values drawn from ``values``."""
+    m = json.loads(json.dumps(good))
+    for _ in range(rng.randint(1, 3)):
+        spot = rng.choice(spots)
+        node: Any = m
+        try:
+            for k in spot[:-1]:
+                node = node[k]
+            node[spot[-1]] = json.loads(json.dumps(rng.choice(values)))
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier change removed this spot
+    return m
+
+
 def test_self_consistent_hostile_manifests_never_escape_as_other_errors(tmp_path: Path, scale: int) -> None:
     """Fuzz: replace 1-3 values anywhere in a manifest by hostile ones and seal it with a valid sum, so only
     the validation behind the sum stands between the file and the caller: ``load``, ``load(into=)`` and
@@ -309,16 +324,7 @@ def test_self_consistent_hostile_manifests_never_escape_as_other_errors(tmp_path
     rng = random.Random(4242)
     untyped: list[str] = []
     for trial in range(1000 * scale):
-        m = json.loads(json.dumps(good))
-        for _ in range(rng.randint(1, 3)):
-            spot = rng.choice(spots)
-            node: Any = m
-            try:
-                for k in spot[:-1]:
-                    node = node[k]
-                node[spot[-1]] = json.loads(json.dumps(rng.choice(_HOSTILE_VALUES)))
-            except (KeyError, IndexError, TypeError):
-                continue  # an earlier change removed this spot
+        m = _with_hostile_values(good, spots, _HOSTILE_VALUES, rng)
         (ck / MANIFEST_NAME).write_bytes(seal(json.dumps(m, indent=1).encode("ascii")))
         for op in ("load", "into", "list"):
             try:
@@ -354,16 +360,7 @@ def test_hostile_dcp_metadata_is_corrupt_never_another_error(tmp_path: Path, sca
     rng = random.Random(77)
     untyped: list[str] = []
     for trial in range(500 * scale):
-        m = json.loads(json.dumps(good))
-        for _ in range(rng.randint(1, 3)):
-            spot = rng.choice(spots)
-            node: Any = m
-            try:
-                for k in spot[:-1]:
-                    node = node[k]
-                node[spot[-1]] = json.loads(json.dumps(rng.choice(values)))
-            except (KeyError, IndexError, TypeError):
-                continue
+        m = _with_hostile_values(good, spots, values, rng)
         try:
             decode_metadata(json.dumps(m).encode())
         except errors.CorruptCheckpointError:

@@ -251,14 +251,23 @@ def test_a_corrupt_block_store_slot_misses_alone_and_leaves_its_destination_as_i
     assert kv.block.stats()["corrupt_dropped"] == 1 and not kv.block.contains(keys[1])
 
 
-def test_a_corrupt_block_slot_falls_through_to_a_good_shared_copy(
-    make_store: Callable[[bool, bool], KVCacheStore]
-) -> None:
+def two_blocks_stored(
+    make_store: Callable[[bool, bool], KVCacheStore], seed: int
+) -> tuple[KVCacheStore, list[bytes], list[Any]]:
+    """A store of a block tier and the shared tier (no pinned tier) holding ``blocks(2, seed)`` in both: the
+    store, the keys, the blocks."""
     kv = make_store(False, True)
     assert kv.block is not None
     keys = kv.keys_for(range(16 * 2))
-    src = blocks(2, seed=5)
+    src = blocks(2, seed=seed)
     kv.put(keys, src)
+    return kv, keys, src
+
+
+def test_a_corrupt_block_slot_falls_through_to_a_good_shared_copy(
+    make_store: Callable[[bool, bool], KVCacheStore]
+) -> None:
+    kv, keys, src = two_blocks_stored(make_store, seed=5)
     corrupt_block_slot(kv.block, keys[0])
     dst = sentinel(2)
     assert kv.get_into(keys, dst) == ["shared", "block"]
@@ -447,11 +456,7 @@ def test_keep_on_miss_false_reads_straight_into_the_destination(
     make_store: Callable[[bool, bool], KVCacheStore]
 ) -> None:
     """The opt-out for callers that recompute misses: no staging copy, hits still verified bit for bit."""
-    kv = make_store(False, True)
-    assert kv.block is not None
-    keys = kv.keys_for(range(16 * 2))
-    src = blocks(2, seed=9)
-    kv.put(keys, src)
+    kv, keys, src = two_blocks_stored(make_store, seed=9)
     kv.evict([keys[1]], tiers=("shared",))
     corrupt_block_slot(kv.block, keys[1])
     dst = sentinel(2)

@@ -18,7 +18,34 @@ from reliability_helpers import run_child
 
 PAYLOAD = 624_640  # the size the defect was found with (bytes)
 
-_CHILD = r"""
+# Child code of both tests: a blocking write of ``size`` bytes to a pipe whose reader (a thread) takes ``chunk``
+# bytes every ``pause`` s, so the writer fills the 64 KiB pipe and blocks many times before the payload is
+# through; returns (bytes written, bytes received).
+_PIPE_WRITE = r"""
+import os, threading, time
+
+def pipe_write(size, pause, chunk):
+    r, w = os.pipe()
+    got = [0]
+    def reader():
+        while True:
+            time.sleep(pause)
+            d = os.read(r, chunk)
+            if not d:
+                break
+            got[0] += len(d)
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        n = os.write(w, b"y" * size)
+    finally:
+        os.close(w)
+        t.join()
+        os.close(r)
+    return n, got[0]
+"""
+
+_CHILD = _PIPE_WRITE + r"""
 import json, os, sys, threading, time
 
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS
@@ -81,32 +108,11 @@ ops = [("sf_write", sf_write), ("sf_read", sf_read), ("sf_many", sf_many), ("pro
 if not _native.uring_status()[0]:
     ops = [op for op in ops if op[0] != "uring"]
 
-def pipe_write():
-    # A slow reader: the writer fills the 64 KiB pipe and blocks many times before the payload is through.
-    r, w = os.pipe()
-    got = [0]
-    def reader():
-        while True:
-            time.sleep(0.0005)
-            d = os.read(r, 16384)
-            if not d:
-                break
-            got[0] += len(d)
-    t = threading.Thread(target=reader)
-    t.start()
-    try:
-        n = os.write(w, b"y" * PAYLOAD)
-    finally:
-        os.close(w)
-        t.join()
-        os.close(r)
-    return n, got[0]
-
 short = []
 for i in range(rounds):
     name, op = ops[i % len(ops)]
     op(i)
-    n, got = pipe_write()
+    n, got = pipe_write(PAYLOAD, 0.0005, 16384)
     if n != PAYLOAD or got != PAYLOAD:
         short.append({"round": i, "after": name, "written": n, "received": got})
 print(json.dumps({"rounds": rounds, "ops": [o[0] for o in ops], "short": short}))
@@ -128,7 +134,7 @@ def test_large_pipe_writes_complete_after_every_kind_of_sfstore_io(tmp_path: Pat
     assert report["short"] == [], f"{len(report['short'])}/{rounds} pipe writes came back short: {report['short']}"
 
 
-_FIRST_IO = r"""
+_FIRST_IO = _PIPE_WRITE + r"""
 import json, os, sys, threading, time
 what = sys.argv[1] if len(sys.argv) > 1 else WHAT
 if what == "probe":
@@ -141,21 +147,9 @@ else:
     e.submit([Request.write(fd, 0, 4096, bytearray(4096))]).get()
     e.close()
     os.close(fd)
-r, w = os.pipe()
-got = [0]
-def reader():  # slow: the write spans a fraction of a second, as a pipe: consumer's does
-    while True:
-        time.sleep(0.001)
-        d = os.read(r, 4096)
-        if not d:
-            break
-        got[0] += len(d)
-t = threading.Thread(target=reader)
-t.start()
-n = os.write(w, b"y" * PAYLOAD_SIZE)
-os.close(w)
-t.join()
-print(json.dumps({"written": n, "received": got[0]}))
+# slower: the write spans a fraction of a second, as a pipe: consumer's does
+n, got = pipe_write(PAYLOAD_SIZE, 0.001, 4096)
+print(json.dumps({"written": n, "received": got}))
 """
 
 

@@ -177,27 +177,29 @@ def test_a_name_too_long_is_absent_for_isdir_isfile_exists(dataset: tuple[SFFile
 # -- destinations that are special files (defect 4) ------------------------------------------------------------
 
 
-def _fifo_reader(fifo: Path) -> tuple[threading.Thread, dict[str, bytes]]:
+def _write_through_fifo(fifo: Path, write: Callable[[], Any]) -> tuple[Any, bytes | None]:
+    """Make the FIFO ``fifo`` and read it on a thread while ``write()`` runs: what ``write`` returned and what
+    the reader got (``None``: it did not finish within ``TIMEOUT`` s of the write)."""
+    os.mkfifo(fifo)
     got: dict[str, bytes] = {}
 
     def read() -> None:
         with open(fifo, "rb") as f:
             got["data"] = f.read()
 
-    t = threading.Thread(target=read, daemon=True)
-    t.start()
-    return t, got
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    value = write()
+    reader.join(TIMEOUT)
+    return value, None if reader.is_alive() else got.get("data")
 
 
 @pytest.mark.parametrize("name", ["data/a.bin", "data/big.bin"])
 def test_get_file_writes_through_a_fifo(dataset: tuple[SFFileSystem, Path], short_tmp: Path, name: str) -> None:
     fs, root = dataset
     fifo = short_tmp / "out.fifo"
-    os.mkfifo(fifo)
-    reader, got = _fifo_reader(fifo)
-    _bounded(lambda: fs.get_file(name, str(fifo)), unblock=None)
-    reader.join(TIMEOUT)
-    assert not reader.is_alive() and got["data"] == (root / name).read_bytes()
+    _, data = _write_through_fifo(fifo, lambda: _bounded(lambda: fs.get_file(name, str(fifo)), unblock=None))
+    assert data == (root / name).read_bytes()
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert sorted(os.listdir(short_tmp)) == ["out.fifo", "root"]  # no temporary left beside it
 
@@ -319,12 +321,9 @@ def test_cli_cp_to_dev_stdout(dataset: tuple[SFFileSystem, Path], short_tmp: Pat
 def test_cli_cp_to_a_fifo(dataset: tuple[SFFileSystem, Path], short_tmp: Path, name: str) -> None:
     _, root = dataset
     fifo = short_tmp / "cli.fifo"
-    os.mkfifo(fifo)
-    reader, got = _fifo_reader(fifo)
-    done = sfstore("cp", f"sf://{name}", str(fifo), root=root, cwd=short_tmp)
-    reader.join(TIMEOUT)
+    done, data = _write_through_fifo(fifo, lambda: sfstore("cp", f"sf://{name}", str(fifo), root=root, cwd=short_tmp))
     assert done.returncode == 0, done.stderr
-    assert got.get("data") == (root / name).read_bytes() and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert data == (root / name).read_bytes() and stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
 def test_cli_cp_to_dev_null(dataset: tuple[SFFileSystem, Path], short_tmp: Path) -> None:

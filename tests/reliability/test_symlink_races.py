@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from reliability_helpers import start_swapper, stop_swapper, tree_signature
+from reliability_helpers import Tally, check_race, race, replace_top, tree_signature
 
 from sfstore import errors
 from sfstore.fs import SFFileSystem
@@ -92,22 +91,7 @@ class Scene:
         (d / "sub" / "g").write_bytes(INSIDE)
         (d / "sub" / "deep" / "h").write_bytes(INSIDE)
         (d / ".y.bin.sfstore-tmp-999999999-abcdef").write_bytes(INSIDE)
-        os.symlink(self.outside, new / "d-abs")
-        os.symlink(os.path.relpath(self.outside, self.top), new / "d-rel")
-        if self.top.exists():
-            trash = self.root / f".top-old-{self.generation}"
-            os.rename(self.top, trash)
-            # fd-based on Linux: never follows the links being swapped. An exchange that resolved ``top``
-            # before the rename may still land in ``trash`` just after it, so retry what that disturbs.
-            for _ in range(100):
-                try:
-                    shutil.rmtree(trash)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    continue
-        os.rename(new, self.top)
+        replace_top(self.root, new, self.outside)
         for name in ("moved.bin", "copied.bin"):
             (self.root / name).unlink(missing_ok=True)
         (self.root / "plain.bin").write_bytes(INSIDE)
@@ -267,49 +251,14 @@ OPERATIONS: dict[str, tuple[Callable[[Scene], Any], bool]] = {
 }
 
 
-@dataclass
-class Tally:
-    calls: int = 0
-    ok: int = 0
-    ok_walked: int = 0  # of ``ok``: calls made with openat2 switched off
-    escapes: int = 0
-    refused: int = 0
-    untyped: list[str] = field(default_factory=list)
-    swaps: int = 0
-
-
 def _race(scene: Scene, op: Callable[[Scene], Any], mutates: bool, seconds: float) -> Tally:
-    tally = Tally()
     beneath = scene.fs.file_path.beneath
     openat2 = beneath._openat2
-    swapper = start_swapper(scene.top)
-    try:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            tally.calls += 1
-            walked = tally.calls % 2 == 0
-            beneath._openat2 = None if walked else openat2
-            escaped = False
-            try:
-                value = op(scene)
-            except errors.SfstoreError:
-                tally.refused += 1
-            except Exception as exc:  # any other type is a failure of the typed-error promise
-                tally.untyped.append(f"{type(exc).__name__}: {exc}")
-            else:
-                tally.ok += 1
-                tally.ok_walked += walked
-                escaped = scene.leaks(value)
-            if scene.outside_changed():
-                escaped = True
-            if escaped:
-                tally.escapes += 1
-            if mutates:
-                scene.build_top()
-    finally:
-        beneath._openat2 = openat2
-        tally.swaps = stop_swapper(swapper)
-    return tally
+
+    def set_walk(walked: bool) -> None:
+        beneath._openat2 = None if walked else openat2
+
+    return race(scene, op, mutates, seconds, set_walk=set_walk, leaks=scene.leaks)
 
 
 @pytest.mark.parametrize("name", list(OPERATIONS))
@@ -318,15 +267,7 @@ def test_no_operation_escapes_the_root_while_a_directory_is_swapped_for_a_symlin
 ) -> None:
     op, mutates = OPERATIONS[name]
     tally = _race(scene, op, mutates, race_seconds)
-    print(
-        f"\n{name}: {tally.calls} calls, {tally.escapes} escapes, {tally.ok} ok ({tally.ok_walked} walked), "
-        f"{tally.refused} refused (typed), {len(tally.untyped)} untyped, {tally.swaps} swaps in {race_seconds:g} s"
-    )
-    assert tally.swaps > 100, "the racer hardly ran: the race proves nothing"
-    assert tally.escapes == 0, f"{name} reached outside the root {tally.escapes} times in {tally.calls} calls"
-    assert not tally.untyped, f"{name} raised untyped errors: {sorted(set(tally.untyped))[:5]}"
-    assert tally.ok > tally.ok_walked > 0, f"{name} never succeeded (in both modes): refusing everything is no fix"
-    assert _signature(scene.outside) == scene.baseline
+    check_race(name, tally, race_seconds, scene)
 
 
 def test_static_escapes_are_still_refused(scene: Scene) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +29,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from reliability_helpers import start_swapper, stop_swapper, tree_signature
+from reliability_helpers import Miss, Tally, check_race, race, replace_top, tree_signature
 
-from sfstore import defaults, errors
+from sfstore import defaults
 from sfstore.paths import beneath as beneath_mod
 from sfstore.paths.file import FilePath
 
@@ -100,20 +99,7 @@ class Scene:
         new = self.root / f".top-new-{self.generation}"
         new.mkdir()
         shutil.copytree(self.inside_template, new / "d", symlinks=True)
-        os.symlink(self.outside, new / "d-abs")
-        os.symlink(os.path.relpath(self.outside, self.top), new / "d-rel")
-        if self.top.exists():
-            trash = self.root / f".top-old-{self.generation}"
-            os.rename(self.top, trash)
-            for _ in range(100):  # an exchange that resolved ``top`` before the rename may land in ``trash``
-                try:
-                    shutil.rmtree(trash)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    continue
-        os.rename(new, self.top)
+        replace_top(self.root, new, self.outside)
 
     def restore_outside(self) -> None:
         shutil.rmtree(self.outside, ignore_errors=True)
@@ -192,7 +178,7 @@ def _list(s: Scene) -> Any:
 def _latest(s: Scene) -> Any:
     found = checkpoint.latest("sf://top/d")
     if found is None:
-        raise _Miss
+        raise Miss
     return _infos(found)
 
 
@@ -212,7 +198,7 @@ def _dcp(call: Callable[[], Any], reader: Any = None) -> Any:
         first = inner[0] if inner else exc
         if isinstance(first, AssertionError) and str(first).startswith("metadata is None") and reader is not None:
             reader.read_metadata()
-            raise _Miss from None
+            raise Miss from None
         if isinstance(first, BaseException):
             raise first from None
         raise
@@ -241,56 +227,41 @@ def _kv(s: Scene) -> KVCacheStore:
 
 
 def _kv_get(s: Scene) -> Any:
-    kv = _kv(s)
-    try:
+    with _kv(s) as kv:
         dst = [block(0.0), block(0.0)]
         got = kv.get_into([KEY, KEY_OUT], dst)
         if got[1] is not None:
             return [dst[1]]  # the block that is only outside: any hit is an escape
         if got[0] is None:
-            raise _Miss
+            raise Miss
         return dst
-    finally:
-        kv.close()
 
 
 def _kv_contains(s: Scene) -> Any:
-    kv = _kv(s)
-    try:
+    with _kv(s) as kv:
         if kv.contains(KEY_OUT):
             return [torch.full((1,), OUTSIDE)]
         if not kv.contains(KEY):
-            raise _Miss
+            raise Miss
         return []
-    finally:
-        kv.close()
 
 
 def _kv_put(s: Scene) -> Any:
-    kv = _kv(s)
-    try:
+    with _kv(s) as kv:
         kv.put([KEY_NEW], [block(INSIDE)])
-    finally:
-        kv.close()
 
 
 def _kv_evict(s: Scene) -> Any:
-    kv = _kv(s)
-    try:
+    with _kv(s) as kv:
         if kv.evict([KEY], tiers=("shared",)) == 0:
-            raise _Miss
-    finally:
-        kv.close()
+            raise Miss
 
 
 def _kv_evict_outside_only(s: Scene) -> Any:
-    kv = _kv(s)
-    try:
+    with _kv(s) as kv:
         kv.evict([KEY_OUT], tiers=("shared",))
         if not kv.contains(KEY):
-            raise _Miss
-    finally:
-        kv.close()
+            raise Miss
 
 
 def _device_path(s: Scene) -> Any:
@@ -331,10 +302,6 @@ def _demo_drop(s: Scene) -> Any:
     training.drop_cached(s.fp, names)
 
 
-class _Miss(Exception):
-    """Raised by an operation that did not reach the inside data (a swap made it miss): not a success."""
-
-
 # name -> (operation, whether it changes the inside tree: rebuilt after each call)
 OPERATIONS: dict[str, tuple[Callable[[Scene], Any], bool]] = {
     "checkpoint.save": (_save, True),
@@ -371,18 +338,6 @@ def _leaks(value: Any) -> bool:
     return False
 
 
-@dataclass
-class Tally:
-    calls: int = 0
-    ok: int = 0
-    ok_walked: int = 0  # of ``ok``: calls made with openat2 switched off
-    escapes: int = 0
-    refused: int = 0
-    missed: int = 0
-    untyped: list[str] = field(default_factory=list)
-    swaps: int = 0
-
-
 def _set_walk(scene: Scene, walked: bool, saved: dict[str, Any]) -> None:
     """Switch ``openat2`` off (``walked``) or back on, for every resolution a face makes."""
     beneath_mod._native_openat2 = (lambda: None) if walked else saved["native"]  # type: ignore[assignment]
@@ -391,49 +346,10 @@ def _set_walk(scene: Scene, walked: bool, saved: dict[str, Any]) -> None:
 
 
 def _race(scene: Scene, op: Callable[[Scene], Any], mutates: bool, seconds: float) -> Tally:
-    tally = Tally()
     saved = {"native": beneath_mod._native_openat2, "fp": scene.fp.beneath._openat2,
              "kv": getattr(kv_tiers, "_beneath", None)}
-    swapper = start_swapper(scene.top)
-    try:
-        deadline = time.monotonic() + seconds
-        # An operation of many resolutions succeeds rarely while the swap runs: past the deadline it goes on
-        # (for at most 10 times as long) until it has succeeded in both modes.
-        overtime = deadline + 10 * seconds
-
-        def more() -> bool:
-            now = time.monotonic()
-            succeeded = tally.ok > tally.ok_walked > 0
-            return now < deadline or tally.calls < 4 or (not succeeded and now < overtime)
-
-        while more():
-            tally.calls += 1
-            walked = tally.calls % 2 == 0
-            _set_walk(scene, walked, saved)
-            escaped = False
-            try:
-                value = op(scene)
-            except _Miss:
-                tally.missed += 1
-            except errors.SfstoreError:
-                tally.refused += 1
-            except Exception as exc:  # any other type is a failure of the typed-error promise
-                tally.untyped.append(f"{type(exc).__name__}: {exc}")
-            else:
-                escaped = _leaks(value)
-                if not escaped:
-                    tally.ok += 1
-                    tally.ok_walked += walked
-            if scene.outside_changed():
-                escaped = True
-            if escaped:
-                tally.escapes += 1
-            if mutates:
-                scene.build_top()
-    finally:
-        _set_walk(scene, False, saved)
-        tally.swaps = stop_swapper(swapper)
-    return tally
+    return race(scene, op, mutates, seconds, set_walk=lambda walked: _set_walk(scene, walked, saved), leaks=_leaks,
+                until_succeeded=True)
 
 
 @pytest.mark.parametrize("name", list(OPERATIONS))
@@ -442,16 +358,7 @@ def test_no_face_escapes_the_root_while_a_directory_is_swapped_for_a_symlink(
 ) -> None:
     op, mutates = OPERATIONS[name]
     tally = _race(scene, op, mutates, race_seconds)
-    print(
-        f"\n{name}: {tally.calls} calls, {tally.escapes} escapes, {tally.ok} ok ({tally.ok_walked} walked), "
-        f"{tally.refused} refused (typed), {tally.missed} missed, {len(tally.untyped)} untyped, "
-        f"{tally.swaps} swaps in {race_seconds:g} s"
-    )
-    assert tally.swaps > 100, "the racer hardly ran: the race proves nothing"
-    assert tally.escapes == 0, f"{name} reached outside the root {tally.escapes} times in {tally.calls} calls"
-    assert not tally.untyped, f"{name} raised untyped errors: {sorted(set(tally.untyped))[:5]}"
-    assert tally.ok > tally.ok_walked > 0, f"{name} never succeeded (in both modes): refusing everything is no fix"
-    assert tree_signature(scene.outside) == scene.baseline
+    check_race(name, tally, race_seconds, scene)
 
 
 def test_the_faces_work_without_a_race(scene: Scene) -> None:
