@@ -1,6 +1,6 @@
 """Helpers of the reliability suite: a child process under resource limits (``from reliability_helpers import
 run_child``); a call on a thread that fails the test when it hangs (``run_bounded``); the symlink swapper of the
-race tests (``start_swapper``, ``stop_swapper``, ``tree_signature``), the top they swap in (``replace_top``), their
+race tests (``start_swapper``, ``stop_swapper``, ``tree_signature``), the root they race in (``RaceRoot``), their
 race loop and its checks (``race``, ``check_race``, ``Tally``, ``Miss``)."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import pytest
 
 from sfstore import errors
 
 __all__ = [
-    "ChildResult", "Miss", "Tally", "check_race", "race", "replace_top", "run_bounded", "run_child", "start_swapper",
+    "ChildResult", "Miss", "RaceRoot", "Tally", "check_race", "race", "run_bounded", "run_child", "start_swapper",
     "stop_swapper", "tree_signature",
 ]
 
@@ -159,26 +159,53 @@ def tree_signature(top: str | Path) -> dict[str, tuple[Any, ...]]:
     return out
 
 
-def replace_top(root: Path, new: Path, outside: Path) -> None:
-    """Give ``new`` (holding the real directory ``d``) the links ``d-abs`` and ``d-rel`` to ``outside``, and put
-    it in place of ``<root>/top`` atomically (the old one is removed)."""
-    top = root / "top"
-    os.symlink(outside, new / "d-abs")
-    os.symlink(os.path.relpath(outside, top), new / "d-rel")
-    if top.exists():
-        trash = root / (new.name.replace(".top-new-", ".top-old-", 1))
-        os.rename(top, trash)
-        # fd-based on Linux: never follows the links being swapped. An exchange that resolved ``top`` before
-        # the rename may still land in ``trash`` just after it, so retry what that disturbs.
-        for _ in range(100):
-            try:
-                shutil.rmtree(trash)
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                continue
-    os.rename(new, top)
+@dataclass
+class RaceRoot:
+    """A root whose ``top/d`` is being swapped for a symlink to ``outside`` (``baseline``: what ``outside``
+    holds). A race test's scene extends it with :meth:`build_top` (a new top made in :meth:`new_top` and put in
+    place by :meth:`replace_top`) and :meth:`outside_changed`."""
+
+    root: Path
+    outside: Path
+    baseline: dict[str, tuple[Any, ...]] = field(default_factory=dict, kw_only=True)
+    generation: int = field(default=0, kw_only=True)
+
+    @property
+    def top(self) -> Path:
+        return self.root / "top"
+
+    def new_top(self) -> Path:
+        """The name of the next ``top``, to build ``d`` in before :meth:`replace_top`."""
+        self.generation += 1
+        return self.root / f".top-new-{self.generation}"
+
+    def replace_top(self, new: Path) -> None:
+        """Give ``new`` the links ``d-abs`` and ``d-rel`` to ``outside``, and put it in place of ``top``
+        atomically (the old one is removed)."""
+        os.symlink(self.outside, new / "d-abs")
+        os.symlink(os.path.relpath(self.outside, self.top), new / "d-rel")
+        if self.top.exists():
+            trash = self.root / f".top-old-{self.generation}"
+            os.rename(self.top, trash)
+            # fd-based on Linux: never follows the links being swapped. An exchange that resolved ``top`` before
+            # the rename may still land in ``trash`` just after it, so retry what that disturbs.
+            for _ in range(100):
+                try:
+                    shutil.rmtree(trash)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    continue
+        os.rename(new, self.top)
+
+    def build_top(self) -> None:
+        """(Re)build ``top``: the real directory ``d``, the links ``d-abs`` and ``d-rel``; atomically."""
+        raise NotImplementedError
+
+    def outside_changed(self) -> bool:
+        """Whether anything outside changed; if so, put it back (so the next change is seen too)."""
+        raise NotImplementedError
 
 
 class Miss(Exception):
@@ -199,22 +226,8 @@ class Tally:
     swaps: int = 0
 
 
-class RaceScene(Protocol):
-    """A root whose ``top/d`` is swapped for a symlink to ``outside``; ``baseline`` is what ``outside`` holds."""
-
-    outside: Path
-    baseline: dict[str, tuple[Any, ...]]
-
-    @property
-    def top(self) -> Path: ...
-
-    def build_top(self) -> None: ...
-
-    def outside_changed(self) -> bool: ...
-
-
 def race(
-    scene: RaceScene,
+    scene: RaceRoot,
     op: Callable[[Any], Any],
     mutates: bool,
     seconds: float,
@@ -271,7 +284,7 @@ def race(
     return tally
 
 
-def check_race(name: str, tally: Tally, seconds: float, scene: RaceScene) -> None:
+def check_race(name: str, tally: Tally, seconds: float, scene: RaceRoot) -> None:
     """Print a race's figures and assert what it promises: the racer ran, 0 escapes, only typed errors, a
     success in both modes, the outside as it was."""
     print(

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from reliability_helpers import Tally, check_race, race, replace_top, tree_signature
+from reliability_helpers import RaceRoot, Tally, check_race, race, tree_signature
 
 from sfstore import errors
 from sfstore.fs import SFFileSystem
@@ -65,25 +65,16 @@ def _make_outside(out: Path) -> None:
 
 
 @dataclass
-class Scene:
+class Scene(RaceRoot):
     """A root whose ``top/d`` is being swapped for a symlink to ``outside``, and what it started as."""
 
-    root: Path
-    outside: Path
     local: Path  # a directory for get_file/put_file, outside the root and outside ``outside``
     fs: SFFileSystem
-    baseline: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     outside_inodes: set[int] = field(default_factory=set)
-    generation: int = 0
-
-    @property
-    def top(self) -> Path:
-        return self.root / "top"
 
     def build_top(self) -> None:
         """(Re)build ``top``: the real directory ``d``, the links ``d-abs`` and ``d-rel``; atomically."""
-        self.generation += 1
-        new = self.root / f".top-new-{self.generation}"
+        new = self.new_top()
         d = new / "d"
         (d / "sub" / "deep").mkdir(parents=True)
         (d / "empty").mkdir()
@@ -91,7 +82,7 @@ class Scene:
         (d / "sub" / "g").write_bytes(INSIDE)
         (d / "sub" / "deep" / "h").write_bytes(INSIDE)
         (d / ".y.bin.sfstore-tmp-999999999-abcdef").write_bytes(INSIDE)
-        replace_top(self.root, new, self.outside)
+        self.replace_top(new)
         for name in ("moved.bin", "copied.bin"):
             (self.root / name).unlink(missing_ok=True)
         (self.root / "plain.bin").write_bytes(INSIDE)

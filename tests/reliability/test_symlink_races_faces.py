@@ -23,13 +23,13 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from reliability_helpers import Miss, Tally, check_race, race, replace_top, tree_signature
+from reliability_helpers import Miss, RaceRoot, Tally, check_race, race, tree_signature
 
 from sfstore import defaults
 from sfstore.paths import beneath as beneath_mod
@@ -78,28 +78,19 @@ def _fill(where: Path, value: float) -> None:
 
 
 @dataclass
-class Scene:
+class Scene(RaceRoot):
     """A checkpoint root whose ``top/d`` is being swapped for a symlink to ``outside``."""
 
-    root: Path
-    outside: Path
     inside_template: Path
     outside_template: Path
     fp: FilePath
-    baseline: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    generation: int = 0
-
-    @property
-    def top(self) -> Path:
-        return self.root / "top"
 
     def build_top(self) -> None:
         """(Re)build ``top`` atomically: ``d`` (a copy of the inside template) and the links ``d-abs``, ``d-rel``."""
-        self.generation += 1
-        new = self.root / f".top-new-{self.generation}"
+        new = self.new_top()
         new.mkdir()
         shutil.copytree(self.inside_template, new / "d", symlinks=True)
-        replace_top(self.root, new, self.outside)
+        self.replace_top(new)
 
     def restore_outside(self) -> None:
         shutil.rmtree(self.outside, ignore_errors=True)
