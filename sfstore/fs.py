@@ -36,6 +36,7 @@ from fsspec.utils import isfilelike, stringify_path
 
 from sfstore import errors
 from sfstore.engine import Request, open_fd
+from sfstore.paths.beneath import fold_parts
 from sfstore.paths.file import AtomicWriter, FilePath, OpenFile, _as_bytes, _bytes_for_filling
 
 __all__ = ["SFFileSystem", "SFFile"]
@@ -80,17 +81,7 @@ def _normalize(text: str) -> str:
     """
     if "\x00" in text:
         raise errors.PathEscapeError(f"path {text!r} contains a NUL byte")
-    parts: list[str] = []
-    for part in text.split("/"):
-        if part in ("", "."):
-            continue
-        if part == "..":
-            if not parts:
-                raise errors.PathEscapeError(f"path {text!r} climbs above the sf:// root")
-            parts.pop()
-        else:
-            parts.append(part)
-    return "/".join(parts)
+    return "/".join(fold_parts(text, "the sf:// root"))
 
 
 def _url(name: str) -> str:

@@ -37,7 +37,7 @@ from typing import Any
 
 from sfstore import errors
 
-__all__ = ["Beneath", "Location"]
+__all__ = ["Beneath", "Location", "fold_parts"]
 
 _O_PATH = getattr(os, "O_PATH", 0)
 _DIR_FLAGS = _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
@@ -92,6 +92,26 @@ class Location:
 
     def __del__(self) -> None:
         self.close()
+
+
+def fold_parts(text: str, root: str) -> list[str]:
+    """The components of the relative name ``text``, ``.`` and ``..`` folded lexically, repeated slashes
+    counting once (``[]`` for the root itself).
+
+    Raises :class:`~sfstore.errors.PathEscapeError` where ``..`` would climb above the root (``root`` names it
+    in the message).
+    """
+    out: list[str] = []
+    for part in text.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not out:
+                raise errors.PathEscapeError(f"path {text!r} climbs above {root}")
+            out.pop()
+        else:
+            out.append(part)
+    return out
 
 
 class Beneath:
@@ -168,17 +188,7 @@ class Beneath:
             if rel is None:
                 raise errors.PathEscapeError(f"path {text!r} is outside the root {self.root}")
             return rel
-        out: list[str] = []
-        for part in text.split("/"):
-            if part in ("", "."):
-                continue
-            if part == "..":
-                if not out:
-                    raise errors.PathEscapeError(f"path {text!r} climbs above the root {self.root}")
-                out.pop()
-            else:
-                out.append(part)
-        return out
+        return fold_parts(text, f"the root {self.root}")
 
     def full(self, parts: list[str]) -> str:
         """The host path of root-relative ``parts`` (for messages)."""
