@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from sfstore import defaults, errors
+from sfstore.arguments import as_batch, check_timeout
 from sfstore.blocks.layout import (
     Layout,
     SlotHeader,
@@ -59,18 +60,6 @@ _WAVE_BYTES = 32 << 20  # ... and fewer when they are large, so the first I/O st
 _WAVES_IN_FLIGHT = 3  # waves read ahead of the one being verified: bounds the staging buffers a batch holds
 
 
-def _check_timeout(timeout: float | None, what: str, *, finite: bool = False) -> float | None:
-    """A timeout is ``None`` (no limit) or seconds >= 0 (``finite``: and not infinite); NaN never. Returns it
-    with infinity as ``None`` (the waits below take no infinite number)."""
-    ok = timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout >= 0
-                             and (not finite or timeout != float("inf")))
-    if not ok or (finite and timeout is None):
-        raise errors.InvalidRequestError(
-            f"{what}: timeout must be {'' if finite else 'None or '}seconds >= 0"
-            f"{' (finite)' if finite else ''}, not {timeout!r}"
-        )
-    return None if timeout == float("inf") else timeout
-
 
 def _copy(dest: memoryview, src: memoryview, n: int) -> None:
     """``dest[:n] = src[:n]``; large copies through numpy, which lets other threads run meanwhile."""
@@ -81,15 +70,6 @@ def _copy(dest: memoryview, src: memoryview, n: int) -> None:
     else:
         dest[:n] = src[:n]
 
-
-def _listed(items: Any, what: str) -> list[Any]:
-    """``items`` (a batch: any iterable but a str or bytes-like, which would be taken apart) as a list."""
-    if isinstance(items, (str, bytes, bytearray, memoryview)):
-        raise errors.InvalidRequestError(f"{what} must be a sequence (a list), not one {type(items).__name__}")
-    try:
-        return list(items)
-    except TypeError:
-        raise errors.InvalidRequestError(f"{what} must be a sequence, not {type(items).__name__}") from None
 
 
 def _waves(sizes: list[int]) -> list[tuple[int, int]]:
@@ -129,7 +109,7 @@ class BlockStoreFuture(Generic[T]):
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> bool:
-        timeout = _check_timeout(timeout, "wait")
+        timeout = check_timeout(timeout, "wait")
         try:
             self._future.exception(timeout)
         except TimeoutError:
@@ -137,7 +117,7 @@ class BlockStoreFuture(Generic[T]):
         return True
 
     def get(self, timeout: float | None = None) -> T:
-        timeout = _check_timeout(timeout, "get")
+        timeout = check_timeout(timeout, "get")
         try:
             return self._future.result(timeout)
         except TimeoutError:
@@ -211,7 +191,7 @@ class BlockStore:
         lock_timeout: float = 0.0,
         on_evict: Callable[[bytes, bytes], None] | None = None,
     ) -> None:
-        _check_timeout(lock_timeout, "BlockStore lock_timeout", finite=True)
+        check_timeout(lock_timeout, "BlockStore lock_timeout", finite=True)
         if on_evict is not None and not callable(on_evict):
             raise errors.InvalidRequestError(f"BlockStore on_evict must be callable, not {type(on_evict).__name__}")
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0):
@@ -332,7 +312,7 @@ class BlockStore:
         where = f"block store {p.device}"
         sizes = None
         if size_classes is not None:
-            listed = _listed(size_classes, "BlockStore size_classes")
+            listed = as_batch(size_classes, "BlockStore size_classes")
             sizes = defaults.SETTINGS["block_size_classes"].parse(listed, "BlockStore size_classes")
         head = self._read_meta(0, meta)
         layout = None if force else Layout.decode(head, where)
@@ -535,7 +515,7 @@ class BlockStore:
             Every slot of every class that fits is being read or written right now.
         """
         self._check_open()
-        pairs = items.items() if isinstance(items, Mapping) else _listed(items, "put_many: items")
+        pairs = items.items() if isinstance(items, Mapping) else as_batch(items, "put_many: items")
         batch: dict[bytes, memoryview] = {}
         for pair in pairs:
             try:
@@ -585,7 +565,7 @@ class BlockStore:
     ) -> BlockStoreFuture[None]:
         """:meth:`put_many` in a background thread. The values must stay unchanged until the future is done."""
         self._check_open()
-        listed = list(items.items()) if isinstance(items, Mapping) else _listed(items, "put_many_async: items")
+        listed = list(items.items()) if isinstance(items, Mapping) else as_batch(items, "put_many_async: items")
         return BlockStoreFuture(self._pool_executor().submit(self.put_many, listed, durable=durable))
 
     def _reserve(
@@ -753,7 +733,7 @@ class BlockStore:
     def get_many(self, keys: Sequence[Key]) -> list[bytes | None]:
         """The values of ``keys`` (copies; ``None`` for a missing key), read in one batch."""
         self._check_open()
-        ks = [self._key(k) for k in _listed(keys, "get_many: keys")]
+        ks = [self._key(k) for k in as_batch(keys, "get_many: keys")]
         entries = self._acquire(ks)
         out = self._read_entries(entries, None, pinned=True)
         return [v if isinstance(v, bytes) else None for v in out]
@@ -784,8 +764,8 @@ class BlockStore:
     ) -> tuple[list[int | None], int]:
         """:meth:`get_into`, and how many of the values were dropped as corrupt (for the KV cache's counters)."""
         self._check_open()
-        keys = _listed(keys, "get_into: keys")
-        buffers = _listed(buffers, "get_into: buffers")
+        keys = as_batch(keys, "get_into: keys")
+        buffers = as_batch(buffers, "get_into: buffers")
         if len(keys) != len(buffers):
             raise errors.InvalidRequestError(f"get_into: {len(keys)} keys but {len(buffers)} buffers")
         ks = [self._key(k) for k in keys]
@@ -806,8 +786,8 @@ class BlockStore:
     ) -> BlockStoreFuture[list[int | None]]:
         """:meth:`get_into` in a background thread; the buffers are filled when the future is done."""
         self._check_open()
-        ks = _listed(keys, "get_into_async: keys")
-        bufs = _listed(buffers, "get_into_async: buffers")
+        ks = as_batch(keys, "get_into_async: keys")
+        bufs = as_batch(buffers, "get_into_async: buffers")
         return BlockStoreFuture(self._pool_executor().submit(self.get_into, ks, bufs, keep_on_miss=keep_on_miss))
 
     def _acquire(self, keys: list[bytes]) -> list[_Entry | None]:

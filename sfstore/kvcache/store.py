@@ -17,8 +17,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from sfstore import defaults, errors
+from sfstore.arguments import as_batch, check_timeout
 from sfstore.blocks import BlockStore
-from sfstore.blocks.store import BlockStoreFuture, _check_timeout
+from sfstore.blocks.store import BlockStoreFuture
 from sfstore.buffers import as_buffer, is_device_buffer
 from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
@@ -43,16 +44,6 @@ _ARRAY_DTYPES = {
     "float8_e5m2": ("float8_e5m2", "uint8"),
 }
 
-
-def _listed(items: Any, what: str) -> list[Any]:
-    """A batch argument as a list; a str or bytes-like (which iteration would take apart) or a non-iterable is
-    an :class:`~sfstore.errors.InvalidRequestError`."""
-    if isinstance(items, (str, bytes, bytearray, memoryview)):
-        raise errors.InvalidRequestError(f"{what} must be a sequence (a list), not one {type(items).__name__}")
-    try:
-        return list(items)
-    except TypeError:
-        raise errors.InvalidRequestError(f"{what} must be a sequence, not {type(items).__name__}") from None
 
 
 def _percentile(samples: Sequence[float], q: float) -> float | None:
@@ -176,7 +167,7 @@ class KVCacheStore:
 
     def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         out = []
-        for k in _listed(keys, "keys"):
+        for k in as_batch(keys, "keys"):
             if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
                 raise errors.InvalidKeyError(
                     f"a KV block key is {KEY_BYTES} bytes (from keys_for), not {type(k).__name__} "
@@ -367,7 +358,7 @@ class KVCacheStore:
         """The checked keys and ``(block, on a GPU)`` of a put."""
         self._check_open()
         ks = self._check_keys(keys)
-        bs = _listed(blocks, "put: blocks")
+        bs = as_batch(blocks, "put: blocks")
         if len(ks) != len(bs):
             raise errors.InvalidRequestError(f"put: {len(ks)} keys but {len(bs)} blocks")
         return ks, [self._source(b, f"put: block {i}") for i, b in enumerate(bs)]
@@ -448,7 +439,7 @@ class KVCacheStore:
         Raises :class:`~sfstore.errors.IOTimeoutError` when they had not after ``timeout`` seconds (the writes
         go on; a later call waits for them again).
         """
-        timeout = _check_timeout(timeout, "wait_for_puts")
+        timeout = check_timeout(timeout, "wait_for_puts")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending, self._writes = self._writes, []
@@ -514,7 +505,7 @@ class KVCacheStore:
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < g.num_layers:
             raise errors.InvalidRequestError(f"{op}: layer {layer!r} is not an int in [0, {g.num_layers})")
         ks = self._check_keys(keys)
-        tensors = _listed(tensors, f"{op}: tensors")
+        tensors = as_batch(tensors, f"{op}: tensors")
         if len(ks) != len(tensors):
             raise errors.InvalidRequestError(f"{op}: {len(ks)} keys but {len(tensors)} tensors")
         for i, t in enumerate(tensors):
@@ -570,7 +561,7 @@ class KVCacheStore:
         """
         self._check_open()
         ks = self._check_keys(keys)
-        bs = _listed(blocks, "get_into: blocks")
+        bs = as_batch(blocks, "get_into: blocks")
         if len(ks) != len(bs):
             raise errors.InvalidRequestError(f"get_into: {len(ks)} keys but {len(bs)} blocks")
         dests = [self._source(b, f"get_into: block {i}", writable=True) for i, b in enumerate(bs)]
@@ -714,7 +705,7 @@ class KVCacheStore:
         """Remove the blocks from ``tiers``; return how many (block, tier) copies were removed."""
         self._check_open()
         ks = self._check_keys(keys)
-        chosen = set(_listed(tiers, "evict: tiers"))
+        chosen = set(as_batch(tiers, "evict: tiers"))
         bad = chosen - set(TIERS)
         if bad:
             raise errors.InvalidRequestError(f"evict: unknown tier(s) {sorted(bad)}; tiers are {TIERS}")
