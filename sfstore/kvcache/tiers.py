@@ -15,6 +15,7 @@ import stat
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,16 +275,24 @@ class SharedTier:
     def _drop(self, sub: str, base: str, st: os.stat_result) -> None:
         """Remove the corrupt file just read, if the name still holds that very file (a writer may have
         published a good one meanwhile: that one stays)."""
+        self._unlink_if(sub, base, lambda now: (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino))
+
+    def _unlink_if(self, sub: str, base: str, remove: Callable[[os.stat_result], bool]) -> os.stat_result | None:
+        """Unlink ``base`` in ``sub`` (relative to the directory's descriptor, never following a link) when
+        ``remove`` says so of what is there; the status of what was removed, else ``None`` (nothing there, kept,
+        or an error: each means there is nothing to remove)."""
         try:
             pfd = self._open(sub, _O_PATH | os.O_DIRECTORY)
         except OSError:
-            return
+            return None
         try:
-            now = os.stat(base, dir_fd=pfd, follow_symlinks=False)
-            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                os.unlink(base, dir_fd=pfd)
+            st = os.stat(base, dir_fd=pfd, follow_symlinks=False)
+            if not remove(st):
+                return None
+            os.unlink(base, dir_fd=pfd)
+            return st
         except OSError:
-            pass
+            return None
         finally:
             os.close(pfd)
 
@@ -315,18 +324,7 @@ class SharedTier:
         """Remove what is at the key's name when it is not a regular file or directory (a FIFO, a socket, a
         symlink), so the publish that follows renames over nothing foreign."""
         sub, base = self._entry(key)
-        try:
-            pfd = self._open(sub, _O_PATH | os.O_DIRECTORY)
-        except OSError:
-            return
-        try:
-            st = os.stat(base, dir_fd=pfd, follow_symlinks=False)
-            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-                os.unlink(base, dir_fd=pfd)
-        except OSError:
-            pass
-        finally:
-            os.close(pfd)
+        self._unlink_if(sub, base, lambda st: not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)))
 
     def write(self, key: bytes, slot: Slot) -> bool:
         """Publish the block in ``slot`` (its header is filled here); ``False`` when it is already there."""
@@ -365,20 +363,8 @@ class SharedTier:
         """Remove the key's file (beneath the directory); ``True`` when a block file was removed. A directory
         at the name is left alone."""
         sub, base = self._entry(key)
-        try:
-            pfd = self._open(sub, _O_PATH | os.O_DIRECTORY)
-        except OSError:
-            return False
-        try:
-            st = os.stat(base, dir_fd=pfd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                return False
-            os.unlink(base, dir_fd=pfd)
-            return stat.S_ISREG(st.st_mode)
-        except OSError:
-            return False
-        finally:
-            os.close(pfd)
+        gone = self._unlink_if(sub, base, lambda st: not stat.S_ISDIR(st.st_mode))
+        return gone is not None and stat.S_ISREG(gone.st_mode)
 
     def count(self) -> int:
         """Block files in the directory (its two-character subdirectories, read through descriptors)."""
