@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfstore import errors
-from sfstore.paths.file import FilePath, pid_alive
+from sfstore.paths.file import FilePath, file_kind, pid_alive
 
 __all__ = [
     "Location",
@@ -182,20 +182,12 @@ def locate_dir(prefix: str | os.PathLike[str]) -> tuple[FilePath, str]:
 # -- reading small files -------------------------------------------------------------------------------------
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 def check_regular(st: os.stat_result, path: str, what: str, *, shard: str | None = None) -> None:
     """A :class:`~sfstore.errors.CorruptCheckpointError` unless ``st`` is a regular file's: a FIFO, socket,
     device or directory where a checkpoint has a file would block a read forever or never match its sums."""
     if not stat.S_ISREG(st.st_mode):
         raise errors.CorruptCheckpointError(
-            f"{what} {path} is {_kind(st.st_mode)}, not a regular file", shard=shard
+            f"{what} {path} is {file_kind(st.st_mode)}, not a regular file", shard=shard
         )
 
 

@@ -42,7 +42,7 @@ from sfstore.mounts import MountInfo, mount_for
 from sfstore.paths.base import StoragePath
 from sfstore.paths.beneath import Beneath, Location
 
-__all__ = ["FilePath", "MountFacts", "AtomicWriter", "OpenFile", "ReadFuture"]
+__all__ = ["FilePath", "MountFacts", "AtomicWriter", "OpenFile", "ReadFuture", "file_kind"]
 
 MiB = 1 << 20
 _TMP_MARK = ".sfstore-tmp-"
@@ -373,7 +373,7 @@ class FilePath(StoragePath):
         if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
             full = self.full(path)
             raise errors.os_error(
-                errno.EINVAL, f"not a regular file ({_kind(mode)})", full, errors.NotARegularFileError
+                errno.EINVAL, f"not a regular file ({file_kind(mode)})", full, errors.NotARegularFileError
             ) from exc
 
     def open_file(self, path: str | os.PathLike[str], *, follow: bool = True) -> OpenFile:
@@ -963,13 +963,17 @@ def _regular_size(fd: int, full: str) -> int:
         return st.st_size
     if stat.S_ISDIR(st.st_mode):
         raise errors.os_error(errno.EISDIR, "cannot read a directory", full)
-    raise errors.os_error(errno.EINVAL, f"not a regular file ({_kind(st.st_mode)})", full, errors.NotARegularFileError)
+    raise errors.os_error(
+        errno.EINVAL, f"not a regular file ({file_kind(st.st_mode)})", full, errors.NotARegularFileError
+    )
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words (``"a FIFO"``, ``"a directory"``), for messages."""
     for test, name in (
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
         (stat.S_ISCHR, "a character device"),
         (stat.S_ISBLK, "a block device"),
         (stat.S_ISLNK, "a symlink"),
