@@ -1,5 +1,5 @@
 """Hot blocks on the block path: :class:`BlockStore` (keys -> values in checksummed slots, LRU eviction)."""
 
-from sfstore.blocks.store import BlockStore, BlockStoreFuture, Key
+from sfstore.blocks.store import BlockStore, Key
 
-__all__ = ["BlockStore", "BlockStoreFuture", "Key"]
+__all__ = ["BlockStore", "Key"]

@@ -26,9 +26,9 @@ import time
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
@@ -43,9 +43,11 @@ from sfstore.blocks.layout import (
 )
 from sfstore.buffers import RegisteredBufferPool, as_buffer
 from sfstore.counters import Counters
-from sfstore.paths.block import BlockFuture, BlockPath
+from sfstore.futures import ExecutorFuture
+from sfstore.paths.base import PathFuture
+from sfstore.paths.block import BlockPath
 
-__all__ = ["BlockStore", "BlockStoreFuture", "Key"]
+__all__ = ["BlockStore", "Key"]
 
 Key = bytes | str
 T = TypeVar("T")
@@ -97,33 +99,6 @@ class _Entry:
     header: bytes = b""  # the slot header's exact bytes (made on first read): a read compares them whole
     readers: int = 0
     dead: bool = False
-
-
-class BlockStoreFuture(Generic[T]):
-    """The result of an ``*_async`` call: ``done()``, ``wait(timeout)``, ``get(timeout)``."""
-
-    def __init__(self, future: Future[T]) -> None:
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        timeout = check_timeout(timeout, "wait")
-        try:
-            self._future.exception(timeout)
-        except TimeoutError:
-            return False
-        return True
-
-    def get(self, timeout: float | None = None) -> T:
-        timeout = check_timeout(timeout, "get")
-        try:
-            return self._future.result(timeout)
-        except TimeoutError:
-            if self._future.done():
-                raise
-            raise errors.IOTimeoutError(f"the block store operation had not finished after {timeout} s") from None
 
 
 class _Class:
@@ -562,11 +537,11 @@ class BlockStore:
 
     def put_many_async(
         self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]], *, durable: bool = False
-    ) -> BlockStoreFuture[None]:
+    ) -> ExecutorFuture[None]:
         """:meth:`put_many` in a background thread. The values must stay unchanged until the future is done."""
         self._check_open()
         listed = list(items.items()) if isinstance(items, Mapping) else as_batch(items, "put_many_async: items")
-        return BlockStoreFuture(self._pool_executor().submit(self.put_many, listed, durable=durable))
+        return ExecutorFuture(self._pool_executor().submit(self.put_many, listed, durable=durable), "put_many_async")
 
     def _reserve(
         self, items: list[tuple[bytes, memoryview]]
@@ -647,7 +622,7 @@ class BlockStore:
         hdr = self._hdr
         lba = self.layout.lba
         uid = self.layout.uuid
-        pending: list[tuple[BlockFuture, list[Any]]] = []
+        pending: list[tuple[PathFuture, list[Any]]] = []
         try:
             for first, last in _waves([item[1].nbytes for item in reserved]):
                 wave = reserved[first:last]
@@ -783,12 +758,13 @@ class BlockStore:
 
     def get_into_async(
         self, keys: Sequence[Key], buffers: Sequence[Any], *, keep_on_miss: bool = False
-    ) -> BlockStoreFuture[list[int | None]]:
+    ) -> ExecutorFuture[list[int | None]]:
         """:meth:`get_into` in a background thread; the buffers are filled when the future is done."""
         self._check_open()
         ks = as_batch(keys, "get_into_async: keys")
         bufs = as_batch(buffers, "get_into_async: buffers")
-        return BlockStoreFuture(self._pool_executor().submit(self.get_into, ks, bufs, keep_on_miss=keep_on_miss))
+        return ExecutorFuture(self._pool_executor().submit(self.get_into, ks, bufs, keep_on_miss=keep_on_miss),
+                              "get_into_async")
 
     def _acquire(self, keys: list[bytes]) -> list[_Entry | None]:
         with self._lock:
@@ -828,10 +804,10 @@ class BlockStore:
         live = [i for i, e in enumerate(entries) if e is not None]
         # per wave: its future, per request (entry index, staging buffer or None when direct, engine-checked),
         # and its staging buffers (released once the wave is delivered: at most _WAVES_IN_FLIGHT waves of them)
-        waves: deque[tuple[BlockFuture, list[tuple[int, Any, bool]], list[Any]]] = deque()
+        waves: deque[tuple[PathFuture, list[tuple[int, Any, bool]], list[Any]]] = deque()
         hits = misses = nbytes = 0
 
-        def deliver(fut: BlockFuture, items: list[tuple[int, Any, bool]]) -> None:
+        def deliver(fut: PathFuture, items: list[tuple[int, Any, bool]]) -> None:
             nonlocal hits, misses, nbytes
             results = fut.results()
             for j, (i, buf, engine_checked) in enumerate(items):

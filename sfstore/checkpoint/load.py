@@ -32,7 +32,8 @@ from sfstore.checkpoint.catalog import CheckpointInfo, read_manifest
 from sfstore.checkpoint.manifest import Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import KeyPath, format_path, tensor_paths, unflatten
 from sfstore.checksums import xxh3_64_hex
-from sfstore.paths.file import FilePath, OpenFile, ReadFuture
+from sfstore.futures import Future
+from sfstore.paths.file import FilePath, OpenFile
 
 if TYPE_CHECKING:
     import torch
@@ -142,7 +143,7 @@ class _ShardReader:
 
     def __init__(self, fp: FilePath, directory: str, shards: list[ShardRecord], ahead: int) -> None:
         self.fp, self.directory, self.shards, self.ahead = fp, directory, shards, max(1, ahead)
-        self.queue: deque[tuple[ShardRecord, OpenFile, HostBuffer, ReadFuture]] = deque()
+        self.queue: deque[tuple[ShardRecord, OpenFile, HostBuffer, Future[int]]] = deque()
         self.next = 0
 
     def _fill(self) -> None:

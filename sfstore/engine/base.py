@@ -27,6 +27,7 @@ from sfstore import defaults, errors
 from sfstore.buffers import as_buffer
 from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
+from sfstore.futures import Future
 
 __all__ = [
     "Request",
@@ -166,8 +167,8 @@ def wait_seconds(timeout: Any, what: str = "timeout") -> float | None:
     return max(0.0, value)
 
 
-class IOFuture(ABC):
-    """The pending result of one submitted batch.
+class IOFuture(Future[list[int]]):
+    """The pending result of one submitted batch (an :class:`sfstore.futures.Future`).
 
     Subclasses implement :meth:`done`, :meth:`wait` and :meth:`results`; :meth:`get` turns the first failed
     request into its typed error.

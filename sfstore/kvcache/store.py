@@ -19,10 +19,10 @@ from typing import Any
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
 from sfstore.blocks import BlockStore
-from sfstore.blocks.store import BlockStoreFuture
 from sfstore.buffers import as_buffer, is_device_buffer
 from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
+from sfstore.futures import ExecutorFuture
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
 from sfstore.kvcache.tiers import PinnedTier, SharedTier, Slot
 
@@ -381,7 +381,7 @@ class KVCacheStore:
             views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
         return views
 
-    def put_async(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> BlockStoreFuture[None]:
+    def put_async(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> ExecutorFuture[None]:
         """Copy ``blocks`` into pinned slots, return, and write them to the lower tiers in the background.
 
         The caller may reuse the blocks' memory as soon as this returns; ``.get()`` on the result waits until
@@ -389,7 +389,7 @@ class KVCacheStore:
         """
         return self._stage(*self._put_args(keys, blocks))
 
-    def _stage(self, ks: list[bytes], sources: list[tuple[Any, bool]]) -> BlockStoreFuture[None]:
+    def _stage(self, ks: list[bytes], sources: list[tuple[Any, bool]]) -> ExecutorFuture[None]:
         """Copy the (checked) blocks into pinned slots and commit them (lower tiers written in the background)."""
         t0 = time.perf_counter()
         slots: list[tuple[bytes, Slot]] = []
@@ -404,7 +404,7 @@ class KVCacheStore:
             raise
         return self._commit(slots, t0)
 
-    def _commit(self, slots: list[tuple[bytes, Slot]], t0: float) -> BlockStoreFuture[None]:
+    def _commit(self, slots: list[tuple[bytes, Slot]], t0: float) -> ExecutorFuture[None]:
         n = self.geometry.block_bytes
         for k, slot in slots:
             self.pinned.insert(k, slot, 0)  # still pinned by take(): the lower-tier writes read it
@@ -412,7 +412,7 @@ class KVCacheStore:
         fut = self._executor.submit(self._write_lower, slots, t0)
         with self._lock:
             self._writes = [w for w in self._writes if not w.done()] + [fut]
-        return BlockStoreFuture(fut)
+        return ExecutorFuture(fut)
 
     def _write_lower(self, slots: list[tuple[bytes, Slot]], t0: float) -> None:
         n = self.geometry.block_bytes
@@ -609,7 +609,7 @@ class KVCacheStore:
                           corrupt_dropped=corrupt, unreadable=unreadable)
         return tiers
 
-    def prefetch(self, keys: Sequence[bytes], *, count: bool = False) -> BlockStoreFuture[list[str | None]]:
+    def prefetch(self, keys: Sequence[bytes], *, count: bool = False) -> ExecutorFuture[list[str | None]]:
         """Bring the blocks into the pinned tier in the background; ``.get()`` gives the tier of each.
 
         ``count``: count the blocks in ``gets`` / ``hits_*`` / ``misses``, for callers whose reads that follow
@@ -625,7 +625,7 @@ class KVCacheStore:
                     self.pinned.unpin(s)
             return tiers
 
-        return BlockStoreFuture(self._executor.submit(run))
+        return ExecutorFuture(self._executor.submit(run))
 
     def _fetch(self, keys: list[bytes], count: bool) -> tuple[list[Slot | None], list[str | None]]:
         """Pinned slots (pinned for the caller) holding each block, promoting from the lower tiers."""

@@ -1,19 +1,30 @@
-"""The interface every direct path implements, and the counters every path keeps.
+"""The interface every direct path implements: one data seam (:meth:`StoragePath.submit`), counters, capabilities.
 
 A path says what it is through capability properties rather than its class: ``transport`` (``"rdma"``,
-``"tcp"`` or ``"local"``), ``supports_direct_io`` and ``supports_device_buffers``; ``fallbacks`` lists each
-place where it took a less direct way than the hardware it targets would allow, with the reason. Nothing
-falls back silently: :meth:`StoragePath.describe` and the counters report it.
+``"tcp"`` or ``"local"``), ``supports_direct_io`` (aligned host buffers move with O_DIRECT, no page-cache copy)
+and ``supports_device_buffers`` (:meth:`StoragePath.submit` takes GPU buffers); ``fallbacks`` lists each place
+where it took a less direct way than the hardware it targets would allow, with the reason. Nothing falls back
+silently: :meth:`StoragePath.describe` and the counters report it.
+
+Faces (the fsspec filesystem, checkpoints, the block store, the KV cache) move bytes only through
+:meth:`StoragePath.submit`: a batch of :class:`Range` reads or writes, split by the path into requests of its
+chunk size, counted by the path (per data class too), answered by one :class:`PathFuture`.
 """
 
 from __future__ import annotations
 
+import errno
+import threading
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
+from sfstore import errors
+from sfstore.arguments import check_timeout
 from sfstore.counters import Counters
+from sfstore.futures import Future, deadline_after, remaining
 
-__all__ = ["PathCounters", "StoragePath", "COUNTER_KEYS"]
+__all__ = ["PathCounters", "StoragePath", "COUNTER_KEYS", "Range", "PathFuture", "Leg", "split_ranges"]
 
 COUNTER_KEYS = (
     "requests",
@@ -22,26 +33,312 @@ COUNTER_KEYS = (
     "bytes_written",
     "bytes_direct",
     "bytes_bounced",
+    "bytes_gpu_direct",
+    "bytes_staged",
     "errors",
 )
 
 
 class PathCounters(Counters):
-    """Counters of one path: requests, files, bytes read/written, direct vs bounced, errors.
+    """Counters of one path: requests, files, bytes read/written, direct vs bounced, GPU direct vs staged, errors.
 
-    ``bytes_direct`` moved straight between storage and the caller's (or a registered) buffer with O_DIRECT;
+    ``bytes_direct`` moved straight between storage and the caller's (or a registered) host buffer with O_DIRECT;
     ``bytes_bounced`` moved through a bounce buffer or the page cache of an O_DIRECT-capable file; bytes on a
-    filesystem without O_DIRECT count as neither.
+    filesystem without O_DIRECT count as neither. On the device path, ``bytes_gpu_direct`` moved between GPU
+    memory and storage with no host copy (cuFile), ``bytes_staged`` through host memory (kvikio's compat mode or
+    sfstore's pinned staging). :meth:`for_class` holds the same counters per data class (``dataset``,
+    ``checkpoint``, ``hot``, ``kvcache``, or what a caller names), for paths that several classes share.
     """
 
     def __init__(self) -> None:
         super().__init__(COUNTER_KEYS)
+        self._classes: dict[str, Counters] = {}
+        self._classes_lock = threading.Lock()
+
+    def for_class(self, data_class: str) -> Counters:
+        """The counters of one data class on this path (made on first use)."""
+        with self._classes_lock:
+            c = self._classes.get(data_class)
+            if c is None:
+                c = self._classes[data_class] = Counters(COUNTER_KEYS)
+            return c
+
+    def add_for(self, data_class: str | None, **deltas: int) -> None:
+        """Add ``deltas`` to the totals and, when ``data_class`` is given, to that class's counters."""
+        self.add(**deltas)
+        if data_class:
+            self.for_class(data_class).add(**deltas)
+
+    def by_class(self) -> dict[str, dict[str, int]]:
+        """A snapshot of every data class's counters."""
+        with self._classes_lock:
+            items = list(self._classes.items())
+        return {name: c.snapshot() for name, c in items}
+
+    def reset(self) -> None:
+        super().reset()
+        with self._classes_lock:
+            self._classes = {}
+
+
+class Range(NamedTuple):
+    """One read or write of a :meth:`StoragePath.submit` batch.
+
+    Parameters
+    ----------
+    op : str
+        ``"read"`` (storage to ``buffer``) or ``"write"`` (``buffer`` to storage).
+    offset : int
+        Byte offset in the target.
+    length : int
+        Bytes to move (``0`` does nothing).
+    buffer : object
+        Host memory (buffer protocol, CPU tensor, DLPack) on every path; GPU memory (CUDA torch tensor, cupy,
+        ``__cuda_array_interface__``) on paths whose ``supports_device_buffers`` is true.
+    buffer_offset : int, optional
+        Byte offset in ``buffer`` where the data starts.
+    file : int or object with ``fd``, optional
+        The open file the range is in, on paths of many files (:class:`~sfstore.paths.file.FilePath`,
+        :class:`~sfstore.paths.device.DevicePath`); ``None`` on a path of one target (a
+        :class:`~sfstore.paths.block.BlockPath` uses its device).
+    """
+
+    op: str
+    offset: int
+    length: int
+    buffer: Any
+    buffer_offset: int = 0
+    file: Any = None
+
+    @classmethod
+    def read(cls, offset: int, length: int, buffer: Any, buffer_offset: int = 0, file: Any = None) -> Range:
+        """A read of ``length`` bytes at ``offset`` into ``buffer[buffer_offset:]``."""
+        return cls("read", offset, length, buffer, buffer_offset, file)
+
+    @classmethod
+    def write(cls, offset: int, length: int, buffer: Any, buffer_offset: int = 0, file: Any = None) -> Range:
+        """A write of ``buffer[buffer_offset:buffer_offset + length]`` at ``offset``."""
+        return cls("write", offset, length, buffer, buffer_offset, file)
+
+
+def descriptor_of(file: Any, index: int) -> int:
+    """The descriptor a :class:`Range`'s ``file`` names (an int, or an object with an ``fd``)."""
+    fd = getattr(file, "fd", file)
+    if isinstance(fd, bool) or not isinstance(fd, int):
+        raise errors.InvalidRequestError(
+            f"range {index}: file must be an open descriptor (int) or an open file, not {type(file).__name__}"
+        )
+    if fd < 0:
+        raise errors.os_error(errno.EBADF, f"range {index}: the file is closed", None, errors.BadFileDescriptorError)
+    return fd
+
+
+def check_range(r: Any, index: int) -> Range:
+    """``r`` as a :class:`Range` with a valid op and non-negative integer offset, length and buffer offset."""
+    if not isinstance(r, Range):
+        try:
+            r = Range(*r)
+        except TypeError:
+            raise errors.InvalidRequestError(f"range {index}: expected a Range, not {type(r).__name__}") from None
+    if r.op not in ("read", "write"):
+        raise errors.InvalidRequestError(f"range {index}: op must be 'read' or 'write', not {r.op!r}")
+    for what in ("offset", "length", "buffer_offset"):
+        value = getattr(r, what)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise errors.InvalidRequestError(f"range {index}: {what} must be an int, not {value!r}")
+        if value < 0:
+            raise errors.InvalidRequestError(f"range {index} ({r.op}): {what} is negative ({value})")
+    return r  # type: ignore[no-any-return]  # a Range by now: built above or checked by isinstance
+
+
+def split_ranges(
+    ranges: Sequence[Range], chunk: int, checksums: Sequence[int | None] | None = None
+) -> tuple[list[Range], list[int], list[int | None] | None]:
+    """Split each range into pieces of at most ``chunk`` bytes: ``(pieces, owner, piece checksums)``.
+
+    ``owner[j]`` is the index of the range piece ``j`` came from. A range that carries a checksum is not split
+    (the checksum covers all of it); ``chunk <= 0`` splits nothing.
+    """
+    pieces: list[Range] = []
+    owner: list[int] = []
+    sums: list[int | None] | None = [] if checksums is not None else None
+    for i, r in enumerate(ranges):
+        want = checksums[i] if checksums is not None else None
+        if r.length <= chunk or chunk <= 0 or want is not None:
+            pieces.append(r)
+            owner.append(i)
+            if sums is not None:
+                sums.append(want)
+            continue
+        for pos in range(0, r.length, chunk):
+            pieces.append(r._replace(offset=r.offset + pos, length=min(chunk, r.length - pos),
+                                     buffer_offset=r.buffer_offset + pos))
+            owner.append(i)
+            if sums is not None:
+                sums.append(None)
+    return pieces, owner, sums
+
+
+class Leg(Protocol):
+    """What a :class:`PathFuture` waits on: one batch of requests underneath (an engine batch, a kvikio
+    transfer, a staged copy), answering per request bytes moved or ``-errno``."""
+
+    def done(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    def results(self, timeout: float | None = None) -> list[int]: ...
+
+    def error_for(self, index: int, err: int) -> errors.SfstoreOSError: ...
+
+    def transferred(self) -> tuple[int, int]: ...
+
+
+class PathFuture(Future[list[int]]):
+    """The pending result of :meth:`StoragePath.submit`: per range, the bytes moved.
+
+    :meth:`get` returns them (a read is short only at the end of a file) or raises the typed error of the first
+    range that failed (:class:`~sfstore.errors.ChecksumMismatchError` for a read whose checksum did not match);
+    :meth:`results` gives per range bytes or ``-errno`` without raising. The path's counters (and its data
+    class's) are updated once, when the batch is first seen finished.
+
+    Parameters
+    ----------
+    path : StoragePath
+        The path whose counters count the batch.
+    legs : sequence of (Leg, list of int, str)
+        The batches underneath: each with the range index of each of its requests, and how its bytes count
+        (``"host"``: direct/bounced as the leg reports; ``"gpu_direct"`` or ``"staged"``: the device path's).
+    ops : list of str
+        Each range's op.
+    data_class : str, optional
+        The data class to count under too.
+    release : callable, optional
+        Run once when the batch has finished (descriptors or buffers the batch held).
+    """
+
+    def __init__(
+        self,
+        path: StoragePath,
+        legs: Sequence[tuple[Leg, list[int], str]],
+        ops: list[str],
+        *,
+        data_class: str | None = None,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self._path = path
+        self._legs = list(legs)
+        self._ops = ops
+        self._class = data_class
+        self._release = release
+        self._lock = threading.Lock()
+        self._final: list[int] | None = None
+        self._errors: dict[int, tuple[Leg, int, int]] = {}  # range -> (leg, request, errno) of its first failure
+        self._moved = (0, 0)
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def done(self) -> bool:
+        if self._final is not None:
+            return True
+        if all(leg.done() for leg, _, _ in self._legs):
+            self._settle()
+            return True
+        return False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._final is not None:
+            return True
+        timeout = check_timeout(timeout, "wait")
+        deadline = deadline_after(timeout)
+        for leg, _, _ in self._legs:
+            if not leg.wait(remaining(deadline)):
+                return False
+        self._settle()
+        return True
+
+    def results(self, timeout: float | None = None) -> list[int]:
+        """Per range: bytes moved (``>= 0``) or ``-errno``; raises only :class:`~sfstore.errors.IOTimeoutError`."""
+        if not self.wait(timeout):
+            raise self._timed_out(timeout, f"a batch of {len(self._ops)} ranges on the {self._path.kind} path")
+        assert self._final is not None
+        return list(self._final)
+
+    def get(self, timeout: float | None = None) -> list[int]:
+        results = self.results(timeout)
+        for i, value in enumerate(results):
+            if value < 0:
+                leg, request, err = self._errors[i]
+                raise leg.error_for(request, err)
+        return results
+
+    def error_for(self, index: int, err: int) -> errors.SfstoreOSError:
+        """The typed error of range ``index`` having failed with errno ``err``."""
+        found = self._errors.get(index)
+        if found is not None:
+            leg, request, _ = found
+            return leg.error_for(request, err)
+        return errors.os_error(err, f"range {index} of {len(self._ops)} on the {self._path.kind} path failed")
+
+    def transferred(self) -> tuple[int, int]:
+        """``(direct, bounced)`` host bytes of this batch (final once done), as the engine counts them."""
+        return self._moved
+
+    def _settle(self) -> None:
+        with self._lock:
+            if self._final is not None:
+                return
+            out = [0] * len(self._ops)
+            direct = bounced = gpu = staged = 0
+            failed = 0
+            try:
+                for leg, owner, kind in self._legs:
+                    got = leg.results(0)
+                    for j, (i, value) in enumerate(zip(owner, got, strict=True)):
+                        if value < 0:
+                            if out[i] >= 0:
+                                out[i] = value
+                                self._errors[i] = (leg, j, -value)
+                                failed += value != -errno.EBADMSG  # a checksum mismatch is the data's fault
+                        elif out[i] >= 0:
+                            out[i] += value
+                    moved = sum(max(0, v) for v in got)
+                    if kind == "gpu_direct":
+                        gpu += moved
+                        continue
+                    if kind == "staged":  # through host memory: what the engine did there counts as well
+                        staged += moved
+                    d, b = leg.transferred()
+                    direct, bounced = direct + d, bounced + b
+            finally:
+                read = sum(v for v, op in zip(out, self._ops, strict=True) if v > 0 and op == "read")
+                written = sum(v for v, op in zip(out, self._ops, strict=True) if v > 0 and op == "write")
+                self._moved = (direct, bounced)
+                self._path.counters.add_for(
+                    self._class, requests=sum(len(o) for _, o, _ in self._legs), bytes_read=read,
+                    bytes_written=written, bytes_direct=direct, bytes_bounced=bounced, bytes_gpu_direct=gpu,
+                    bytes_staged=staged, errors=failed,
+                )
+                self._final = out
+                release, self._release = self._release, None
+                if release is not None:
+                    release()
+
+    def __del__(self) -> None:
+        release = getattr(self, "_release", None)
+        if release is not None and self._final is None:
+            try:
+                if all(leg.done() for leg, _, _ in self._legs):
+                    self._settle()
+            except Exception:  # a collector must not raise; the batch was never looked at
+                return
 
 
 class StoragePath(ABC):
     """A direct path to storage.
 
-    Subclasses set :attr:`kind` and implement :attr:`transport`, :meth:`describe` and :meth:`flush`.
+    Subclasses set :attr:`kind` and implement :attr:`transport`, :meth:`describe` and :meth:`submit`.
     """
 
     kind: str = ""
@@ -57,13 +354,50 @@ class StoragePath(ABC):
 
     @property
     def supports_direct_io(self) -> bool:
-        """Whether data moves with O_DIRECT (no page-cache copy) on this path."""
+        """Whether :meth:`submit` moves aligned host buffers with O_DIRECT (no page-cache copy)."""
         return False
 
     @property
     def supports_device_buffers(self) -> bool:
-        """Whether GPU buffers are read and written without a host bounce."""
+        """Whether :meth:`submit` takes GPU buffers (the device path's ``route`` says whether with no host copy)."""
         return False
+
+    @abstractmethod
+    def submit(
+        self,
+        ranges: Sequence[Range],
+        *,
+        checksums: Sequence[int | None] | None = None,
+        data_class: str | None = None,
+    ) -> PathFuture:
+        """Check the whole batch, then start it: the path splits each range into requests of its chunk size,
+        keeps its requests in flight, and counts the batch (under ``data_class`` too) when it has finished.
+
+        ``checksums``, optional, holds per range the xxh3-64 a read's bytes must have (or ``None``); a range
+        that fails it ends with ``-EBADMSG`` and :meth:`PathFuture.get` raises
+        :class:`~sfstore.errors.ChecksumMismatchError`.
+
+        Raises
+        ------
+        sfstore.errors.InvalidRequestError
+            A malformed range, or a GPU buffer on a path whose ``supports_device_buffers`` is false (nothing
+            was issued).
+        sfstore.errors.SfstoreOSError
+            What the engine refuses before any I/O (a closed descriptor, a read-only buffer for a read, a
+            misaligned range where bounce buffers are off).
+        """
+
+    def refuse_device_buffers(self, ranges: Sequence[Range]) -> None:
+        """Raise :class:`~sfstore.errors.InvalidRequestError` for the first range with a GPU buffer (for paths
+        whose ``supports_device_buffers`` is false)."""
+        from sfstore.buffers import is_device_buffer
+
+        for i, r in enumerate(ranges):
+            if is_device_buffer(r.buffer):
+                raise errors.InvalidRequestError(
+                    f"range {i}: a GPU buffer ({type(r.buffer).__name__}) on the {self.kind} path, which takes host "
+                    "memory only (supports_device_buffers is False); move GPU buffers through the device path"
+                )
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:

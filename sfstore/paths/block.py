@@ -26,10 +26,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sfstore import defaults, errors
-from sfstore.engine import IOEngine, IOFuture, Request, describe_engines, get_engine, open_fd
-from sfstore.paths.base import StoragePath
+from sfstore.arguments import as_batch
+from sfstore.engine import IOEngine, Request, describe_engines, get_engine, open_fd
+from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, split_ranges
 
-__all__ = ["BlockPath", "BlockFuture"]
+__all__ = ["BlockPath"]
 
 _BLKSSZGET = 0x1268  # logical sector size (int)
 _BLKGETSIZE64 = 0x80081272  # size in bytes (u64)
@@ -42,64 +43,6 @@ def _ioctl_int(fd: int, request: int, fmt: str) -> int:
     buf = bytearray(struct.calcsize(fmt))
     fcntl.ioctl(fd, request, buf)
     return int(struct.unpack(fmt, bytes(buf))[0])
-
-
-class BlockFuture:
-    """The pending result of one batch on a :class:`BlockPath`: ``done()``, ``wait()``, ``get()``.
-
-    ``get()`` returns the bytes moved by each request and updates the path's counters once.
-    """
-
-    def __init__(self, path: BlockPath, future: IOFuture, write: bool) -> None:
-        self._path = path
-        self._future = future
-        self._write = write
-        self._counted = False
-
-    def done(self) -> bool:
-        """Whether every request of the batch has finished."""
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` seconds; return whether the batch finished."""
-        return self._future.wait(timeout)
-
-    def results(self, timeout: float | None = None) -> list[int]:
-        """Per request: bytes moved, or ``-errno`` (``-EBADMSG``: its checksum did not match); never raises
-        for I/O errors (:meth:`error_for` builds the typed error of one)."""
-        results = self._future.results(timeout)
-        # A checksum mismatch is the data's fault, not the path's: its bytes were moved and count as such.
-        self._count(error=any(r < 0 and r != -errno.EBADMSG for r in results))
-        return results
-
-    def error_for(self, index: int, err: int) -> errors.SfstoreOSError:
-        """The typed error of request ``index`` having failed with errno ``err``."""
-        return self._future.error_for(index, err)
-
-    def get(self, timeout: float | None = None) -> list[int]:
-        """Bytes moved per request; raises the typed error of the first failed request."""
-        try:
-            results = self._future.get(timeout)
-        except errors.IOTimeoutError:
-            raise
-        except errors.SfstoreError:
-            self._count(error=True)
-            raise
-        self._count(error=False)
-        return results
-
-    def _count(self, error: bool) -> None:
-        if self._counted:
-            return
-        self._counted = True
-        c = self._path.counters
-        if error:
-            c.add(errors=1)
-            return
-        moved = sum(max(0, r) for r in self._future.results())
-        direct, bounced = self._future.transferred()
-        c.add(requests=len(self._future), bytes_direct=direct, bytes_bounced=bounced,
-              **{"bytes_written" if self._write else "bytes_read": moved})
 
 
 class BlockPath(StoragePath):
@@ -163,6 +106,8 @@ class BlockPath(StoragePath):
         except BaseException:
             os.close(self.fd)
             raise
+        # Bytes per request: a multiple of the LBA size (a split never leaves a misaligned piece).
+        self.chunk_size = max(self.lba_size, (8 << 20) // self.lba_size * self.lba_size)
         if not self.direct:
             self.fallbacks.append(f"{self.device}: O_DIRECT refused or turned off; I/O goes through the page cache")
 
@@ -340,27 +285,34 @@ class BlockPath(StoragePath):
 
     def submit(
         self,
-        requests: Sequence[tuple[str, int, int, Any, int]],
+        ranges: Sequence[Range | tuple[str, int, int, Any, int]],
         *,
-        check: bool = True,
         checksums: Sequence[int | None] | None = None,
-    ) -> BlockFuture:
-        """Submit ``(op, offset, length, buffer, buffer_offset)`` tuples (``op`` "read"/"write") as one batch.
+        data_class: str | None = None,
+        check: bool = True,
+    ) -> PathFuture:
+        """Read or write ranges of the target (:class:`~sfstore.paths.base.Range`, or ``(op, offset, length,
+        buffer, buffer_offset)`` tuples; ``file`` is unused: the target is this path's device) as one batch.
 
-        All requests of a batch must be of one kind (all reads or all writes) for the counters. ``check=False``
-        skips the alignment and range checks (for callers that computed the requests from this path's geometry).
-        ``checksums``: per read, the xxh3-64 its bytes must have (or ``None``), checked where the read completes
-        (see :meth:`sfstore.engine.IOEngine.submit`); a mismatch ends that request with ``-EBADMSG``.
+        Ranges longer than :attr:`chunk_size` are split into LBA-aligned requests. ``check=False`` skips the
+        alignment and range checks (for callers that computed the ranges from this path's geometry).
+        ``checksums``: per read, the xxh3-64 its bytes must have (or ``None``), checked where the read completes;
+        a mismatch ends that range with ``-EBADMSG``. Host memory only. See :meth:`StoragePath.submit`.
         """
-        fd = self.fd
+        batch = [check_range(r, i) for i, r in enumerate(as_batch(ranges, "ranges"))]
+        if checksums is not None and len(as_batch(checksums, "checksums")) != len(batch):
+            raise errors.InvalidRequestError(f"checksums: {len(list(checksums))} given for {len(batch)} ranges")
         if check:
-            for _op, offset, length, _buffer, _boff in requests:
-                self.check(offset, length)
-        reqs = [Request(op, fd, offset, length, buffer, boff) for op, offset, length, buffer, boff in requests]
-        write = bool(reqs) and reqs[-1].op == "write"
-        return BlockFuture(self, self.engine.submit(reqs, checksums=checksums), write)
+            for r in batch:
+                self.check(r.offset, r.length)
+        self.refuse_device_buffers(batch)
+        fd = self.fd
+        pieces, owner, sums = split_ranges(batch, self.chunk_size, checksums)
+        reqs = [Request(p.op, fd, p.offset, p.length, p.buffer, p.buffer_offset) for p in pieces]
+        fut = self.engine.submit(reqs, checksums=sums)
+        return PathFuture(self, [(fut, owner, "host")], [r.op for r in batch], data_class=data_class)
 
-    def read_into_async(self, offset: int, buffer: Any, length: int | None = None) -> BlockFuture:
+    def read_into_async(self, offset: int, buffer: Any, length: int | None = None) -> PathFuture:
         """Read ``length`` bytes (default: the buffer's size) at ``offset`` into ``buffer``."""
         n = memoryview(buffer).nbytes if length is None else length
         return self.submit([("read", offset, n, buffer, 0)])
@@ -369,7 +321,7 @@ class BlockPath(StoragePath):
         """Synchronous :meth:`read_into_async`; returns the bytes read."""
         return self.read_into_async(offset, buffer, length).get()[0]
 
-    def write_async(self, offset: int, buffer: Any, length: int | None = None) -> BlockFuture:
+    def write_async(self, offset: int, buffer: Any, length: int | None = None) -> PathFuture:
         """Write ``length`` bytes (default: the buffer's size) of ``buffer`` at ``offset``."""
         n = memoryview(buffer).nbytes if length is None else length
         return self.submit([("write", offset, n, buffer, 0)])

@@ -30,16 +30,17 @@ import fcntl
 import os
 import secrets
 import stat
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from sfstore import defaults, errors
+from sfstore.arguments import as_batch
 from sfstore.buffers import as_buffer, copy_host_to_device, is_device_buffer
-from sfstore.engine import IOEngine, IOFuture, Request, describe_engines, get_engine
+from sfstore.engine import IOEngine, Request, describe_engines, get_engine
+from sfstore.futures import DoneFuture, Future, MappedFuture
 from sfstore.mounts import MountInfo, mount_for
-from sfstore.paths.base import StoragePath
+from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, descriptor_of, split_ranges
 from sfstore.paths.beneath import Beneath, Location
 
 __all__ = ["FilePath", "MountFacts", "AtomicWriter", "OpenFile", "ReadFuture", "file_kind"]
@@ -86,35 +87,18 @@ class MountFacts:
         return min(64, 16 * (self.nconnect or 1))
 
 
-class ReadFuture:
-    """The pending result of :meth:`FilePath.read_into_async`: ``get()`` returns the bytes read."""
+class ReadFuture(MappedFuture[list[int], int]):
+    """The pending result of :meth:`FilePath.read_into_async`: ``get()`` returns the bytes read (fewer than asked
+    only at end of file) and raises the typed error of a failed chunk; the file it opened is closed once the
+    read has finished."""
 
-    def __init__(self, path: FilePath, fd: int, future: IOFuture, requests: int, after: Any = None) -> None:
-        self._path, self._fd, self._future, self._requests, self._after = path, fd, future, requests, after
-        self._result: int | None = None
-        self._lock = threading.Lock()
+    def __init__(self, path: FilePath, future: PathFuture, fd: int = -1) -> None:
+        self._path, self._fd = path, fd
+        super().__init__(future, self._total, on_done=self._close)
 
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._future.wait(timeout)
-
-    def get(self, timeout: float | None = None) -> int:
-        """Bytes read (fewer than asked only at end of file); raises the typed error of a failed chunk."""
-        with self._lock:
-            if self._result is not None:
-                return self._result
-            try:
-                got = self._path._finish(self._future, self._requests, timeout, files=1)
-                total = sum(got)
-                if self._after is not None:
-                    self._after(total)
-            finally:
-                if self._future.done():
-                    self._close()
-            self._result = total
-            return total
+    def _total(self, got: list[int]) -> int:
+        self._path.counters.add(files=1)
+        return sum(got)
 
     def _close(self) -> None:
         if self._fd >= 0:
@@ -122,7 +106,7 @@ class ReadFuture:
             self._fd = -1
 
     def __del__(self) -> None:
-        if self._fd >= 0 and self._future.done():
+        if self._fd >= 0 and self._inner.done():
             self._close()
 
 
@@ -383,22 +367,39 @@ class FilePath(StoragePath):
         fd, full, _ = self._open_read(path, follow=follow)
         return OpenFile(self, fd, full)
 
-    def _finish(self, fut: IOFuture, requests: int, timeout: float | None = None, files: int = 0) -> list[int]:
-        try:
-            got = fut.get(timeout)
-        except errors.SfstoreOSError:
-            self.counters.add(errors=1, requests=requests)
-            raise
-        direct, bounced = fut.transferred()
-        self.counters.add(requests=requests, files=files, bytes_direct=direct, bytes_bounced=bounced)
-        return got
+    # -- the data seam ---------------------------------------------------------------------------------------
 
-    def _chunks(self, fd: int, offset: int, length: int, view: Any, buffer_offset: int, write: bool) -> list[Request]:
-        make = Request.write if write else Request.read
-        step = self.chunk_size
-        return [
-            make(fd, offset + pos, min(step, length - pos), view, buffer_offset + pos) for pos in range(0, length, step)
-        ]
+    def submit(
+        self,
+        ranges: Sequence[Range],
+        *,
+        checksums: Sequence[int | None] | None = None,
+        data_class: str | None = None,
+    ) -> PathFuture:
+        """Read or write ranges of open files (``Range.file``: a descriptor from :meth:`open_beneath`, or an
+        :class:`OpenFile`) as one batch: each range becomes requests of :attr:`chunk_size` bytes,
+        :attr:`parallelism` in flight, O_DIRECT where the descriptor has it (misaligned pieces bounced).
+        Host memory only. See :meth:`StoragePath.submit`."""
+        return self._submit(ranges, checksums, data_class, None)
+
+    def _submit(
+        self,
+        ranges: Sequence[Range],
+        checksums: Sequence[int | None] | None,
+        data_class: str | None,
+        engine: IOEngine | None,
+        release: Any = None,
+    ) -> PathFuture:
+        batch = [check_range(r, i) for i, r in enumerate(as_batch(ranges, "ranges"))]
+        if checksums is not None and len(as_batch(checksums, "checksums")) != len(batch):
+            raise errors.InvalidRequestError(f"checksums: {len(list(checksums))} given for {len(batch)} ranges")
+        self.refuse_device_buffers(batch)
+        pieces, owner, sums = split_ranges(batch, self.chunk_size, checksums)
+        reqs = [Request(p.op, descriptor_of(p.file, owner[j]), p.offset, p.length, p.buffer, p.buffer_offset)
+                for j, p in enumerate(pieces)]
+        fut = (engine or self.engine).submit(reqs, checksums=sums)
+        return PathFuture(self, [(fut, owner, "host")], [r.op for r in batch], data_class=data_class,
+                          release=release)
 
     def size(self, path: str | os.PathLike[str]) -> int:
         """Size in bytes of the file at ``path``."""
@@ -406,7 +407,7 @@ class FilePath(StoragePath):
 
     def read_into_async(
         self, path: str | os.PathLike[str], buffer: Any, offset: int = 0, length: int | None = None
-    ) -> ReadFuture:
+    ) -> Future[int]:
         """Start reading ``path`` from ``offset`` into ``buffer``; :meth:`ReadFuture.get` returns the bytes read.
 
         ``buffer`` is anything with the buffer protocol or a CPU DLPack/torch tensor (written in place, no
@@ -435,15 +436,12 @@ class FilePath(StoragePath):
                     f"a buffer of {memoryview(view).nbytes} bytes cannot hold {want} bytes of {full}"
                 )
             n = max(0, min(want, size - offset))
-            reqs = self._chunks(fd, offset, n, view, 0, write=False)
-            fut = self.engine.submit(reqs)
+            fut = self.submit([Range.read(offset, n, view, 0, fd)])
         except BaseException:
             if owns_fd:
                 os.close(fd)
             raise
-        return ReadFuture(
-            self, fd if owns_fd else -1, fut, len(reqs), after=lambda total: self.counters.add(bytes_read=total)
-        )
+        return ReadFuture(self, fut, fd if owns_fd else -1)
 
     def read_into(
         self, path: str | os.PathLike[str], buffer: Any, offset: int = 0, length: int | None = None
@@ -484,18 +482,9 @@ class FilePath(StoragePath):
             os.close(fd)
 
     def _read_ranges_fd(self, fd: int, ranges: Sequence[tuple[int, int, Any, int]]) -> list[int]:
-        reqs: list[Request] = []
-        owner: list[int] = []
-        for i, (off, length, buf, boff) in enumerate(ranges):
-            chunk = self._chunks(fd, off, length, as_buffer(buf), boff, write=False)
-            reqs.extend(chunk)
-            owner.extend([i] * len(chunk))
-        got = self._finish(self.engine.submit(reqs), len(reqs), files=1)
-        out = [0] * len(ranges)
-        for i, n in zip(owner, got, strict=True):
-            out[i] += n
-        self.counters.add(bytes_read=sum(got))
-        return out
+        got = self.submit([Range.read(off, n, as_buffer(buf), boff, fd) for off, n, buf, boff in ranges]).get()
+        self.counters.add(files=1)
+        return got
 
     def read_many(
         self, paths: Iterable[str | os.PathLike[str]], *, on_error: str = "raise", window: int = 256
@@ -529,7 +518,7 @@ class FilePath(StoragePath):
     ) -> _Group:
         group = _Group()
         try:
-            reqs: list[Request] = []
+            ranges: list[Range] = []
             for i in range(start, stop):
                 try:
                     fd, full = self._open_nonblocking(names[i])
@@ -551,11 +540,9 @@ class FilePath(StoragePath):
                     out[i] = exc
                     continue
                 data, view = _bytes_for_filling(size)
-                chunk = self._chunks(fd, 0, size, view, 0, write=False)
-                group.items.append((i, data, view, len(reqs), len(chunk), size))
-                reqs.extend(chunk)
-            group.requests = len(reqs)
-            group.future = self.small_file_engine.submit(reqs)
+                group.items.append((i, data, view, len(ranges)))
+                ranges.append(Range("read", 0, size, view, 0, fd))
+            group.future = self._submit(ranges, None, None, self.small_file_engine)
         except BaseException:
             group.close()
             raise
@@ -565,30 +552,24 @@ class FilePath(StoragePath):
         try:
             assert group.future is not None
             results = group.future.results()
-            direct, bounced = group.future.transferred()
-            self.counters.add(
-                requests=group.requests, files=len(group.items), bytes_direct=direct, bytes_bounced=bounced
-            )
-            for i, data, view, first, count, _size in group.items:
+            self.counters.add(files=len(group.items))
+            for i, data, view, index in group.items:
                 view.release()
-                got = results[first : first + count]
-                bad = next((r for r in got if r < 0), None)
-                if bad is not None:
-                    exc = group.future.error_for(first + got.index(bad), -bad)
-                    self.counters.add(errors=1)
+                n = results[index]
+                if n < 0:
+                    exc = group.future.error_for(index, -n)
                     if on_error == "raise":
                         raise exc
                     out[i] = exc
                     continue
-                n = sum(got)
-                self.counters.add(bytes_read=n)
                 out[i] = _as_bytes(data, n)
         finally:
             group.close()
 
-    def _read_fd_into_device(self, fd: int, full: str, buffer: Any, offset: int, length: int | None) -> ReadFuture:
-        # No device path yet: read into pinned registered buffers and copy each to the GPU, all from one
-        # descriptor (the file opened beneath the root once, not looked up again per chunk).
+    def _read_fd_into_device(self, fd: int, full: str, buffer: Any, offset: int, length: int | None) -> Future[int]:
+        # The file path takes host memory: a GPU buffer given to its read calls is filled through pinned
+        # registered buffers from one descriptor (the file opened beneath the root once); the device path
+        # (sfstore.paths.device) is the way without that copy.
         from sfstore.buffers import RegisteredBufferPool, device_nbytes
 
         if "GPU buffers through pinned bounce buffers" not in " ".join(self.fallbacks):
@@ -609,12 +590,12 @@ class FilePath(StoragePath):
                     got = self._start_read(fd, full, size, piece, step, offset + pos, owns_fd=False).get()
                     copy_host_to_device(buffer, pos, host[0:got])
                     total += got
-                    self.counters.add(bytes_bounced=got)
+                    self.counters.add(bytes_staged=got)
                     if got < step:
                         break
             finally:
                 host.release()
-        return _DoneRead(total)  # type: ignore[return-value]
+        return DoneFuture(total)
 
     # -- writes ----------------------------------------------------------------------------------------------
 
@@ -730,7 +711,7 @@ class AtomicWriter:
             os.unlink(self._tmp, dir_fd=loc.dirfd)
             raise
         self._dirfd = loc.detach()  # the directory the file is published in, held until then
-        self._pending: list[tuple[IOFuture, int, bytearray | None]] = []
+        self._pending: list[tuple[PathFuture, bytearray]] = []  # each piece's write and the piece it holds
         self._buf = bytearray()
         self.size = 0  # bytes accepted so far
         self._written = 0  # file offset of the next piece
@@ -748,8 +729,7 @@ class AtomicWriter:
             # them, so the file offset stays aligned); it must stay unchanged until they finish, so wait for
             # them before returning.
             whole = n if n % 4096 == 0 else n - n % step
-            reqs = self._fp._chunks(self._fd, self._written, whole, view, 0, write=True)
-            self._fp._finish(self._fp.engine.submit(reqs), len(reqs))
+            self._fp.submit([Range.write(self._written, whole, view, 0, self._fd)]).get()
             self._written += whole
             view = view[whole:]
         if view.nbytes:
@@ -759,21 +739,17 @@ class AtomicWriter:
                 del self._buf[:step]
                 self._submit(piece)
         self.size += n
-        self._fp.counters.add(bytes_written=n)
         return n
 
     def _submit(self, piece: bytearray) -> None:
-        reqs = [Request.write(self._fd, self._written, len(piece), piece)]
-        self._pending.append((self._fp.engine.submit(reqs), len(reqs), piece))
+        self._pending.append((self._fp.submit([Range.write(self._written, len(piece), piece, 0, self._fd)]), piece))
         self._written += len(piece)
         while len(self._pending) >= self._fp.parallelism:
-            fut, count, _ = self._pending.pop(0)
-            self._fp._finish(fut, count)
+            self._pending.pop(0)[0].get()
 
     def _drain(self) -> None:
         while self._pending:
-            fut, count, _ = self._pending.pop(0)
-            self._fp._finish(fut, count)
+            self._pending.pop(0)[0].get()
 
     def close(self) -> None:
         """Write what is buffered, fsync if asked, and publish the file under its name."""
@@ -825,7 +801,7 @@ class AtomicWriter:
             return
         self.closed = True
         try:
-            for fut, _, _ in self._pending:
+            for fut, _ in self._pending:
                 fut.wait()
             self._pending = []
         finally:
@@ -862,7 +838,7 @@ class OpenFile:
         """The file's size now (``fstat``)."""
         return os.fstat(self.fd).st_size
 
-    def read_into_async(self, buffer: Any, offset: int = 0, length: int | None = None) -> ReadFuture:
+    def read_into_async(self, buffer: Any, offset: int = 0, length: int | None = None) -> Future[int]:
         """Start reading from ``offset`` into ``buffer`` (see :meth:`FilePath.read_into_async`)."""
         _check_range(offset, length)
         if is_device_buffer(buffer):
@@ -904,34 +880,17 @@ class _Group:
 
     def __init__(self) -> None:
         self.fds: list[int] = []
-        self.items: list[tuple[int, bytes | bytearray, memoryview, int, int, int]] = []
-        self.future: IOFuture | None = None
-        self.requests = 0
+        self.items: list[tuple[int, bytes | bytearray, memoryview, int]] = []  # (name, data, view, range)
+        self.future: PathFuture | None = None
 
     def close(self) -> None:
         if self.future is not None:
             self.future.wait()
-        for _, _, view, _, _, _ in self.items:
+        for _, _, view, _ in self.items:
             view.release()
         for fd in self.fds:
             os.close(fd)
         self.fds = []
-
-
-class _DoneRead:
-    """A :class:`ReadFuture` stand-in for reads already finished (the GPU bounce path)."""
-
-    def __init__(self, total: int) -> None:
-        self._total = total
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return True
-
-    def get(self, timeout: float | None = None) -> int:
-        return self._total
 
 
 _DIRECT_MIN = 1 << 20  # read_many: files at least this large are read with O_DIRECT
