@@ -1,4 +1,5 @@
-"""xxh3-64 (seed 0): the checksum every stored block, slot header and value carries, one function for all layers.
+"""xxh3-64 (seed 0): the checksum every stored block, slot header and value carries, one function for all layers;
+and :func:`kvsum64`, the checksum of KV blocks that move GPU-direct (computed where the block is, GPU or host).
 
 The native helper's build releases the GIL from 64 KiB (threads hashing large values run in parallel, and other
 Python threads meanwhile); where the helper was built without ``xxhash.h`` or is missing, python-xxhash (which
@@ -12,7 +13,7 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["xxh3_64", "xxh3_64_hex"]
+__all__ = ["xxh3_64", "xxh3_64_hex", "kvsum64", "kvsum64_finish", "KVSUM_WORD"]
 
 
 def _pick() -> Callable[[Any], int]:
@@ -34,3 +35,43 @@ xxh3_64: Callable[[Any], int] = _pick()
 def xxh3_64_hex(data: Any) -> str:
     """:data:`xxh3_64` as 16 lowercase hex digits (how checkpoint manifests record it)."""
     return f"{xxh3_64(data):016x}"
+
+
+KVSUM_WORD = 8
+"""Bytes per word of :func:`kvsum64`: blocks it sums are a multiple of this."""
+
+_MASK = (1 << 64) - 1
+_weights: dict[int, Any] = {}
+
+
+def kvsum64_finish(weighted_sum: int, nbytes: int) -> int:
+    """The last step of :func:`kvsum64`: mix the weighted word sum (mod 2**64) with the length (splitmix64)."""
+    z = (weighted_sum ^ (nbytes * 0x9E3779B97F4A7C15)) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def kvsum64(data: Any) -> int:
+    """The checksum of a KV block moved GPU-direct: ``sum(word[i] * (2*i + 1)) mod 2**64`` over its little-endian
+    64-bit words, mixed with the length (:func:`kvsum64_finish`).
+
+    Unlike xxh3-64 it is a sum, so a GPU computes it with one multiply and one reduction (order does not change a
+    sum mod 2**64) and the block never has to visit host memory to be checked; the odd weights make any change
+    of one word, and any swap of two, change the sum. Weaker than xxh3 against crafted changes: it guards
+    against torn and misdirected I/O, not an adversary. ``data`` is host memory of a multiple of
+    :data:`KVSUM_WORD` bytes.
+    """
+    import numpy as np
+
+    view = memoryview(data).cast("B")
+    n = view.nbytes
+    if n % KVSUM_WORD:
+        raise ValueError(f"kvsum64 sums whole {KVSUM_WORD}-byte words, not {n} bytes")
+    words = np.frombuffer(view, dtype="<u8")
+    w = _weights.get(words.size)
+    if w is None:
+        w = _weights[words.size] = np.arange(1, 2 * words.size, 2, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        total = int(np.dot(words, w)) if words.size else 0  # uint64 arithmetic wraps mod 2**64
+    return kvsum64_finish(total & _MASK, n)

@@ -1,0 +1,320 @@
+"""What moves GPU bytes for the device path: CUDA copies, kvikio's ``CuFile``, checksums computed on the GPU.
+
+:class:`~sfstore.paths.device.DevicePath` decides *how* a GPU buffer reaches storage (its route) and keeps the
+counters; a :class:`DeviceRuntime` does the last call of each route: a kvikio read or write (``gds`` with
+cuFile, ``compat`` through kvikio's host buffers), a copy between GPU memory and a pinned host buffer (sfstore's
+``staged`` route), a checksum of GPU memory. :class:`CudaRuntime` is the real one (torch CUDA tensors, cupy
+arrays; kvikio where installed). Everything above the runtime runs, and is tested, on a machine without a GPU
+(:mod:`sfstore.testing.device_runtime` emulates one with host memory).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import importlib
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+from sfstore import errors
+from sfstore.buffers import device_nbytes, is_device_buffer
+from sfstore.checksums import KVSUM_WORD, kvsum64_finish
+from sfstore.futures import deadline_after, remaining
+
+__all__ = ["DeviceRuntime", "DeviceFile", "CudaRuntime", "KvikioLeg"]
+
+_MASK = (1 << 64) - 1
+
+
+class DeviceFile(ABC):
+    """An open file (or block device) as kvikio sees it: reads and writes between it and GPU memory."""
+
+    #: Whether kvikio moves this file's bytes through host memory (its compat mode): ``True``, ``False``
+    #: (cuFile, GPU-direct), or ``None`` when it cannot say.
+    compat: bool | None = None
+
+    @abstractmethod
+    def pread(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> Any:
+        """Start reading ``size`` bytes at ``file_offset`` into ``buf`` at byte ``buf_offset``; a future with
+        ``get()`` (bytes) and ``done()``."""
+
+    @abstractmethod
+    def pwrite(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> Any:
+        """Start writing ``size`` bytes of ``buf`` from byte ``buf_offset`` at ``file_offset``."""
+
+    def close(self) -> None:  # noqa: B027 - nothing to release by default
+        """Release the handle (cuFile deregisters it)."""
+
+
+class DeviceRuntime(ABC):
+    """The GPU side of the device path (see the module)."""
+
+    name: str = ""
+
+    @abstractmethod
+    def mode(self) -> tuple[str, str]:
+        """``(mode, why)``: ``"gds"`` (cuFile is there), ``"compat"`` (kvikio without cuFile) or ``"staged"``
+        (no kvikio: sfstore's pinned staging)."""
+
+    @abstractmethod
+    def is_device(self, buf: Any) -> bool:
+        """Whether ``buf`` is GPU memory this runtime moves."""
+
+    @abstractmethod
+    def nbytes(self, buf: Any) -> int:
+        """Size in bytes of the GPU buffer ``buf``."""
+
+    @abstractmethod
+    def open(self, fd: int, full: str) -> DeviceFile:
+        """A kvikio handle of the open descriptor ``fd`` (``full`` names it in errors)."""
+
+    @abstractmethod
+    def to_host(self, buf: Any, offset: int, dst: memoryview) -> None:
+        """Copy ``dst.nbytes`` bytes of GPU ``buf`` from byte ``offset`` into host ``dst`` (synchronous)."""
+
+    @abstractmethod
+    def from_host(self, buf: Any, offset: int, src: memoryview) -> None:
+        """Copy host ``src`` into GPU ``buf`` at byte ``offset`` (synchronous)."""
+
+    @abstractmethod
+    def weighted_sum(self, buf: Any, offset: int, nbytes: int) -> int:
+        """``sum(word[i] * (2*i + 1)) mod 2**64`` over the 64-bit words of ``buf[offset:offset + nbytes]``,
+        computed where ``buf`` lives (see :func:`sfstore.checksums.kvsum64`)."""
+
+    @abstractmethod
+    def scratch(self, like: Any, nbytes: int) -> Any:
+        """A GPU buffer of ``nbytes`` on the device of ``like`` (to read into before a block is verified)."""
+
+    @abstractmethod
+    def copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, nbytes: int) -> None:
+        """Copy GPU bytes to GPU bytes (synchronous)."""
+
+    def register(self, buf: Any) -> bool:
+        """Register ``buf`` with cuFile for repeated transfers; whether it was registered."""
+        return False
+
+    def deregister(self, buf: Any) -> None:  # noqa: B027 - nothing registered by default
+        """Undo :meth:`register`."""
+
+    def checksum(self, buf: Any, offset: int, nbytes: int) -> int:
+        """:func:`sfstore.checksums.kvsum64` of ``nbytes`` bytes of GPU ``buf`` from ``offset``."""
+        if nbytes % KVSUM_WORD or offset % KVSUM_WORD:
+            raise errors.InvalidRequestError(
+                f"a GPU-direct block checksum sums whole {KVSUM_WORD}-byte words: offset {offset}, {nbytes} bytes"
+            )
+        return kvsum64_finish(self.weighted_sum(buf, offset, nbytes) & _MASK, nbytes)
+
+
+class KvikioLeg:
+    """kvikio transfers of one :meth:`DevicePath.submit` batch, as a :class:`~sfstore.paths.base.Leg`.
+
+    kvikio's futures have ``get()`` and ``done()`` but no timed wait: :meth:`wait` looks at ``done()`` until
+    the deadline (1 ms apart at most), and :meth:`results` collects each ``get()`` once.
+    """
+
+    def __init__(self, futures: list[Any], descriptions: list[tuple[str, int, int, int]], names: list[str]) -> None:
+        self._futures = futures
+        self._described = descriptions
+        self._names = names
+        self._results: list[int] | None = None
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._results is not None or all(f is None or f.done() for f in self._futures)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = deadline_after(timeout)
+        pause = 0.00005
+        while not self.done():
+            left = remaining(deadline)
+            if left == 0.0:
+                return False
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(0.001, pause * 2)
+        return True
+
+    def results(self, timeout: float | None = None) -> list[int]:
+        if not self.wait(timeout):
+            raise errors.IOTimeoutError(f"kvikio transfers had not finished after {timeout} s")
+        with self._lock:
+            if self._results is None:
+                out = []
+                for f, (_, _, _, length) in zip(self._futures, self._described, strict=True):
+                    if f is None:
+                        out.append(0)
+                        continue
+                    try:
+                        got = int(f.get())
+                    except Exception as exc:  # kvikio raises RuntimeError with cuFile's or the OS's message
+                        out.append(-_errno_of(exc))
+                        continue
+                    out.append(got if got == length else -errno.EIO)  # a short GPU transfer is an error
+                self._results = out
+            return list(self._results)
+
+    def error_for(self, index: int, err: int) -> errors.SfstoreOSError:
+        op, fd, offset, length = self._described[index]
+        return errors.os_error(
+            err, f"kvikio {op} (fd={fd} offset={offset} length={length}) failed", self._names[index],
+            errors.IOEngineError,
+        )
+
+    def transferred(self) -> tuple[int, int]:
+        return (0, 0)
+
+
+def _errno_of(exc: BaseException) -> int:
+    err = getattr(exc, "errno", None)
+    return int(err) if isinstance(err, int) and err > 0 else errno.EIO
+
+
+class _KvikioFile(DeviceFile):
+    def __init__(self, kvikio: Any, fd: int, full: str) -> None:
+        # kvikio opens by name only: /proc/self/fd/N reopens the very inode this path's descriptor holds
+        # (found beneath the root), never the caller's name again.
+        try:
+            self._f = kvikio.CuFile(f"/proc/self/fd/{fd}", "r+")
+        except Exception as exc:  # kvikio raises RuntimeError for what open(2) or cuFile refuses
+            raise errors.os_error(_errno_of(exc), f"kvikio cannot open the file ({exc})", full) from None
+        preferred = getattr(self._f, "is_compat_mode_preferred", None)
+        try:
+            self.compat = bool(preferred()) if callable(preferred) else None
+        except Exception:  # an older kvikio: it cannot say
+            self.compat = None
+
+    def pread(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> Any:
+        return self._f.pread(buf, size, file_offset, buf_offset)
+
+    def pwrite(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> Any:
+        return self._f.pwrite(buf, size, file_offset, buf_offset)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class CudaRuntime(DeviceRuntime):
+    """torch CUDA tensors and cupy arrays; kvikio (cuFile) where installed."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._mode: tuple[str, str] | None = None
+        self._kvikio: Any = None
+        self._weights: dict[tuple[Any, int], Any] = {}
+
+    def mode(self) -> tuple[str, str]:
+        if self._mode is None:
+            self._mode = self._find_mode()
+        return self._mode
+
+    def _find_mode(self) -> tuple[str, str]:
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return "staged", "no CUDA driver (libcuda.so.1): GPU arrays are staged through sfstore's pinned buffers"
+        try:
+            self._kvikio = importlib.import_module("kvikio")
+        except Exception as exc:  # ImportError, or kvikio failing to load its libraries
+            return "staged", (f"kvikio is not usable ({type(exc).__name__}: {exc}; pip install 'sfstore[gpu]'): "
+                              "GPU arrays are staged through sfstore's pinned buffers")
+        from sfstore.probe import probe_gds
+
+        gds = probe_gds()
+        compat = str(gds.get("kvikio", {}).get("compat_mode") or "").upper()
+        if gds.get("status") == "ok" and compat not in ("ON", "TRUE"):
+            return "gds", "cuFile and the nvidia-fs driver are there: GPU memory <-> storage with no host copy"
+        return "compat", ("kvikio compat mode: " + str(gds.get("reason") or "cuFile is not available")
+                          + " (kvikio bounces through host memory)")
+
+    def is_device(self, buf: Any) -> bool:
+        return is_device_buffer(buf)
+
+    def nbytes(self, buf: Any) -> int:
+        return device_nbytes(buf)
+
+    def open(self, fd: int, full: str) -> DeviceFile:
+        self.mode()
+        if self._kvikio is None:
+            raise errors.NotSupportedOnHostError("kvikio is not usable here: the device path stages GPU arrays")
+        return _KvikioFile(self._kvikio, fd, full)
+
+    @staticmethod
+    def _flat(buf: Any) -> Any:
+        if type(buf).__module__.startswith("torch"):
+            import torch
+
+            return buf.detach().reshape(-1).view(torch.uint8)
+        import cupy
+
+        return cupy.asarray(buf).reshape(-1).view(cupy.uint8)
+
+    def to_host(self, buf: Any, offset: int, dst: memoryview) -> None:
+        n = dst.nbytes
+        flat = self._flat(buf)
+        if type(flat).__module__.startswith("torch"):
+            import torch
+
+            torch.frombuffer(dst, dtype=torch.uint8, count=n).copy_(flat[offset:offset + n])
+            return
+        import numpy as np
+
+        flat[offset:offset + n].get(out=np.frombuffer(dst, np.uint8))
+
+    def from_host(self, buf: Any, offset: int, src: memoryview) -> None:
+        n = src.nbytes
+        flat = self._flat(buf)
+        if type(flat).__module__.startswith("torch"):
+            import torch
+
+            flat[offset:offset + n].copy_(torch.frombuffer(src, dtype=torch.uint8, count=n))
+            return
+        import numpy as np
+
+        flat[offset:offset + n].set(np.frombuffer(src, np.uint8))
+
+    def weighted_sum(self, buf: Any, offset: int, nbytes: int) -> int:
+        flat = self._flat(buf)[offset:offset + nbytes]
+        if type(flat).__module__.startswith("torch"):
+            import torch
+
+            words = flat.view(torch.int64)  # two's complement: int64 products and sums wrap as uint64 would
+            key = (words.device, words.numel())
+            w = self._weights.get(key)
+            if w is None:
+                w = self._weights[key] = torch.arange(1, 2 * words.numel(), 2, dtype=torch.int64, device=words.device)
+            return int((words * w).sum().item()) & _MASK
+        import cupy
+
+        words = flat.view(cupy.uint64)
+        key = (int(words.device.id), int(words.size))
+        w = self._weights.get(key)
+        if w is None:
+            w = self._weights[key] = cupy.arange(1, 2 * words.size, 2, dtype=cupy.uint64)
+        return int((words * w).sum()) & _MASK
+
+    def scratch(self, like: Any, nbytes: int) -> Any:
+        if type(like).__module__.startswith("torch"):
+            import torch
+
+            return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+        import cupy
+
+        with cupy.cuda.Device(cupy.asarray(like).device.id):
+            return cupy.empty(nbytes, dtype=cupy.uint8)
+
+    def copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, nbytes: int) -> None:
+        d, s = self._flat(dst), self._flat(src)
+        d[dst_offset:dst_offset + nbytes] = s[src_offset:src_offset + nbytes]
+
+    def register(self, buf: Any) -> bool:
+        self.mode()
+        if self._kvikio is None or not self.is_device(buf):
+            return False
+        self._kvikio.memory_register(buf)
+        return True
+
+    def deregister(self, buf: Any) -> None:
+        if self._kvikio is not None:
+            self._kvikio.memory_deregister(buf)
