@@ -97,7 +97,7 @@ def _add_demo(sub: Subparsers) -> None:
     p.add_argument("--shards", type=int, default=32, help="dataset shards of 512 samples (default 32)")
     p.add_argument("--data-dir", metavar="PATH", default=None,
                    help="data directory (default: the data_dir setting, SFSTORE_DATA_DIR)")
-    p.add_argument("--size", default="64m", help="bytes for the engine round trip (default 64m)")
+    p.add_argument("--size", default="64m", help="bytes for the file path's round trip (default 64m)")
     p.add_argument("--no-probe", action="store_true", help="skip the probe table")
     p.set_defaults(func=_cmd_demo)
 

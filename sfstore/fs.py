@@ -27,7 +27,7 @@ import secrets
 import stat
 from collections.abc import Callable, Sequence
 from glob import has_magic
-from typing import Any, Protocol
+from typing import Any
 
 from fsspec.caching import BaseCache
 from fsspec.callbacks import DEFAULT_CALLBACK
@@ -35,7 +35,8 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 from fsspec.utils import isfilelike, stringify_path
 
 from sfstore import errors
-from sfstore.engine import Request, open_fd
+from sfstore.futures import Future, MappedFuture
+from sfstore.paths.base import Range
 from sfstore.paths.beneath import fold_parts
 from sfstore.paths.file import AtomicWriter, FilePath, OpenFile, _as_bytes, _bytes_for_filling
 
@@ -161,23 +162,13 @@ def _bounds(start: int | None, end: int | None, size: int) -> tuple[int, int]:
     return s, e
 
 
-class _Pending(Protocol):
-    def get(self, timeout: float | None = None) -> Any: ...
-
-    def wait(self, timeout: float | None = None) -> bool: ...
-
-
-class _Batch:
-    """An engine future whose result is the sum of its requests (a local-file read of one block)."""
-
-    def __init__(self, future: Any) -> None:
-        self._future = future
-
-    def get(self, timeout: float | None = None) -> int:
-        return int(sum(self._future.get(timeout)))
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return bool(self._future.wait(timeout))
+def _open_local(path: str, flags: int) -> int:
+    """``os.open`` of a local file outside the root (``O_CLOEXEC`` added, no O_DIRECT: a copy's local side
+    goes through the page cache); a failure is the typed error naming ``path``."""
+    try:
+        return os.open(path, flags | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise errors.os_error(exc.errno or errno.EIO, f"cannot open {path!r}", path) from None
 
 
 class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
@@ -223,7 +214,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
     buffer (numpy, torch, registered buffers; GPU arrays through pinned bounce buffers) and
     :meth:`cat_ranges_into` into host buffers; :meth:`cat` of many paths is one pipelined batch
     (:meth:`FilePath.read_many`); :meth:`cat_ranges` merges ranges at most ``max_gap`` apart and reads each
-    file's ranges in one engine batch. :meth:`open` in ``rb`` returns an
+    file's ranges in one batch of the file path. :meth:`open` in ``rb`` returns an
     :class:`SFFile` whose default cache reads ahead through the engine while the caller consumes data.
 
     **Writes.** ``pipe_file``, ``put_file``, ``cp_file`` and files opened ``wb``/``xb`` write to a temporary
@@ -479,7 +470,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """Byte ranges ``[starts[i], ends[i])`` of ``paths[i]`` (slice semantics), coalesced and batched.
 
         Per file, ranges at most ``max_gap`` bytes apart (default 64 KiB) are merged into one read of at most
-        ``max_block`` bytes, and all of a file's reads go to the engine as one batch. ``on_error="return"``
+        ``max_block`` bytes, and all of a file's reads go to the file path as one batch. ``on_error="return"``
         puts a file's exception in place of each of its ranges; ``"raise"`` raises it.
         """
         n = len(paths)
@@ -552,7 +543,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """Read ranges ``[starts[i], ends[i])`` of ``paths[i]`` into ``buffers[i]``; return bytes read per range.
 
         Ranges are absolute, non-negative offsets; each buffer must hold its range. Each file's ranges go to the
-        engine as one batch, straight into the buffers (no intermediate ``bytes``). Raises the first error.
+        file path as one batch, straight into the buffers (no intermediate ``bytes``). Raises the first error.
         """
         n = len(paths)
         starts_l = starts if isinstance(starts, list) else [starts] * n
@@ -575,7 +566,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     def _pump(
         self,
-        start: Callable[[int, memoryview], _Pending],
+        start: Callable[[int, memoryview], Future[int]],
         size: int,
         sink: Callable[[memoryview], Any],
         callback: Any = DEFAULT_CALLBACK,
@@ -590,7 +581,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         block = min(self.blocksize, size)
         views = [memoryview(_aligned_buffer(block)) for _ in range(1 if size <= block else 2)]
         pos, i, total = 0, 0, 0
-        pending: _Pending | None = start(0, views[0][:block])
+        pending: Future[int] | None = start(0, views[0][:block])
         try:
             while pending is not None:
                 want = min(block, size - pos)
@@ -611,27 +602,26 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         return total
 
     @staticmethod
-    def _sf_source(f: OpenFile) -> Callable[[int, memoryview], _Pending]:
+    def _sf_source(f: OpenFile) -> Callable[[int, memoryview], Future[int]]:
         return lambda pos, view: f.read_into_async(view, pos, view.nbytes)
 
-    def _local_source(self, fd: int) -> Callable[[int, memoryview], _Pending]:
+    def _local_source(self, fd: int) -> Callable[[int, memoryview], Future[int]]:
+        """Reads of the local file ``fd`` through the file path (which splits and counts them)."""
         fp = self.file_path
 
-        def start(pos: int, view: memoryview) -> _Pending:
-            n, step = view.nbytes, fp.chunk_size
-            reqs = [Request.read(fd, pos + k, min(step, n - k), view, k) for k in range(0, n, step)]
-            return _Batch(fp.engine.submit(reqs))
+        def start(pos: int, view: memoryview) -> Future[int]:
+            return MappedFuture(fp.submit([Range.read(pos, view.nbytes, view, 0, fd)]), sum)
 
         return start
 
     def _local_sink(self, fd: int) -> Callable[[memoryview], None]:
+        """Writes to the local file ``fd``, in order from offset 0, through the file path."""
         fp = self.file_path
         offset = [0]
 
         def sink(view: memoryview) -> None:
-            n, step, at = view.nbytes, fp.chunk_size, offset[0]
-            fp.engine.run([Request.write(fd, at + k, min(step, n - k), view, k) for k in range(0, n, step)])
-            offset[0] += n
+            fp.submit([Range.write(offset[0], view.nbytes, view, 0, fd)]).get()
+            offset[0] += view.nbytes
 
         return sink
 
@@ -647,7 +637,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
     def put_file(
         self, lpath: Any, rpath: Any, callback: Any = DEFAULT_CALLBACK, mode: str = "overwrite", **kwargs: Any
     ) -> None:
-        """Copy the local file ``lpath`` to ``rpath``: read through the engine, published atomically.
+        """Copy the local file ``lpath`` to ``rpath``: read through the file path, published atomically.
 
         A local FIFO or character device (``/dev/stdin``) is read as a stream to its end.
         """
@@ -655,7 +645,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if os.path.isdir(lpath):
             self.makedirs(rpath, exist_ok=True)
             return
-        fd, _ = open_fd(lpath, os.O_RDONLY, direct="off")
+        fd = _open_local(lpath, os.O_RDONLY)
         try:
             st = os.fstat(fd)
             with self.file_path.open_writer(self._strip_protocol(rpath), overwrite=mode != "create") as w:
@@ -718,7 +708,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             os.makedirs(os.path.dirname(lpath), exist_ok=True)
             head, tail = os.path.split(lpath)
             tmp = os.path.join(head, f".{tail}.sfstore-part-{os.getpid()}-{secrets.token_hex(4)}")
-            fd, _ = open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, direct="off")
+            fd = _open_local(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
                 try:
                     self._pump(self._sf_source(f), size, self._local_sink(fd), callback)

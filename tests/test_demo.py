@@ -40,7 +40,11 @@ def _check_demo(tmp_path: Path, run: int) -> None:
     kv = s["steps"]["kvcache"]
     assert kv["steps"][0]["hit_tokens"] == 0 and all(st["hit_tokens"] > 0 for st in kv["steps"][1:])
     assert [st["tiers"] for st in kv["steps"][1:]] == [["pinned"], ["block"], ["shared"]]
-    assert s["steps"]["hot"]["verified"] and s["steps"]["engine"]["verified"]
+    assert s["steps"]["hot"]["verified"] and s["steps"]["round_trip"]["verified"]
+    # the round trip's own path counted what it moved: 8 MiB each way, plus the misaligned read of 9997 bytes
+    rt = s["steps"]["round_trip"]["counters"]
+    assert rt["bytes_written"] == 8 << 20 and rt["bytes_read"] == (8 << 20) + 9997 and rt["files"] == 1
+    assert rt["requests"] == 5 and rt["errors"] == 0  # 4 MiB chunks: 2 writes, 2 reads, 1 misaligned read
     text = out.stdout
     assert "engine    ok" in text and "routing" in text and "summary per data class" in text
     assert "the last committed: recovered" in text and "demo verified in" in text

@@ -1,4 +1,4 @@
-"""The demo's storage steps: a round trip through the I/O engine, and hot blocks in the block store."""
+"""The demo's storage steps: a round trip through the file path, and hot blocks in the block store."""
 
 from __future__ import annotations
 
@@ -9,27 +9,26 @@ from typing import Any
 
 from sfstore import defaults
 from sfstore.buffers import RegisteredBufferPool
-from sfstore.engine import Request, get_engine
+from sfstore.paths.base import Range
 from sfstore.paths.file import FilePath, enable_direct
 
-__all__ = ["engine_round_trip", "hot_blocks"]
+__all__ = ["file_round_trip", "hot_blocks"]
 
 MiB = 1 << 20
 
 
-def engine_round_trip(data_dir: str | None = None, size: int = 64 * MiB, chunk: int = 4 * MiB) -> dict[str, Any]:
-    """Write ``size`` bytes to ``<data_dir>/demo/roundtrip.bin`` and read them back through the engine.
+def file_round_trip(data_dir: str | None = None, size: int = 64 * MiB, chunk: int = 4 * MiB) -> dict[str, Any]:
+    """Write ``size`` bytes to ``<data_dir>/demo/roundtrip.bin`` and read them back through a file path.
 
-    The write goes through registered buffers in ``chunk``-sized requests (O_DIRECT where the filesystem
-    allows), is fsynced, its pages are dropped (``posix_fadvise(DONTNEED)``) so the read is cold, and the read
-    lands in registered buffers. One extra misaligned read shows the bounce path. Returns what happened.
+    The write goes from registered buffers as ``chunk``-sized ranges of one :meth:`FilePath.submit` batch
+    (O_DIRECT where the filesystem allows), is fsynced, its pages are dropped (``posix_fadvise(DONTNEED)``) so
+    the read is cold, and the read lands in registered buffers. One extra misaligned read shows the bounce
+    path. Returns what happened, with the path's counters for the round trip.
     """
-    # The file is opened beneath the data directory (demo/ made there), never by a name resolved ahead.
-    fp = FilePath(data_dir or defaults.get("data_dir"))
+    # A path of its own, so its counters are this round trip's alone; requests of one buffer each.
+    fp = FilePath(data_dir or defaults.get("data_dir"), chunk_size=chunk)
     fp.beneath.mkdir("demo", exist_ok=True)
     path = fp.full("demo/roundtrip.bin")
-    engine = get_engine()
-    before = engine.stats()
     nchunks = max(1, size // chunk)
     size = nchunks * chunk
     with RegisteredBufferPool(chunk) as pool:
@@ -42,23 +41,23 @@ def engine_round_trip(data_dir: str | None = None, size: int = 64 * MiB, chunk: 
             mv[:8] = i.to_bytes(8, "little")  # every chunk differs, so a misplaced chunk is caught
             digest_in.update(mv)
             mv.release()
-        fd = fp.beneath.open("demo/roundtrip.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-        mode = defaults.get("direct_io")
+        # Opened beneath the data directory (demo/ made there), never by a name resolved ahead.
+        fd, _ = fp.open_beneath("demo/roundtrip.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
         try:
-            direct = mode != "off" and enable_direct(fd, path, required=mode == "on")
+            direct = fp.direct and enable_direct(fd, path, required=defaults.get("direct_io") == "on")
         except BaseException:
             os.close(fd)
             raise
         try:
             t0 = time.perf_counter()
-            engine.run([Request.write(fd, i * chunk, chunk, b) for i, b in enumerate(bufs)])
+            fp.submit([Range.write(i * chunk, chunk, b, 0, fd) for i, b in enumerate(bufs)]).get()
             os.fsync(fd)
             t_write = time.perf_counter() - t0
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             for b in bufs:
                 memoryview(b)[:] = bytes(chunk)
             t0 = time.perf_counter()
-            got = engine.run([Request.read(fd, i * chunk, chunk, b) for i, b in enumerate(bufs)])
+            got = fp.submit([Range.read(i * chunk, chunk, b, 0, fd) for i, b in enumerate(bufs)]).get()
             t_read = time.perf_counter() - t0
             digest_out = hashlib.blake2b()
             for b in bufs:
@@ -66,25 +65,28 @@ def engine_round_trip(data_dir: str | None = None, size: int = 64 * MiB, chunk: 
                 digest_out.update(mv)
                 mv.release()
             odd = bytearray(10_000)
-            n_odd = engine.pread(fd, memoryview(odd)[3:], 12_345)  # misaligned: bounced on O_DIRECT
+            # misaligned in memory and on disk: bounced on O_DIRECT
+            (n_odd,) = fp.submit([Range.read(12_345, len(odd) - 3, odd, 3, fd)]).get()
             odd_ok = bytes(odd[3 : 3 + n_odd]) == _expected(seed, chunk, 12_345, n_odd)
         finally:
             os.close(fd)
+        fp.counters.add(files=1)
         for b in bufs:
             b.release()
         pool_stats = pool.stats()
-    after = engine.stats()
-    delta = {k: after[k] - before.get(k, 0) for k in after}
+    desc = fp.describe()
     return {
         "path": path,
-        "engine": engine.name,
-        "queue_depth": engine.queue_depth,
+        "engine": desc["engine"],
+        "parallelism": fp.parallelism,
+        "chunk_size": fp.chunk_size,
         "o_direct": direct,
         "bytes": size,
         "verified": digest_in.digest() == digest_out.digest() and sum(got) == size and odd_ok,
         "write_gib_s": size / t_write / (1 << 30),
         "read_gib_s": size / t_read / (1 << 30),
-        "engine_counters": delta,
+        "counters": desc["counters"],
+        "fallbacks": desc["fallbacks"],
         "pool": pool_stats,
     }
 

@@ -447,12 +447,21 @@ def test_put_get_cp_stream_in_blocks(tmp_path: Path, sf_root: Path) -> None:
             self.n += inc
 
     cb = Count()
+    chunks = -(-len(data) // 4096)
+    fs.counters.reset()
     fs.put_file(str(local), "p/in.bin", callback=cb)
     assert (sf_root / "p" / "in.bin").read_bytes() == data and cb.n == cb.size == len(data)
+    # the local side goes through the file path too: split into its chunks and counted there
+    c = fs.counters.snapshot()
+    assert c["bytes_read"] == c["bytes_written"] == len(data) and c["files"] == 1 and c["errors"] == 0
+    assert c["requests"] >= 2 * chunks
     fs.cp_file("p/in.bin", "p/copy.bin")
     assert fs.cat_file("p/copy.bin") == data
+    fs.counters.reset()
     fs.get_file("p/copy.bin", str(tmp_path / "out" / "back.bin"))
     assert (tmp_path / "out" / "back.bin").read_bytes() == data
+    c = fs.counters.snapshot()
+    assert c["bytes_read"] == c["bytes_written"] == len(data) and c["errors"] == 0 and c["requests"] >= 2 * chunks
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["back.bin"]
     sink = io.BytesIO()
     fs.get_file("p/copy.bin", sink)
