@@ -16,8 +16,9 @@ Urls: ``"sf://a/b"`` or ``"a/b"`` is the directory ``a/b`` under the checkpoint 
 ``"file:///x/y/name"`` is that directory. ``list``/``latest`` take a directory holding checkpoints, in the
 same forms (``""``: the checkpoint root).
 
-Speed and memory: shards are written and read through sfstore's I/O engine with O_DIRECT from page-aligned
-registered buffers, many requests in flight (the file path's ``chunk_size``/``parallelism``, from the mount).
+Speed and memory: shards are written and read through the file path (:meth:`FilePath.submit
+<sfstore.paths.file.FilePath.submit>`, counted under the ``checkpoint`` data class) with O_DIRECT from
+page-aligned registered buffers, many requests in flight (the path's ``chunk_size``/``parallelism``, from the mount).
 ``save`` streams through ``checkpoint_buffers`` x ``checkpoint_buffer_size`` bytes of buffers (192 MiB by
 default) whatever the shard size; ``save_async`` holds a copy of the state dict's tensor bytes; both keep these
 registered buffers for their next save (``checkpoint_reuse_buffers``, on by default: pinning memory again costs

@@ -32,9 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfstore import errors
+from sfstore.paths.base import Range
 from sfstore.paths.file import FilePath, file_kind, pid_alive
 
 __all__ = [
+    "DATA_CLASS",
     "Location",
     "locate",
     "staging_path",
@@ -45,6 +47,9 @@ __all__ = [
     "check_regular",
     "FOREIGN_STALE_SECONDS",
 ]
+
+DATA_CLASS = "checkpoint"
+"""The data class every byte a checkpoint moves is counted under on its file path (``counters.for_class``)."""
 
 FOREIGN_STALE_SECONDS = 24 * 3600
 """Staging/old directories of other hosts are removed only when untouched this long."""
@@ -212,21 +217,32 @@ def read_regular(fp: FilePath, path: str, *, limit: int, what: str) -> bytes:
         check_regular(st, full, what)
         if st.st_size > limit:
             raise errors.CorruptCheckpointError(f"{what} {full} has {st.st_size} bytes, more than the {limit} allowed")
-        data = bytearray()
+        try:
+            # Blocking from here: io_uring answers a read of an O_NONBLOCK file that misses the page cache with
+            # EAGAIN instead of waiting for it.
+            os.set_blocking(fd, True)
+        except OSError as exc:
+            raise _os_err(exc, f"cannot read {what}", full) from None
+        # One byte more than the size: a read that fills it all says the file grew; then read on, up to a byte
+        # past the limit.
+        cap = limit + 1
+        pieces: list[tuple[bytearray, int]] = []
+        total = 0
+        want = min(st.st_size + 1, cap)
         while True:
-            try:
-                piece = os.read(fd, min(8 << 20, limit + 1 - len(data)))
-            except OSError as exc:
-                raise _os_err(exc, f"cannot read {what}", full) from None
-            if not piece:
-                break
-            data += piece
-            if len(data) > limit:
+            buf = bytearray(want)
+            n = fp.submit([Range.read(total, want, buf, 0, fd)], data_class=DATA_CLASS).get()[0]
+            pieces.append((buf, n))
+            total += n
+            if total > limit:
                 raise errors.CorruptCheckpointError(f"{what} {full} grew past the {limit} bytes allowed")
+            if n < want:
+                break
+            want = min(total, cap - total)
     finally:
         os.close(fd)
-    fp.counters.add(files=1, requests=1, bytes_read=len(data))
-    return bytes(data)
+    fp.counters.add_for(DATA_CLASS, files=1)
+    return b"".join(memoryview(buf)[:n] for buf, n in pieces)
 
 
 # -- staging and publishing ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Page-aligned host buffers for checkpoints, and the engine calls that move them.
+"""Page-aligned host buffers for checkpoints, and the checks the checkpoint face makes of its writes.
 
 A :class:`HostBuffer` is a registered buffer (:class:`~sfstore.buffers.RegisteredBufferPool`: page-aligned,
 huge pages from 2 MiB up, mlocked and CUDA-registered where allowed) of one size, from a pool that is closed
@@ -15,6 +15,7 @@ guest pages (``memory.free_page_reporting`` in the probe): touching it costs mor
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -24,13 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 from sfstore import defaults, errors
 from sfstore.buffers import RegisteredBufferPool, native_available
-from sfstore.engine import IOFuture, Request
+from sfstore.checkpoint._fs import DATA_CLASS
+from sfstore.paths.base import Range
 from sfstore.paths.file import FilePath
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HostBuffer", "LoadBuffers", "load_buffers", "round_size", "submit", "finish", "HUGE"]
+__all__ = ["HostBuffer", "LoadBuffers", "load_buffers", "round_size", "check_written", "write_small", "HUGE"]
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 << 20
@@ -174,39 +176,19 @@ load_buffers = LoadBuffers()
 """The process's :class:`LoadBuffers`, shared by every checkpoint load."""
 
 
-def submit(fp: FilePath, fd: int, offset: int, length: int, buf: Any, buf_offset: int, *, write: bool) -> IOFuture:
-    """Submit ``length`` bytes at file ``offset`` as ``fp.chunk_size`` requests; returns the batch future."""
-    make = Request.write if write else Request.read
-    step = fp.chunk_size
-    reqs = [make(fd, offset + p, min(step, length - p), buf, buf_offset + p) for p in range(0, length, step)]
-    return fp.engine.submit(reqs)
+def check_written(got: int, length: int, path: str, fp: FilePath) -> None:
+    """A write that moved fewer bytes than asked is an error (counted on ``fp``): raise
+    :class:`~sfstore.errors.IOEngineError` (EIO). The path counts failed requests; a short one is the face's to
+    judge."""
+    if got != length:
+        fp.counters.add_for(DATA_CLASS, errors=1)
+        raise errors.os_error(errno.EIO, f"short write ({got} of {length} bytes)", path, errors.IOEngineError)
 
 
-def finish(fp: FilePath, fut: IOFuture, length: int, *, write: bool, path: str) -> int:
-    """Wait for a batch from :func:`submit`, count it on ``fp``, and return the bytes moved.
-
-    A short write raises :class:`~sfstore.errors.IOEngineError` (EIO); short reads are the caller's to judge.
-    """
-    try:
-        got = sum(fut.get())
-    except errors.SfstoreOSError:
-        fp.counters.add(errors=1, requests=len(fut))
-        raise
-    direct, bounced = fut.transferred()
-    fp.counters.add(requests=len(fut), bytes_direct=direct, bytes_bounced=bounced)
-    if write:
-        fp.counters.add(bytes_written=got)
-        if got != length:
-            fp.counters.add(errors=1)
-            raise errors.os_error(5, f"short write ({got} of {length} bytes)", path, errors.IOEngineError)
-    else:
-        fp.counters.add(bytes_read=got)
-    return got
-
-
-def write_small(path: str, data: bytes, *, dirfd: int | None = None) -> None:
-    """Create ``path`` (which must not exist) with ``data``, and fsync it. With ``dirfd`` the file is created
-    as ``basename(path)`` in that directory descriptor (``path`` names it in errors), a symlink refused."""
+def write_small(fp: FilePath, path: str, data: bytes, *, dirfd: int | None = None) -> None:
+    """Create ``path`` (which must not exist) with ``data`` through ``fp`` (counted as checkpoint I/O), and
+    fsync it. With ``dirfd`` the file is created as ``basename(path)`` in that directory descriptor (``path``
+    names it in errors), a symlink refused."""
     try:
         if dirfd is None:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -214,14 +196,14 @@ def write_small(path: str, data: bytes, *, dirfd: int | None = None) -> None:
             fd = os.open(os.path.basename(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o644, dir_fd=dirfd)
     except OSError as exc:
-        raise errors.os_error(exc.errno or 5, "cannot create", path) from None
+        raise errors.os_error(exc.errno or errno.EIO, "cannot create", path) from None
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    except OSError as exc:
-        raise errors.os_error(exc.errno or 5, "cannot write", path) from None
+        if data:
+            got = fp.submit([Range.write(0, len(data), data, 0, fd)], data_class=DATA_CLASS).get()[0]
+            check_written(got, len(data), path, fp)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise errors.os_error(exc.errno or errno.EIO, "cannot write", path) from None
     finally:
         os.close(fd)

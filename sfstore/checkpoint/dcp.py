@@ -16,10 +16,11 @@ Layout of a checkpoint directory:
 * one data file per rank, ``__<rank>_<token>.sfdcp``: the raw bytes of every item the rank's plan holds (tensor
   bytes in C order, exactly the chunk DCP asked to save; non-tensor items as the ``torch.save`` bytes DCP made),
   each item starting at a 4096-byte boundary. Tensor bytes go straight from the tensors' memory (a CPU,
-  contiguous tensor is not copied; others are copied to host once) through the I/O engine as parallel
-  ``chunk_size`` requests on an ``O_DIRECT`` descriptor where the filesystem allows it (the engine bounces
-  misaligned memory and writes a partial last block through the page cache), then fsynced. ``<token>`` is new
-  for every save, so an overwrite never touches the files the previous checkpoint still uses.
+  contiguous tensor is not copied; others are copied to host once) as one range per item through the file
+  path, which splits it into parallel ``chunk_size`` requests on an ``O_DIRECT`` descriptor where the
+  filesystem allows it (misaligned memory is bounced, a partial last block written through the page cache),
+  then fsynced. ``<token>`` is new for every save, so an overwrite never touches the files the previous
+  checkpoint still uses.
 * ``sfstore-dcp-metadata.json``: DCP's ``Metadata`` (tensor properties, shapes and chunks, planner data, storage
   meta) and where each item lives (file, offset, length, ``xxh3_64`` of its bytes), as **JSON**, written last by
   the coordinator, atomically (temporary name, fsync, rename, directory fsync): the checkpoint exists once it
@@ -46,7 +47,8 @@ requested byte range straight into the planner's target tensor when that tensor 
 stored dtype and the range is contiguous in the file (the usual case, also when loading shards into a full-size
 tensor along dimension 0); otherwise it reads the enclosing byte span into a temporary tensor and copies the
 requested box out of it (temporaries are bounded by ``temp_budget`` per batch, one item may exceed it). Ranges of
-one file are read as one engine batch (:meth:`~sfstore.paths.file.FilePath.read_ranges_into`).
+one file are read as one batch (:meth:`~sfstore.paths.file.FilePath.submit`). Every byte is counted on the file
+path under the ``checkpoint`` data class.
 """
 
 from __future__ import annotations
@@ -96,7 +98,9 @@ from sfstore import errors
 from sfstore.buffers import as_buffer
 from sfstore.checkpoint import _fs
 from sfstore.checkpoint import safetensors_format as stf
-from sfstore.engine import IOFuture, Request
+from sfstore.checkpoint._fs import DATA_CLASS
+from sfstore.checkpoint._host import check_written
+from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.beneath import Location
 from sfstore.paths.file import AtomicWriter, FilePath, OpenFile, enable_direct
 
@@ -689,7 +693,7 @@ def _hash(view: Any) -> int:
 
 
 class StorageWriter(_DcpStorageWriter):
-    """``torch.distributed.checkpoint`` storage writer through sfstore's file path and I/O engine.
+    """``torch.distributed.checkpoint`` storage writer through sfstore's file path.
 
     Parameters
     ----------
@@ -827,7 +831,7 @@ class StorageWriter(_DcpStorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items into its data file through the engine, then fsync it.
+        """Write this rank's items into its data file through the file path, then fsync it.
 
         Parameters
         ----------
@@ -980,12 +984,11 @@ class _RankFileWriter:
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
         fd, where = self._create()
         results: list[WriteResult] = []
-        inflight: deque[tuple[IOFuture, int, list[Any]]] = deque()
-        batch: list[Request] = []
+        inflight: deque[tuple[PathFuture | None, list[Any]]] = deque()
+        batch: list[Range] = []
         keep: list[Any] = []
         pending = 0
         pos = 0
-        written = 0
         try:
             for item in ordered:
                 data = planner.resolve_data(item)
@@ -1008,23 +1011,23 @@ class _RankFileWriter:
                         )
                 length = memoryview(view).nbytes
                 offset = _align_up(pos, ITEM_ALIGN)
-                step = self.fp.chunk_size
-                for start in range(0, length, step):
-                    batch.append(Request.write(fd, offset + start, min(step, length - start), view, start))
+                if length:  # one range per item: the path splits it into its chunk-size requests
+                    batch.append(Range.write(offset, length, view, 0, fd))
                 keep.append((item, owner, view, offset, length))
                 pending += length
                 pos = offset + length
                 if pending >= self.window:
-                    written += self._submit(batch, keep, inflight, results)
+                    self._submit(batch, keep, inflight, results)
                     batch, keep, pending = [], [], 0
             if batch or keep:
-                written += self._submit(batch, keep, inflight, results)
+                self._submit(batch, keep, inflight, results)
             while inflight:
-                written += self._wait(inflight)
+                self._wait(inflight)
             os.fsync(fd)
         except BaseException:
-            for fut, _, _ in inflight:
-                fut.wait()
+            for fut, _ in inflight:
+                if fut is not None:
+                    fut.wait()
             os.close(fd)
             try:
                 os.unlink(where.name or "", dir_fd=where.dirfd)
@@ -1032,34 +1035,28 @@ class _RankFileWriter:
                 pass
             raise
         os.close(fd)
-        self.fp.counters.add(files=1, bytes_written=written)
+        self.fp.counters.add_for(DATA_CLASS, files=1)
         return results
 
-    def _submit(self, batch: list[Request], keep: list[Any], inflight: deque[tuple[IOFuture, int, list[Any]]],
-                results: list[WriteResult]) -> int:
-        """Submit ``batch`` (at most two batches in flight), then checksum its items while the engine writes."""
-        done = 0
+    def _submit(self, batch: list[Range], keep: list[Any], inflight: deque[tuple[PathFuture | None, list[Any]]],
+                results: list[WriteResult]) -> None:
+        """Submit ``batch`` (at most two batches in flight), then checksum its items while the path writes."""
         while len(inflight) >= 2:
-            done += self._wait(inflight)
-        inflight.append((self.fp.engine.submit(batch), len(batch), keep))
+            self._wait(inflight)
+        inflight.append((self.fp.submit(batch, data_class=DATA_CLASS) if batch else None, keep))
         for item, _owner, view, offset, length in keep:
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=ItemLocation(self.name, offset, length, _hash(view))))
-        return done
 
-    def _wait(self, inflight: deque[tuple[IOFuture, int, list[Any]]]) -> int:
-        fut, count, keep = inflight.popleft()
-        try:
-            got = fut.get()
-        except errors.SfstoreOSError:
-            self.fp.counters.add(errors=1, requests=count)
-            raise
-        direct, bounced = fut.transferred()
-        self.fp.counters.add(requests=count, bytes_direct=direct, bytes_bounced=bounced)
-        for _item, owner, view, _offset, _length in keep:
+    def _wait(self, inflight: deque[tuple[PathFuture | None, list[Any]]]) -> None:
+        """Wait for the oldest batch; an item written short is an error."""
+        fut, keep = inflight.popleft()
+        written = iter(fut.get() if fut is not None else [])
+        for _item, owner, view, _offset, length in keep:
+            if length:  # the items with bytes have one range each, in order
+                check_written(next(written), length, self.path, self.fp)
             if isinstance(view, memoryview) and isinstance(owner, io.BytesIO):
                 view.release()
-        return sum(got)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1074,7 +1071,7 @@ class _Job:
     loc: ItemLocation
     file_offset: int
     length: int
-    buffer: Any  # what read_ranges_into fills (a tensor, a temporary tensor or a bytearray)
+    buffer: Any  # what the read fills (a tensor, a temporary tensor or a bytearray)
     target: torch.Tensor | None = None  # the planner's tensor (None for bytes items)
     box: torch.Tensor | None = None  # the view of the temporary that holds the requested box
     whole: bool = False  # the read covers the whole stored item (its checksum can be verified)
@@ -1082,7 +1079,7 @@ class _Job:
 
 
 class StorageReader(_DcpStorageReader):
-    """``torch.distributed.checkpoint`` storage reader through sfstore's file path and I/O engine.
+    """``torch.distributed.checkpoint`` storage reader through sfstore's file path.
 
     Parameters
     ----------
@@ -1236,7 +1233,7 @@ class StorageReader(_DcpStorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read every item of ``plan`` into the planner's targets: one engine batch per file (and temp budget).
+        """Read every item of ``plan`` into the planner's targets: one batch per file (and temp budget).
 
         Parameters
         ----------
@@ -1309,9 +1306,10 @@ class StorageReader(_DcpStorageReader):
             _fs.check_regular(ck.fp.stat(ck.name(name)), full, what, shard=name)  # says what it is instead
             raise errors.CorruptCheckpointError(f"{what} {full} is not a regular file", shard=name) from None
         with of:
-            self._read_open_file(of, name, entries, planner)
+            self._read_open_file(ck.fp, of, name, entries, planner)
+        ck.fp.counters.add_for(DATA_CLASS, files=1)
 
-    def _read_open_file(self, of: OpenFile, name: str, entries: list[tuple[ReadItem, ItemLocation]],
+    def _read_open_file(self, fp: FilePath, of: OpenFile, name: str, entries: list[tuple[ReadItem, ItemLocation]],
                         planner: LoadPlanner) -> None:
         size = of.size
         for item, loc in entries:
@@ -1325,12 +1323,12 @@ class StorageReader(_DcpStorageReader):
         for item, loc in entries:
             job = self._plan(item, loc, planner)
             if batch and temp + job.temp_bytes > self.temp_budget:
-                self._run(of, name, batch, planner)
+                self._run(fp, of, name, batch, planner)
                 batch, temp = [], 0
             batch.append(job)
             temp += job.temp_bytes
         if batch:
-            self._run(of, name, batch, planner)
+            self._run(fp, of, name, batch, planner)
 
     def _plan(self, item: ReadItem, loc: ItemLocation, planner: LoadPlanner) -> _Job:
         fqn = item.storage_index.fqn
@@ -1378,9 +1376,9 @@ class StorageReader(_DcpStorageReader):
         return _Job(item, loc, loc.offset + start * itemsize, (end - start) * itemsize, tmp, target=target,
                     box=box, whole=whole, temp_bytes=(end - start) * itemsize)
 
-    def _run(self, of: OpenFile, name: str, batch: list[_Job], planner: LoadPlanner) -> None:
-        ranges = [(j.file_offset, j.length, j.buffer, 0) for j in batch if j.length]
-        got = of.read_ranges_into(ranges) if ranges else []
+    def _run(self, fp: FilePath, of: OpenFile, name: str, batch: list[_Job], planner: LoadPlanner) -> None:
+        ranges = [Range.read(j.file_offset, j.length, as_buffer(j.buffer), 0, of) for j in batch if j.length]
+        got = fp.submit(ranges, data_class=DATA_CLASS).get() if ranges else []
         sized = iter(got)
         for job in batch:
             fqn = job.item.storage_index.fqn

@@ -1,14 +1,15 @@
 """Loading checkpoints: read shards whole into registered buffers, check them, hand back views.
 
-Each shard is read with :meth:`FilePath.read_into_async` (O_DIRECT, ``chunk_size`` requests in parallel, a few
-shards ahead) into a page-aligned registered buffer of the shard's size; its safetensors header is validated
-and matched against the manifest; with ``verify`` every tensor's and the header's xxh3-64 is checked in one
-pass; and the tensors returned are views of that buffer (``torch.from_dlpack`` sliced and viewed as the
-dtype), so the memory is the shard's and nothing is copied. The buffer lives as long as any of its tensors,
-then goes back to :data:`~sfstore.checkpoint._host.load_buffers` for the next load (``checkpoint_reuse_buffers``).
+Each shard is read as one range through :meth:`FilePath.submit <sfstore.paths.file.FilePath.submit>` (O_DIRECT,
+split by the path into ``chunk_size`` requests in parallel, a few shards ahead; counted under the ``checkpoint``
+data class) into a page-aligned registered buffer of the shard's size; its safetensors header is validated and
+matched against the manifest; with ``verify`` every tensor's and the header's xxh3-64 is checked in one pass;
+and the tensors returned are views of that buffer (``torch.from_dlpack`` sliced and viewed as the dtype), so
+the memory is the shard's and nothing is copied. The buffer lives as long as any of its tensors, then goes
+back to :data:`~sfstore.checkpoint._host.load_buffers` for the next load (``checkpoint_reuse_buffers``).
 
 ``into=``: each shard's header is read and checked, then every tensor's bytes are read straight into the
-existing tensor's memory (:meth:`FilePath.read_ranges_into`); tensors that are not CPU-contiguous (GPU
+existing tensor's memory (one batch of ranges per shard); tensors that are not CPU-contiguous (GPU
 tensors, strided views) go through a registered bounce buffer. ``device="cuda..."``: each shard's views are
 copied to the GPU from the pinned buffer, and the buffer is dropped before the next shards are read.
 """
@@ -25,14 +26,16 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from sfstore import errors
+from sfstore.buffers import as_buffer
 from sfstore.checkpoint import _fs
 from sfstore.checkpoint import safetensors_format as stf
+from sfstore.checkpoint._fs import DATA_CLASS
 from sfstore.checkpoint._host import HostBuffer, load_buffers
 from sfstore.checkpoint.catalog import CheckpointInfo, read_manifest
 from sfstore.checkpoint.manifest import Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import KeyPath, format_path, tensor_paths, unflatten
 from sfstore.checksums import xxh3_64_hex
-from sfstore.futures import Future
+from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.file import FilePath, OpenFile
 
 if TYPE_CHECKING:
@@ -143,7 +146,7 @@ class _ShardReader:
 
     def __init__(self, fp: FilePath, directory: str, shards: list[ShardRecord], ahead: int) -> None:
         self.fp, self.directory, self.shards, self.ahead = fp, directory, shards, max(1, ahead)
-        self.queue: deque[tuple[ShardRecord, OpenFile, HostBuffer, Future[int]]] = deque()
+        self.queue: deque[tuple[ShardRecord, OpenFile, HostBuffer, PathFuture]] = deque()
         self.next = 0
 
     def _fill(self) -> None:
@@ -153,7 +156,7 @@ class _ShardReader:
             of = _open_shard(self.directory, self.fp, shard)
             try:
                 hb = load_buffers.take(shard.size)
-                fut = of.read_into_async(hb.buf, 0, shard.size)
+                fut = self.fp.submit([Range.read(0, shard.size, hb.buf, 0, of)], data_class=DATA_CLASS)
             except BaseException:
                 of.close()
                 raise
@@ -168,9 +171,10 @@ class _ShardReader:
             raise StopIteration
         shard, of, hb, fut = self.queue.popleft()
         try:
-            got = fut.get()
+            got = fut.get()[0]
         finally:
             of.close()
+        self.fp.counters.add_for(DATA_CLASS, files=1)
         self._fill()
         if got != shard.size:
             raise _corrupt(f"shard {shard.file} is truncated: read {got} of {shard.size} bytes", shard.file)
@@ -179,9 +183,7 @@ class _ShardReader:
     def close(self) -> None:
         for _shard, of, _hb, fut in self.queue:
             try:
-                fut.get()
-            except errors.SfstoreError:
-                pass
+                fut.wait()
             finally:
                 of.close()
         self.queue.clear()
@@ -319,10 +321,17 @@ def _byte_view(target: Any) -> Any:
     return target.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def _read_header(of: OpenFile, shard: ShardRecord) -> tuple[stf.Header, bytes]:
-    first = of.read(0, min(shard.size, 64 << 10))
+def _read(fp: FilePath, of: OpenFile, length: int) -> bytes:
+    """The first ``length`` bytes of ``of`` (fewer at the end of the file)."""
+    data = bytearray(length)
+    got = fp.submit([Range.read(0, length, data, 0, of)], data_class=DATA_CLASS).get()[0]
+    return bytes(memoryview(data)[:got])
+
+
+def _read_header(fp: FilePath, of: OpenFile, shard: ShardRecord) -> tuple[stf.Header, bytes]:
+    first = _read(fp, of, min(shard.size, 64 << 10))
     n = stf.header_length(first, shard.size, shard=shard.file)
-    raw = first if len(first) >= 8 + n else of.read(0, 8 + n)
+    raw = first if len(first) >= 8 + n else _read(fp, of, 8 + n)
     if len(raw) < 8 + n:
         raise _corrupt(f"shard {shard.file} is truncated inside its header", shard.file)
     return stf.parse_header(raw, shard.size, shard=shard.file), raw[: 8 + n]
@@ -341,7 +350,7 @@ def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, veri
     for shard in manifest.shards:
         records = by_shard[shard.file]
         of = _open_shard(directory, fp, shard)  # closed after its ranges are read (or when dropped, on errors)
-        header, head_bytes = _read_header(of, shard)
+        header, head_bytes = _read_header(fp, of, shard)
         _check_header(header, shard, records)
         ordered = sorted(records, key=lambda r: header.entries[r.name].begin)
         direct: dict[str, Any] = {}
@@ -360,14 +369,15 @@ def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, veri
         for rec in ordered:
             offset = header.data_start + header.entries[rec.name].begin
             if rec.name in direct:
-                ranges.append((offset, rec.nbytes, direct[rec.name], 0))
+                ranges.append(Range.read(offset, rec.nbytes, as_buffer(direct[rec.name]), 0, of))
             else:
                 assert hb is not None
-                ranges.append((offset, rec.nbytes, hb.buf, bounce_at[rec.name]))
+                ranges.append(Range.read(offset, rec.nbytes, hb.buf, bounce_at[rec.name], of))
         try:
-            got = of.read_ranges_into(ranges)
+            got = fp.submit(ranges, data_class=DATA_CLASS).get() if ranges else []
         finally:
             of.close()
+        fp.counters.add_for(DATA_CLASS, files=1)
         for rec, n in zip(ordered, got, strict=True):
             if n != rec.nbytes:
                 raise _corrupt(
@@ -435,7 +445,8 @@ def _load_bare(fp: FilePath, path: str, device: torch.device) -> dict[str, Any]:
     with fp.open_file(path) as of:
         size = of.size
         hb = load_buffers.take(size)
-        got = of.read_into(hb.buf, 0, size)
+        got = fp.submit([Range.read(0, size, hb.buf, 0, of)], data_class=DATA_CLASS).get()[0] if size else 0
+    fp.counters.add_for(DATA_CLASS, files=1)
     name = os.path.basename(path)
     if got != size:
         raise _corrupt(f"{name} is truncated: read {got} of {size} bytes", name)

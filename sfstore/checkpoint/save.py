@@ -1,9 +1,10 @@
-"""Saving checkpoints: plan shards, copy and checksum tensor bytes once, write through the engine, commit.
+"""Saving checkpoints: plan shards, copy and checksum tensor bytes once, write through the file path, commit.
 
 Synchronous :func:`save` streams each shard through a ring of ``checkpoint_buffers`` registered buffers of
 ``checkpoint_buffer_size`` bytes: while one buffer is filled (tensor bytes copied in 2 MiB steps, each step
 hashed while it is still in cache, into the tensor's and the shard's xxh3-64), the others are being written
-with O_DIRECT as ``chunk_size`` requests in parallel. Its extra memory is the ring (192 MiB by default, less
+with O_DIRECT (:meth:`FilePath.submit <sfstore.paths.file.FilePath.submit>`, which splits each into ``chunk_size``
+requests in parallel). Its extra memory is the ring (192 MiB by default, less
 for small shards), whatever the shard size; a shard whose tensor is bigger than ``max_shard_bytes`` is no
 problem. Finished shards are fsynced on a helper thread while the next ones are written.
 
@@ -37,12 +38,13 @@ import xxhash
 from sfstore import defaults, errors
 from sfstore.checkpoint import _fs
 from sfstore.checkpoint import safetensors_format as stf
-from sfstore.checkpoint._host import HostBuffer, finish, round_size, submit, write_small
+from sfstore.checkpoint._fs import DATA_CLASS
+from sfstore.checkpoint._host import HostBuffer, check_written, round_size, write_small
 from sfstore.checkpoint.catalog import CheckpointInfo, info_for
 from sfstore.checkpoint.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import Leaf, check_metadata, flatten, format_path
 from sfstore.checksums import xxh3_64_hex
-from sfstore.engine import IOFuture
+from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.file import FilePath, enable_direct
 
 if TYPE_CHECKING:
@@ -337,7 +339,7 @@ class _Job:
                     sh.closed = True
                     self.fds.pop(sh.fd, None)
                     os.close(sh.fd)
-        self.fp.counters.add(files=1)
+        self.fp.counters.add_for(DATA_CLASS, files=1)
 
     def commit(self) -> CheckpointInfo:
         plan = self.plan
@@ -356,7 +358,7 @@ class _Job:
         # Tensors in the order the state dict holds them (shards order them by alignment).
         manifest.tensors = {it.name: manifest.tensors[it.name] for it in plan.items}
         data = manifest.to_json()
-        write_small(os.path.join(self.staging_full, MANIFEST_NAME), data, dirfd=self.staging_fd)
+        write_small(self.fp, os.path.join(self.staging_full, MANIFEST_NAME), data, dirfd=self.staging_fd)
         try:
             os.fsync(self.staging_fd)
         except OSError as exc:
@@ -397,7 +399,7 @@ class _Ring:
         self.size, self.count = size, count
         self.buffers: list[HostBuffer] = []
         self.slots: list[tuple[Any, memoryview]] = []
-        self.pending: deque[tuple[int, IOFuture, int, _OpenShard]] = deque()
+        self.pending: deque[tuple[int, PathFuture, int, _OpenShard]] = deque()
         self.next = 0
 
     def take(self) -> tuple[int, Any, memoryview, Any]:
@@ -429,9 +431,9 @@ def _write_sync(job: _Job) -> None:
     syncs: list[Future[None]] = []
     ok = False
 
-    def complete(entry: tuple[int, IOFuture, int, _OpenShard]) -> None:
+    def complete(entry: tuple[int, PathFuture, int, _OpenShard]) -> None:
         _slot, fut, n, sh = entry
-        finish(fp, fut, n, write=True, path=sh.path)
+        check_written(fut.get()[0], n, sh.path, fp)
         sh.outstanding -= 1
         if sh.submitted and sh.outstanding == 0:
             syncs.append(syncer.submit(job.fsync_close, sh))
@@ -446,7 +448,7 @@ def _write_sync(job: _Job) -> None:
                 while any(p[0] == slot for p in ring.pending):
                     complete(ring.pending.popleft())
                 cursor.run(t, mv, 0, n)
-                fut = submit(fp, sh.fd, off, n, buf, 0, write=True)
+                fut = fp.submit([Range.write(off, n, buf, 0, sh.fd)], data_class=DATA_CLASS)
                 sh.outstanding += 1
                 ring.pending.append((slot, fut, n, sh))
             cursor.close()
@@ -646,11 +648,11 @@ def _stage(plan: _Plan) -> list[HostBuffer]:
 
 def _write_staged(job: _Job, buffers: list[HostBuffer]) -> None:
     fp = job.fp
-    pending: deque[tuple[IOFuture, _OpenShard, int]] = deque()
+    pending: deque[tuple[PathFuture, _OpenShard, int]] = deque()
 
     def complete() -> None:
         fut, sh, _i = pending.popleft()
-        finish(fp, fut, sh.shard.size, write=True, path=sh.path)
+        check_written(fut.get()[0], sh.shard.size, sh.path, fp)
         job.fsync_close(sh)
 
     try:
@@ -665,7 +667,8 @@ def _write_staged(job: _Job, buffers: list[HostBuffer]) -> None:
                 mv.release()
                 del t
             sh = job.open_shard(shard)
-            pending.append((submit(fp, sh.fd, 0, shard.size, hb.buf, 0, write=True), sh, i))
+            fut = fp.submit([Range.write(0, shard.size, hb.buf, 0, sh.fd)], data_class=DATA_CLASS)
+            pending.append((fut, sh, i))
             while pending and pending[0][0].done():
                 complete()
         while pending:
