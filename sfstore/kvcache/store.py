@@ -9,17 +9,18 @@ from the highest tier that has it and promotes it to the tiers above.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
 from sfstore.blocks import BlockStore
-from sfstore.buffers import as_buffer, is_device_buffer
+from sfstore.buffers import RegisteredBufferPool, as_buffer, is_device_buffer
 from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
 from sfstore.futures import ExecutorFuture
@@ -34,6 +35,7 @@ _COUNTERS = (
     "bytes_put", "bytes_got", "bytes_device_staged", "corrupt_dropped", "unreadable", "lower_tier_errors",
 )
 _LATENCY_SAMPLES = 4096
+_STAGE_WAVE = 16  # GPU blocks staged through host memory at a time (bounds the staging buffers held)
 
 
 # what numpy/cupy arrays may carry a geometry's dtype in: its own, or the unsigned int of its size where numpy
@@ -78,10 +80,18 @@ class KVCacheStore:
 
     Notes
     -----
-    Blocks are accepted as CPU or CUDA torch tensors, numpy arrays, or anything with the buffer protocol, of
-    exactly ``block_bytes`` (tensors and arrays must also have the geometry's dtype and element count). GPU
-    blocks go through the pinned slot (counted in ``bytes_device_staged``); the device path (GDS) is used for
-    slab files, not here. Safe to use from several threads.
+    Blocks are accepted as CPU or CUDA torch tensors, numpy or cupy arrays, or anything with the buffer
+    protocol, of exactly ``block_bytes`` (tensors and arrays must also have the geometry's dtype and element
+    count). Safe to use from several threads.
+
+    GPU blocks: with a pinned tier they are copied into its slots (``bytes_device_staged``) and the lower tiers
+    are written from there. Without one (``pinned_bytes=0``) they move through the device path
+    (:class:`~sfstore.paths.device.DevicePath`): to and from the shared tier's files on the device path's
+    route for them (``gds``: cuFile, HBM to storage with no host copy, the block's kvsum64 computed on the GPU;
+    ``compat``: kvikio through its host buffers; ``staged``: sfstore's pinned buffers). The block store's
+    slots hold xxh3-64 checksums of host bytes, so GPU blocks are staged through host memory for that tier
+    (cuFile would refuse a raw NVMe or NVMe-oF namespace anyway). :meth:`describe` says which route each tier
+    takes and why; ``stats()["device"]`` counts ``bytes_gpu_direct`` and ``bytes_staged`` per tier.
     """
 
     def __init__(
@@ -94,6 +104,7 @@ class KVCacheStore:
         shared_dir: str | Any = None,
         fsync_shared: bool = False,
         shared_on: Any = None,
+        device: Any = None,
     ) -> None:
         if not isinstance(geometry, KVGeometry):
             raise errors.InvalidRequestError(
@@ -134,6 +145,11 @@ class KVCacheStore:
         self._writes: list[Future[None]] = []
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sfstore-kvcache")
         self._closed = False
+        if device is not None and getattr(device, "kind", None) != "device":
+            raise errors.ConfigError(f"KVCacheStore: device must be a DevicePath or None, not {device!r}")
+        self._device = device
+        self._owns_device = False
+        self._host_stage = RegisteredBufferPool(-(-geometry.block_bytes // 4096) * 4096)
 
     @classmethod
     def from_router(
@@ -157,7 +173,9 @@ class KVCacheStore:
             if block.max_value_bytes < geometry.block_bytes:
                 block = None  # an existing store with smaller classes: the tier is skipped (stats() shows it)
         kv_path = router.path("kvcache")
-        fp = getattr(kv_path, "fp", kv_path)
+        fp = getattr(kv_path, "fp", None) or kv_path
+        if getattr(kv_path, "kind", None) == "device":
+            kwargs.setdefault("device", kv_path)
         return cls(geometry, model_id=model_id, block_store=block, shared_dir="shared", shared_on=fp, **kwargs)
 
     # -- keys -------------------------------------------------------------------------------------------------
@@ -227,7 +245,8 @@ class KVCacheStore:
                 raise self._shape_error(what, shape, dtype, block.numel() * block.element_size())
             return block, block.device.type == "cuda"
         if hasattr(block, "dtype") and hasattr(block, "shape") and (
-                mod.startswith(("numpy", "cupy")) or hasattr(block, "__cuda_array_interface__")):
+                mod.startswith(("numpy", "cupy")) or hasattr(block, "__cuda_array_interface__")
+                or self._is_device(block)):
             dtype = str(block.dtype)
             shape = tuple(block.shape)
             carriers = _ARRAY_DTYPES.get(g.dtype, (g.dtype,))
@@ -246,7 +265,7 @@ class KVCacheStore:
                 raise errors.InvalidRequestError(f"{what}: the array is not contiguous (copy it, or pass a tensor)")
             if writable and flags is not None and not getattr(flags, "writeable", True):  # cupy's flags lack it
                 raise errors.ReadOnlyBufferError(f"{what}: the destination array is read-only")
-            return block, is_device_buffer(block)
+            return block, self._is_device(block)
         if is_device_buffer(block):
             raise errors.InvalidRequestError(
                 f"{what}: a GPU {type(block).__name__} is not a block (pass a CUDA torch tensor or a cupy array)"
@@ -335,6 +354,9 @@ class KVCacheStore:
         memory (no copy: aligned blocks move with O_DIRECT).
         """
         ks, sources = self._put_args(keys, blocks)
+        if self._uses_device(sources):
+            self._put_device(ks, [b for b, _ in sources])
+            return
         views = self._direct_views(sources)
         if views is None:
             self._stage(ks, sources).get()
@@ -385,9 +407,17 @@ class KVCacheStore:
         """Copy ``blocks`` into pinned slots, return, and write them to the lower tiers in the background.
 
         The caller may reuse the blocks' memory as soon as this returns; ``.get()`` on the result waits until
-        every lower tier has them (and raises the first error).
+        every lower tier has them (and raises the first error). GPU blocks without a pinned tier are the
+        exception: they move HBM to storage in the background, so their memory must stay as it is until
+        ``.get()`` (or :meth:`wait_for_puts`) returns.
         """
-        return self._stage(*self._put_args(keys, blocks))
+        ks, sources = self._put_args(keys, blocks)
+        if self._uses_device(sources):
+            fut = self._executor.submit(self._put_device, ks, [b for b, _ in sources])
+            with self._lock:
+                self._writes = [w for w in self._writes if not w.done()] + [fut]
+            return ExecutorFuture(fut, "put_async")
+        return self._stage(ks, sources)
 
     def _stage(self, ks: list[bytes], sources: list[tuple[Any, bool]]) -> ExecutorFuture[None]:
         """Copy the (checked) blocks into pinned slots and commit them (lower tiers written in the background)."""
@@ -566,6 +596,10 @@ class KVCacheStore:
             raise errors.InvalidRequestError(f"get_into: {len(ks)} keys but {len(bs)} blocks")
         dests = [self._source(b, f"get_into: block {i}", writable=True) for i, b in enumerate(bs)]
         t0 = time.perf_counter()
+        if self._uses_device(dests):
+            tiers = self._get_device(ks, [d for d, _ in dests], bool(keep_on_miss))
+            self._lat["get"].append(time.perf_counter() - t0)
+            return tiers
         views = self._direct_views(dests)
         if views is not None and all(not v.readonly for v in views):
             tiers = self._get_direct(ks, views, bool(keep_on_miss))
@@ -700,6 +734,150 @@ class KVCacheStore:
             for _k, s in items:
                 self.pinned.unpin(s)
 
+    # -- GPU blocks through the device path -------------------------------------------------------------------------
+    def _is_device(self, block: Any) -> bool:
+        if self._device is not None:
+            return bool(self._device.runtime.is_device(block))
+        return is_device_buffer(block)
+
+    def _device_path(self) -> Any:
+        """The device path GPU blocks move through (made on first use when none was given)."""
+        with self._lock:
+            if self._device is None:
+                from sfstore.paths.device import DevicePath
+
+                self._device = DevicePath()
+                self._owns_device = True
+            return self._device
+
+    def _uses_device(self, sources: list[tuple[Any, bool]]) -> bool:
+        """Whether a batch moves through the device path: no pinned tier, a lower tier, and only GPU blocks."""
+        return (self.pinned.capacity == 0 and (self.block is not None or self.shared is not None)
+                and bool(sources) and all(device for _, device in sources))
+
+    def _staged_waves(self, count: int) -> Iterable[range]:
+        return (range(i, min(count, i + _STAGE_WAVE)) for i in range(0, count, _STAGE_WAVE))
+
+    @contextlib.contextmanager
+    def _staging(self, count: int) -> Iterator[list[memoryview]]:
+        """``count`` host staging views of a block each (registered buffers), released afterwards."""
+        n = self.geometry.block_bytes
+        bufs = [self._host_stage.acquire() for _ in range(count)]
+        views: list[memoryview] = []
+        try:
+            views = [memoryview(b)[:n] for b in bufs]
+            yield views
+        finally:
+            for v in views:
+                v.release()
+            for b in bufs:
+                b.release()
+
+    def _put_device(self, ks: list[bytes], blocks: list[Any]) -> None:
+        """A put of GPU blocks without a pinned tier: the shared tier on the device path's route (HBM to storage,
+        GPU-direct with cuFile), the block store through host staging buffers (its checksums are of host bytes)."""
+        t0 = time.perf_counter()
+        n = self.geometry.block_bytes
+        dp = self._device_path()
+        try:
+            if self.block is not None:
+                self._put_device_block_only(ks, blocks, dp)
+            if self.shared is not None:
+                for k, b in zip(ks, blocks, strict=True):
+                    self.shared.write_device(k, b, dp)
+        except BaseException:
+            self.counters.add(lower_tier_errors=1)
+            raise
+        self.counters.add(puts=len(ks), bytes_put=n * len(ks))
+        self._lat["put"].append(time.perf_counter() - t0)
+
+    def _get_device(self, ks: list[bytes], dests: list[Any], keep: bool) -> list[str | None]:
+        """get_into GPU buffers without a pinned tier: the block store through host staging buffers (verified
+        there, then copied up), the shared tier on the device path's route (verified on the GPU)."""
+        n = self.geometry.block_bytes
+        dp = self._device_path()
+        tiers: list[str | None] = [None] * len(ks)
+        corrupt = unreadable = 0
+        if self.block is not None:
+            present = [i for i, k in enumerate(ks) if self.block.contains(k)]
+            for wave in self._staged_waves(len(present)):
+                idx = [present[j] for j in wave]
+                with self._staging(len(idx)) as views:
+                    got, bad = self.block._get_into([ks[i] for i in idx], views, keep_on_miss=False)
+                    corrupt += bad
+                    hits = 0
+                    for i, v, length in zip(idx, views, got, strict=True):
+                        if length == n:  # verified by the block store: only then does it reach the caller
+                            dp.runtime.from_host(dests[i], 0, v)
+                            tiers[i] = "block"
+                            hits += 1
+                dp.counters.add_for("kvcache.block", bytes_staged=n * hits)
+        if self.shared is not None:
+            found = []
+            for i, t in enumerate(tiers):
+                if t is not None:
+                    continue
+                status, _how = self.shared.read_device(ks[i], dests[i], dp, keep=keep)
+                if status == "hit":
+                    tiers[i] = "shared"
+                    found.append(i)
+                corrupt += status == "corrupt"
+                unreadable += status == "unreadable"
+            if found and self.block is not None:  # promotion: the next get finds them in the block store
+                self._promote_device([ks[i] for i in found], [dests[i] for i in found], dp)
+        self.counters.add(gets=len(ks), misses=tiers.count(None), hits_block=tiers.count("block"),
+                          hits_shared=tiers.count("shared"), bytes_got=n * (len(ks) - tiers.count(None)),
+                          corrupt_dropped=corrupt, unreadable=unreadable)
+        return tiers
+
+    def _promote_device(self, ks: list[bytes], blocks: list[Any], dp: Any) -> None:
+        try:
+            self._put_device_block_only(ks, blocks, dp)
+            self.counters.add(promotions=len(ks))
+        except errors.SfstoreError:
+            self.counters.add(lower_tier_errors=1)
+
+    def _put_device_block_only(self, ks: list[bytes], blocks: list[Any], dp: Any) -> None:
+        n = self.geometry.block_bytes
+        assert self.block is not None
+        for wave in self._staged_waves(len(ks)):
+            with self._staging(len(wave)) as views:
+                for i, v in zip(wave, views, strict=True):
+                    dp.runtime.to_host(blocks[i], 0, v)
+                self.block.put_many([(ks[i], v) for i, v in zip(wave, views, strict=True)])
+            dp.counters.add_for("kvcache.block", bytes_staged=n * len(wave))
+
+    def describe(self) -> dict[str, Any]:
+        """How GPU blocks move to and from each tier, and why (the device path's routes), and the device path.
+
+        With a pinned tier, GPU blocks are copied into its slots (``"pinned slots"``). Without one, each lower
+        tier names its route: ``gds`` / ``compat`` / ``staged`` for the shared tier (decided from its
+        directory's filesystem), ``staged`` for the block store (with what cuFile would make of its target).
+        """
+        out: dict[str, Any] = {"tiers": self.stats()["tiers"], "pinned_capacity_blocks": self.pinned.capacity}
+        gpu: dict[str, Any] = {}
+        if self.pinned.capacity > 0:
+            why = ("a pinned tier is on: GPU blocks are copied into its slots and the lower tiers are written from "
+                   "there (kvcache_pinned_bytes=0 sends them through the device path)")
+            for t in out["tiers"]:
+                gpu[t] = {"route": "pinned slots", "why": why}
+            out["gpu_blocks"] = gpu
+            out["device"] = self._device.describe() if self._device is not None else None
+            return out
+        dp = self._device_path()
+        if self.shared is not None:
+            route, why = dp.route_for(self.shared.fp.beneath.root_fd(), self.shared.fp.root)
+            gpu["shared"] = {"route": route, "why": why}
+        if self.block is not None:
+            route, why = dp.route_for(self.block.path.fd, self.block.path.device)
+            gpu["block"] = {"route": "staged", "why": (
+                "the block store's slots carry xxh3-64 checksums of host bytes, so GPU blocks are staged through "
+                f"host memory; cuFile on its target: {why}"
+                + ("" if route == "gds" else " (so it would stage anyway)"))}
+        out["gpu_blocks"] = gpu
+        out["device"] = dp.describe()
+        return out
+
     # -- housekeeping ---------------------------------------------------------------------------------------------
     def evict(self, keys: Sequence[bytes], tiers: Iterable[str] = TIERS) -> int:
         """Remove the blocks from ``tiers``; return how many (block, tier) copies were removed."""
@@ -739,6 +917,11 @@ class KVCacheStore:
             direct += c.get("bytes_direct", 0)
             bounced += c.get("bytes_bounced", 0)
         out["bytes_direct"], out["bytes_bounced"] = direct, bounced
+        if self._device is not None:
+            by_class = self._device.counters.by_class()
+            out["device"] = {tier: {k: by_class.get(f"kvcache.{tier}", {}).get(k, 0)
+                                    for k in ("bytes_gpu_direct", "bytes_staged")}
+                             for tier in ("shared", "block")}
         for op, samples in self._lat.items():
             data = list(samples)
             out[f"{op}_p50_s"] = _percentile(data, 0.5)
@@ -765,8 +948,11 @@ class KVCacheStore:
             for slot, _layers in partial:
                 self.pinned.drop(slot)
             self.pinned.close()
+            self._host_stage.close()
             if self.shared is not None:
                 self.shared.close()
+            if self._owns_device and self._device is not None:
+                self._device.close()
 
     def __enter__(self) -> KVCacheStore:
         return self

@@ -19,16 +19,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
-from sfstore.checksums import xxh3_64
+from sfstore.checksums import kvsum64, xxh3_64
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
+from sfstore.paths.base import Range
 from sfstore.paths.file import FilePath
 
 __all__ = ["HEADER", "Slot", "PinnedTier", "SharedTier"]
 
 HEADER = 4096  # bytes before the block in a slot and in a shared file
 _MAGIC = b"SFKVBLK1"
-_HDR = struct.Struct("<8sH6x16s32sQQ")  # magic, version, geometry fingerprint, key, length, xxh3-64 of the block
+_HDR = struct.Struct("<8sH6x16s32sQQ")  # magic, version, geometry fingerprint, key, length, checksum of the block
+SUM_XXH3 = 1  # header version 1: the block's checksum is xxh3-64 (a host put)
+SUM_KV64 = 2  # header version 2: kvsum64, computed where the block was (a GPU-direct put)
 _SUM = struct.Struct("<Q")
 
 
@@ -47,20 +51,33 @@ class Slot:
         return memoryview(self.buffer)[:nbytes]
 
 
-def encode_header(geom: KVGeometry, key: bytes, checksum: int) -> bytes:
-    body = _HDR.pack(_MAGIC, 1, geom.fingerprint(), key, geom.block_bytes, checksum)
+def encode_header(geom: KVGeometry, key: bytes, checksum: int, kind: int = SUM_XXH3) -> bytes:
+    """A shared file's header; ``kind`` says which checksum the block carries (:data:`SUM_XXH3`, :data:`SUM_KV64`)."""
+    body = _HDR.pack(_MAGIC, kind, geom.fingerprint(), key, geom.block_bytes, checksum)
     return body + _SUM.pack(xxh3_64(body))
 
 
-def check_header(view: memoryview, geom: KVGeometry, key: bytes) -> int | None:
-    """The block checksum in a slot's header when the header is intact and names ``key`` and ``geom``."""
+def read_header(view: memoryview, geom: KVGeometry, key: bytes) -> tuple[int, int] | None:
+    """``(checksum, kind)`` of the block when the header is intact and names ``key`` and ``geom``."""
     end = _HDR.size
     if view[:8] != _MAGIC or _SUM.unpack_from(view, end)[0] != xxh3_64(view[:end]):
         return None
     _m, version, fp, k, length, checksum = _HDR.unpack_from(view)
-    if version != 1 or fp != geom.fingerprint() or k != key or length != geom.block_bytes:
+    if version not in (SUM_XXH3, SUM_KV64) or fp != geom.fingerprint() or k != key or length != geom.block_bytes:
         return None
-    return int(checksum)
+    return int(checksum), int(version)
+
+
+def check_header(view: memoryview, geom: KVGeometry, key: bytes) -> int | None:
+    """The block's xxh3-64 in a header that is intact, names ``key`` and ``geom``, and was written by a host put
+    (a GPU-direct put's kvsum64 is not an xxh3: ``None``, as for any header that does not fit)."""
+    found = read_header(view, geom, key)
+    return found[0] if found is not None and found[1] == SUM_XXH3 else None
+
+
+def block_sum(kind: int, data: Any) -> int:
+    """The checksum of kind ``kind`` of host bytes ``data``."""
+    return kvsum64(data) if kind == SUM_KV64 else xxh3_64(data)
 
 
 class PinnedTier:
@@ -266,11 +283,13 @@ class SharedTier:
             os.close(fd)
         self.fp.counters.add(requests=1, files=1, bytes_read=got)
         head = views[0][:HEADER]
-        checksum = check_header(head, self.geom, key) if got == HEADER + n else None
-        if checksum is None or _block_sum(views, n) != checksum:
+        found = read_header(head, self.geom, key) if got == HEADER + n else None
+        if found is None or block_sum(found[1], _block_bytes(views, n)) != found[0]:
             self._drop(sub, base, st)
             return "corrupt", 0
-        return "hit", checksum
+        if found[1] != SUM_XXH3:  # the tiers above keep xxh3-64 of host bytes
+            return "hit", xxh3_64(_block_bytes(views, n))
+        return "hit", found[0]
 
     def _drop(self, sub: str, base: str, st: os.stat_result) -> None:
         """Remove the corrupt file just read, if the name still holds that very file (a writer may have
@@ -359,6 +378,103 @@ class SharedTier:
             hbuf.release()
         return True
 
+    # -- GPU blocks through the device path ----------------------------------------------------------------------
+    def write_device(self, key: bytes, block: Any, device: Any) -> bool:
+        """Publish the GPU ``block`` under ``key`` through ``device`` (a :class:`~sfstore.paths.device.DevicePath`):
+        its kvsum64 is computed on the GPU, the 4096-byte header is written from host memory, the block's bytes
+        take the device path's route for this file (GPU-direct with cuFile). ``False`` when already there."""
+        if self.contains(key):
+            return False
+        self._clear(key)
+        n = self.geom.block_bytes
+        checksum = device.runtime.checksum(block, 0, n)
+        hbuf = self._headers.acquire()
+        try:
+            hview = memoryview(hbuf)
+            hdr = encode_header(self.geom, key, checksum, SUM_KV64)
+            hview[:len(hdr)] = hdr
+            hview[len(hdr):] = bytes(HEADER - len(hdr))
+            with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:
+                w.write(hview)
+                w.write_through(device, block, n, data_class="kvcache.shared")
+            del hview
+        finally:
+            hbuf.release()
+        return True
+
+    def read_device(self, key: bytes, dest: Any, device: Any, *, keep: bool = True) -> tuple[str, str]:
+        """Read the block of ``key`` into the GPU buffer ``dest`` through ``device``: ``(status, how)``.
+
+        ``status`` is as for :meth:`read_into`. A block a GPU put wrote (kvsum64) is read on the device path's
+        route and verified on the GPU (``how``: the route); with ``keep`` it lands in a GPU scratch buffer first
+        and reaches ``dest`` only once verified. A block a host put wrote (xxh3-64, which a GPU does not compute)
+        is read and verified in host memory and copied up (``how``: ``"staged"``).
+        """
+        n = self.geom.block_bytes
+        sub, base = self._entry(key)
+        try:
+            fd = self._open(f"{sub}/{base}", _READ_FLAGS)
+        except OSError as exc:
+            return ("missing" if exc.errno == errno.ENOENT else "unreadable"), ""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return "unreadable", ""
+            if st.st_size != HEADER + n:
+                self._drop(sub, base, st)
+                return "corrupt", ""
+            head = bytearray(HEADER)
+            if os.preadv(fd, [head], 0) != HEADER:
+                self._drop(sub, base, st)
+                return "corrupt", ""
+            found = read_header(memoryview(head), self.geom, key)
+            if found is None:
+                self._drop(sub, base, st)
+                return "corrupt", ""
+            checksum, kind = found
+            if kind == SUM_XXH3:
+                fcntl.fcntl(fd, fcntl.F_SETFL, 0)
+                return self._read_device_staged(key, dest, device, fd, checksum, sub, base, st)
+            fcntl.fcntl(fd, fcntl.F_SETFL, 0)
+            target = device.runtime.scratch(dest, n) if keep else dest
+            route = device.route_for(fd)[0]
+            try:
+                got = device.submit([Range.read(HEADER, n, target, 0, fd)], data_class="kvcache.shared").get()[0]
+            except errors.SfstoreOSError:
+                self.fp.counters.add(errors=1)
+                return "unreadable", ""
+            if got != n or device.runtime.checksum(target, 0, n) != checksum:
+                self._drop(sub, base, st)
+                return "corrupt", ""
+            if keep:
+                device.runtime.copy(dest, 0, target, 0, n)
+            self.fp.counters.add(files=1)
+            return "hit", route
+        except OSError:
+            self.fp.counters.add(errors=1)
+            return "unreadable", ""
+        finally:
+            os.close(fd)
+
+    def _read_device_staged(self, key: bytes, dest: Any, device: Any, fd: int, checksum: int, sub: str, base: str,
+                            st: os.stat_result) -> tuple[str, str]:
+        n = self.geom.block_bytes
+        buf = self._scratch.acquire()
+        try:
+            view = memoryview(buf)
+            got = _pread_all(fd, [view], HEADER + n, direct=self.fp.direct)
+            self.fp.counters.add(requests=1, files=1, bytes_read=got)
+            if got != HEADER + n or xxh3_64(view[HEADER:HEADER + n]) != checksum:
+                del view
+                self._drop(sub, base, st)
+                return "corrupt", ""
+            device.runtime.from_host(dest, 0, view[HEADER:HEADER + n])
+            device.counters.add_for("kvcache.shared", bytes_staged=n)
+            del view
+        finally:
+            buf.release()
+        return "hit", "staged"
+
     def remove(self, key: bytes) -> bool:
         """Remove the key's file (beneath the directory); ``True`` when a block file was removed. A directory
         at the name is left alone."""
@@ -445,11 +561,11 @@ def _pread_all(fd: int, views: list[memoryview], want: int, *, direct: bool) -> 
     return total
 
 
-def _block_sum(views: list[memoryview], n: int) -> int:
-    """xxh3-64 of the ``n`` block bytes that follow the header in ``views``."""
+def _block_bytes(views: list[memoryview], n: int) -> memoryview:
+    """The ``n`` block bytes that follow the header in ``views``."""
     if len(views[0]) >= HEADER + n:
-        return xxh3_64(views[0][HEADER:HEADER + n])
-    return xxh3_64(views[1][:n])
+        return views[0][HEADER:HEADER + n]
+    return views[1][:n]
 
 
-__all__ += ["encode_header", "check_header", "KEY_BYTES"]
+__all__ += ["encode_header", "check_header", "read_header", "block_sum", "SUM_XXH3", "SUM_KV64", "KEY_BYTES"]

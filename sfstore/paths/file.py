@@ -93,20 +93,24 @@ class ReadFuture(MappedFuture[list[int], int]):
     read has finished."""
 
     def __init__(self, path: FilePath, future: PathFuture, fd: int = -1) -> None:
-        self._path, self._fd = path, fd
-        super().__init__(future, self._total, on_done=self._close)
+        # Closures over the counters and a descriptor holder, never over self: a future that referred to itself
+        # would keep the batch (and the caller's buffer) alive until a garbage collection.
+        counters, held = path.counters, [fd]
 
-    def _total(self, got: list[int]) -> int:
-        self._path.counters.add(files=1)
-        return sum(got)
+        def total(got: list[int]) -> int:
+            counters.add(files=1)
+            return sum(got)
 
-    def _close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        def close() -> None:
+            if held[0] >= 0:
+                os.close(held[0])
+                held[0] = -1
+
+        super().__init__(future, total, on_done=close)
+        self._held, self._close = held, close
 
     def __del__(self) -> None:
-        if self._fd >= 0 and self._inner.done():
+        if self._held[0] >= 0 and self._inner.done():
             self._close()
 
 
@@ -740,6 +744,23 @@ class AtomicWriter:
                 self._submit(piece)
         self.size += n
         return n
+
+    def write_through(self, path: StoragePath, buffer: Any, length: int, *, data_class: str | None = None) -> int:
+        """Write ``length`` bytes of ``buffer`` next in the file through another path's :meth:`submit` (the
+        device path, for GPU memory) and wait for them; what :meth:`write` buffered goes first. Returns
+        ``length``. The file is still published (or discarded) by this writer."""
+        if self.closed:
+            raise errors.InvalidRequestError(f"write to a closed writer of {self.path}")
+        if self._buf:
+            self._submit(self._buf)
+            self._buf = bytearray()
+        self._drain()
+        got = path.submit([Range.write(self._written, length, buffer, 0, self._fd)], data_class=data_class).get()[0]
+        if got != length:
+            raise errors.os_error(errno.EIO, f"short write ({got} of {length} bytes)", self.path, errors.IOEngineError)
+        self._written += length
+        self.size += length
+        return length
 
     def _submit(self, piece: bytearray) -> None:
         self._pending.append((self._fp.submit([Range.write(self._written, len(piece), piece, 0, self._fd)]), piece))

@@ -49,7 +49,9 @@ class _Future:
 
 class _EmulatedFile(DeviceFile):
     def __init__(self, runtime: EmulatedDeviceRuntime, fd: int) -> None:
-        self._rt, self._fd = runtime, fd
+        # As kvikio does: its own descriptor of the file, opened by /proc/self/fd/N, without O_DIRECT (buffers
+        # here are not aligned; kvikio's POSIX backend bounces what O_DIRECT would refuse).
+        self._rt, self._fd = runtime, os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         self.compat = runtime.compat_files
 
     def _run(self, write: bool, buf: Any, size: int, file_offset: int, buf_offset: int) -> int:
@@ -69,6 +71,11 @@ class _EmulatedFile(DeviceFile):
 
     def pwrite(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> Any:
         return _Future(self._rt.pool.submit(self._run, True, buf, size, file_offset, buf_offset))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class EmulatedDeviceRuntime(DeviceRuntime):

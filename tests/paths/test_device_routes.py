@@ -174,7 +174,9 @@ def test_the_file_path_refuses_gpu_buffers_the_device_path_takes(tmp_path: Path)
     from sfstore.paths.file import FilePath
 
     class SaysItIsCuda:  # any object with __cuda_array_interface__ is GPU memory to sfstore
-        __cuda_array_interface__ = {"shape": (4096,), "typestr": "|u1", "data": (0, False), "version": 3}
+        @property
+        def __cuda_array_interface__(self) -> dict[str, object]:
+            return {"shape": (4096,), "typestr": "|u1", "data": (0, False), "version": 3}
 
     fp = FilePath(tmp_path)
     assert fp.supports_device_buffers is False and DevicePath(tmp_path).supports_device_buffers is True

@@ -1,0 +1,200 @@
+"""GPU blocks through the device path: which route each tier takes, why, what the counters say, and that every byte
+comes back exact and verified.
+
+No GPU exists on this machine: ``EmulatedDeviceRuntime`` stands in for one (host memory it calls GPU memory; its
+kvikio stand-in does pread/pwrite as kvikio's POSIX backend does), so everything but the last CUDA/kvikio call
+runs. The tests say so in their names (``emulated_gpu``). Where a test needs a target cuFile accepts (none here),
+it says so and replaces only that fact.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sfstore.blocks import BlockStore
+from sfstore.kvcache import KVCacheStore, KVGeometry
+from sfstore.kvcache.tiers import HEADER
+from sfstore.paths import device as device_mod
+from sfstore.paths.device import DevicePath, TargetFacts, cufile_accepts
+from sfstore.testing.device_runtime import EmulatedDeviceRuntime, gpu_array
+
+from .conftest import GEOM
+
+N = GEOM.block_bytes
+
+
+def _blocks(count: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [gpu_array(N, fill=rng.integers(0, 255, N, dtype=np.uint8)) for _ in range(count)]
+
+
+def _store(tmp_path: Path, rt: EmulatedDeviceRuntime, *, block: bool = False, pinned: int = 0,
+           geom: KVGeometry = GEOM) -> KVCacheStore:
+    bs = (BlockStore({"kind": "image", "path": str(tmp_path / "hot.img"), "size": 16 << 20},
+                     size_classes=(geom.block_bytes,)) if block else None)
+    return KVCacheStore(geom, model_id="m", pinned_bytes=pinned, block_store=bs, shared_dir=tmp_path / "shared",
+                        device=DevicePath(runtime=rt))
+
+
+def _cufile_accepts_here(tmp_path: Path) -> bool:
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        return cufile_accepts(TargetFacts.of_fd(fd, str(tmp_path)))[0]
+    finally:
+        os.close(fd)
+
+
+def test_emulated_gpu_gds_put_and_get_touch_no_host_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stands in for a shared directory on a filesystem cuFile accepts (NFS over RDMA on a cluster).
+    monkeypatch.setattr(device_mod, "cufile_accepts", lambda t: (True, "NFS over RDMA (test stand-in)"))
+    rt = EmulatedDeviceRuntime("gds")
+    kv = _store(tmp_path, rt)
+    try:
+        assert kv.describe()["gpu_blocks"]["shared"]["route"] == "gds"
+        src = _blocks(4)
+        keys = kv.keys_for(list(range(4 * GEOM.block_tokens)))
+        kv.put(keys, src)
+        dst = [gpu_array(N) for _ in src]
+        assert kv.get_into(keys, dst) == ["shared"] * 4
+        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+        assert rt.copies_to_host == rt.copies_from_host == 0  # the block bytes never visited host memory
+        dev = kv.stats()["device"]["shared"]
+        assert dev == {"bytes_gpu_direct": 2 * 4 * N, "bytes_staged": 0}
+        st = kv.stats()
+        assert st["hits_shared"] == 4 and st["puts"] == 4 and st["pinned_capacity_blocks"] == 0
+    finally:
+        kv.close()
+
+
+def test_emulated_gpu_on_this_machines_disk_takes_compat_and_says_why(tmp_path: Path) -> None:
+    if _cufile_accepts_here(tmp_path):
+        pytest.skip("this machine's filesystem is one cuFile accepts")
+    rt = EmulatedDeviceRuntime("gds")
+    kv = _store(tmp_path, rt)
+    try:
+        d = kv.describe()["gpu_blocks"]["shared"]
+        assert d["route"] == "compat" and "compat mode" in d["why"]
+        src = _blocks(2, seed=3)
+        keys = kv.keys_for(list(range(2 * GEOM.block_tokens)))
+        kv.put(keys, src)
+        dst = [gpu_array(N) for _ in src]
+        assert kv.get_into(keys, dst) == ["shared", "shared"]
+        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+        assert kv.stats()["device"]["shared"] == {"bytes_gpu_direct": 0, "bytes_staged": 2 * 2 * N}
+    finally:
+        kv.close()
+
+
+def test_emulated_gpu_without_kvikio_is_staged_and_says_why(tmp_path: Path) -> None:
+    rt = EmulatedDeviceRuntime("staged")
+    kv = _store(tmp_path, rt)
+    try:
+        d = kv.describe()["gpu_blocks"]["shared"]
+        assert d["route"] == "staged" and "emulated" in d["why"]
+        src = _blocks(3, seed=5)
+        keys = kv.keys_for(list(range(3 * GEOM.block_tokens)))
+        kv.put(keys, src)
+        dst = [gpu_array(N) for _ in src]
+        assert kv.get_into(keys, dst) == ["shared"] * 3
+        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+        assert kv.stats()["device"]["shared"]["bytes_staged"] == 2 * 3 * N
+        assert not rt.calls  # no kvikio
+    finally:
+        kv.close()
+
+
+def test_emulated_gpu_block_store_target_cufile_refuses_is_staged(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A raw NVMe-oF namespace is what a cluster's block store sits on: cuFile refuses every block device.
+    refused = TargetFacts("block", "/dev/nvme1n1", source="/dev/nvme1n1")
+    real_of_fd = TargetFacts.of_fd
+    monkeypatch.setattr(TargetFacts, "of_fd", classmethod(
+        lambda cls, fd, name: refused if name.endswith("hot.img") else real_of_fd(fd, name)))
+    rt = EmulatedDeviceRuntime("gds")
+    kv = _store(tmp_path, rt, block=True)
+    try:
+        d = kv.describe()["gpu_blocks"]["block"]
+        assert d["route"] == "staged" and "block device" in d["why"] and "stage anyway" in d["why"]
+        src = _blocks(3, seed=7)
+        keys = kv.keys_for(list(range(3 * GEOM.block_tokens)))
+        kv.put(keys, src)
+        dst = [gpu_array(N) for _ in src]
+        assert kv.get_into(keys, dst) == ["block"] * 3  # the block tier answers first
+        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+        assert kv.stats()["device"]["block"] == {"bytes_gpu_direct": 0, "bytes_staged": 2 * 3 * N}
+    finally:
+        kv.close()
+
+
+def test_emulated_gpu_a_corrupt_shared_block_is_a_miss_that_leaves_the_destination_as_it_was(
+    tmp_path: Path,
+) -> None:
+    rt = EmulatedDeviceRuntime("gds")
+    kv = _store(tmp_path, rt)
+    try:
+        src = _blocks(1, seed=9)
+        keys = kv.keys_for(list(range(GEOM.block_tokens)))
+        kv.put(keys, src)
+        name = tmp_path / "shared" / kv.shared.name(keys[0])  # type: ignore[union-attr]
+        raw = bytearray(name.read_bytes())
+        raw[HEADER + 1000] ^= 0xFF
+        name.write_bytes(bytes(raw))
+        dst = gpu_array(N, fill=42)
+        assert kv.get_into(keys, [dst]) == [None]
+        assert (np.asarray(dst) == 42).all()  # keep_on_miss: verified in GPU scratch first
+        assert kv.stats()["corrupt_dropped"] == 1 and not name.exists()  # dropped, so a put writes it again
+        kv.put(keys, src)
+        assert kv.get_into(keys, [dst]) == ["shared"] and np.array_equal(dst, src[0])
+    finally:
+        kv.close()
+
+
+def test_emulated_gpu_blocks_and_host_blocks_read_each_others_files(tmp_path: Path) -> None:
+    rt = EmulatedDeviceRuntime("gds")
+    kv = _store(tmp_path, rt)
+    try:
+        g_keys = kv.keys_for(list(range(GEOM.block_tokens)))
+        h_keys = kv.keys_for(list(range(1000, 1000 + GEOM.block_tokens)))
+        g_src = _blocks(1, seed=11)[0]
+        h_src = np.random.default_rng(12).integers(0, 255, N, dtype=np.uint8)
+        kv.put(g_keys, [g_src])  # kvsum64 header, written from "GPU" memory
+        kv.put(h_keys, [h_src])  # xxh3 header, written from host memory
+        host_dst = np.zeros(N, np.uint8)
+        assert kv.get_into(g_keys, [host_dst]) == ["shared"] and np.array_equal(host_dst, g_src)
+        gpu_dst = gpu_array(N)
+        before = rt.copies_from_host
+        assert kv.get_into(h_keys, [gpu_dst]) == ["shared"] and np.array_equal(gpu_dst, h_src)
+        assert rt.copies_from_host == before + 1  # an xxh3 block is verified in host memory, then copied up
+    finally:
+        kv.close()
+
+
+def test_emulated_gpu_with_a_pinned_tier_goes_through_its_slots_and_says_so(tmp_path: Path) -> None:
+    rt = EmulatedDeviceRuntime("gds")
+    kv = _store(tmp_path, rt, pinned=8 * (N + 4096))
+    try:
+        d = kv.describe()
+        assert d["gpu_blocks"]["shared"]["route"] == "pinned slots" and "kvcache_pinned_bytes=0" in \
+            d["gpu_blocks"]["shared"]["why"]
+    finally:
+        kv.close()
+
+
+def test_emulated_gpu_put_async_leaves_once_the_bytes_are_on_their_way(tmp_path: Path) -> None:
+    rt = EmulatedDeviceRuntime("gds")
+    kv = _store(tmp_path, rt, block=True)
+    try:
+        src = _blocks(4, seed=13)
+        keys = kv.keys_for(list(range(4 * GEOM.block_tokens)))
+        fut = kv.put_async(keys, src)
+        assert fut.get(30) is None and fut.done()
+        kv.wait_for_puts(30)
+        dst = [gpu_array(N) for _ in src]
+        assert kv.get_into(keys, dst) == ["block"] * 4
+        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+    finally:
+        kv.close()
