@@ -42,7 +42,7 @@ def test_defaults_route_to_the_data_dir(tmp_path: Path) -> None:
     assert any("image file" in f for f in hot["fallbacks"])
     kv = d["classes"]["kvcache"]
     assert kv["available"] and kv["path"] == "device" and kv["root"] == str(tmp_path / "data" / "kvcache")
-    assert any("device path host" in f for f in kv["fallbacks"])  # no GPU here: reported, not silent
+    assert any("device path staged" in f for f in kv["fallbacks"])  # no GPU here: reported, not silent
     text = r.format()
     assert "dataset" in text and "fallback: local" in text
 

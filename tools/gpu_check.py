@@ -20,10 +20,13 @@ fsync) so the get reads storage, not memory. Slab and baseline files are preallo
                            .set()) per block: what code without sfstore does, the reference for every ratio;
   <lib>_devicepath_gds     DevicePath(mode="gds"): kvikio/cuFile GPU-direct (the arrays registered with cuFile);
   <lib>_devicepath_compat  DevicePath(mode="compat"): kvikio compat mode (its own host bounce buffers);
-  <lib>_devicepath_host    DevicePath(mode="host"): sfstore's pinned staging buffers and I/O engine;
+  <lib>_devicepath_host    DevicePath(mode="staged"): sfstore's pinned staging buffers and I/O engine;
   kvcache_torch            KVCacheStore (bfloat16 blocks of the given size) over a BlockStore image file: put
                            (pinned tier + write-through, waited for and flushed), get after evicting the pinned
                            tier (from the block tier: storage), get again (from the pinned tier);
+  kvcache_torch_device     KVCacheStore with the pinned tier off: CUDA blocks to the shared tier's files and back
+                           through the device path (route gds, compat or staged, as describe() reports), the
+                           counters checked to add up (bytes_gpu_direct + bytes_staged);
 with <lib> torch (CUDA tensors) and cupy (arrays). Each route reports put and get GiB/s, the ratio to its
 library's baseline and whether the bytes came back bit-exact; a table is printed and ``--json`` writes it all.
 
@@ -699,7 +702,9 @@ def _route_devicepath(run: Run, libname: str, mode: str) -> Outcome:
     if desc["mode"] != mode:
         notes.append(f"DevicePath ran in mode {desc['mode']!r}")
     counters = desc.get("counters", {})
-    notes.append(f"bytes direct {counters.get('bytes_direct', 0) / MiB:.0f} MiB, "
+    notes.append(f"bytes GPU-direct {counters.get('bytes_gpu_direct', 0) / MiB:.0f} MiB, "
+                 f"staged {counters.get('bytes_staged', 0) / MiB:.0f} MiB, "
+                 f"host direct {counters.get('bytes_direct', 0) / MiB:.0f} MiB, "
                  f"bounced {counters.get('bytes_bounced', 0) / MiB:.0f} MiB")
     row = run.row(libname, f"{libname} DevicePath {mode}", put_s, get_s, exact, cold)
     metrics = {"table": [row], "mode": desc["mode"], "why": desc.get("why"), "counters": counters, "notes": notes}
@@ -786,6 +791,71 @@ def _route_kvcache(run: Run) -> Outcome:
     return Outcome(detail, ok=not problems, metrics=metrics, rows=rows)
 
 
+def _route_kvcache_device(run: Run) -> Outcome:
+    """KVCacheStore with the pinned tier off: CUDA blocks to the shared tier's files and back on the device path's
+    route (gds: HBM to storage with no host copy; compat; staged), with the counters saying which bytes went direct."""
+    if run.device != "cuda":
+        raise Skip("the device path carries GPU blocks; --device cpu has none (its host path is kvcache_torch's)")
+    lib = run.torch_lib()
+    from sfstore.kvcache import KVCacheStore, KVGeometry
+    from sfstore.paths.device import DevicePath
+
+    torch = lib.torch
+    B, N = run.block_bytes, run.nblocks
+    if B % KV_LAYER_BYTES:
+        raise Skip(f"a KV block is a whole number of {KV_LAYER_BYTES // 1024} KiB layers; --block-mib gives {B} bytes")
+    geom = KVGeometry(num_layers=B // KV_LAYER_BYTES, block_tokens=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    src = run.src(lib)
+    dst = lib.alloc(run.total)
+    srcb = list(src.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
+    dstb = list(dst.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
+    root = run.workdir("kvcache_device")
+    dp = DevicePath()
+    kv = KVCacheStore(geom, model_id="gpu-check", pinned_bytes=0, shared_dir=os.path.join(root, "shared"),
+                      fsync_shared=True, device=dp)  # fsynced, as the baseline: the cold get then reads storage
+    problems: list[str] = []
+    try:
+        registered = sum(dp.register(t) for t in (src, dst))
+        keys = kv.keys_for(list(range(N * geom.block_tokens)))
+        lib.sync()
+        t0 = time.perf_counter()
+        kv.put(keys, srcb)
+        put_s = time.perf_counter() - t0
+        cold = _drop_tree(os.path.join(root, "shared"))
+        t0 = time.perf_counter()
+        tiers = kv.get_into(keys, dstb)
+        lib.sync()
+        get_s = time.perf_counter() - t0
+        if set(tiers) != {"shared"}:
+            problems.append(f"get came from tiers {sorted(map(str, set(tiers)))}, not the shared tier")
+        exact, why = _exactness(run, lib, src, dst)
+        if why:
+            problems.append(why)
+        desc = kv.describe()
+        stats = kv.stats()
+    finally:
+        try:
+            kv.close()
+        finally:
+            dp.close()
+            shutil.rmtree(root, ignore_errors=True)
+            del dst, srcb, dstb
+            lib.release()
+    route = desc["gpu_blocks"].get("shared", {})
+    dev = stats.get("device", {}).get("shared", {})
+    moved = 2 * N * B
+    if dev.get("bytes_gpu_direct", 0) + dev.get("bytes_staged", 0) != moved:
+        problems.append(f"device counters {dev} do not add up to the {moved} bytes moved")
+    if route.get("route") == "gds" and dev.get("bytes_staged", 0):
+        problems.append(f"route gds but {dev['bytes_staged']} bytes were staged")
+    row = run.row("torch", f"KVCacheStore pinned off, shared tier ({route.get('route')})", put_s, get_s, exact, cold)
+    metrics = {"table": [row], "route": route, "device_counters": dev, "registered_buffers": registered,
+               "device": desc.get("device", {}).get("mode")}
+    detail = _describe_rows([row]) + f" [route {route.get('route')}: {route.get('why')}; {dev}]" + \
+        (f"; {'; '.join(problems)}" if problems else "")
+    return Outcome(detail, ok=not problems and exact, metrics=metrics, rows=[row])
+
+
 # name, heavy (moves the route's data: the budget estimate applies), function
 CHECKS: list[tuple[str, bool, Callable[[Run], Outcome]]] = [
     ("probe", False, _check_probe),
@@ -794,13 +864,14 @@ CHECKS: list[tuple[str, bool, Callable[[Run], Outcome]]] = [
     ("torch_baseline", True, partial(_route_baseline, libname="torch")),
     ("torch_devicepath_gds", True, partial(_route_devicepath, libname="torch", mode="gds")),
     ("torch_devicepath_compat", True, partial(_route_devicepath, libname="torch", mode="compat")),
-    ("torch_devicepath_host", True, partial(_route_devicepath, libname="torch", mode="host")),
+    ("torch_devicepath_host", True, partial(_route_devicepath, libname="torch", mode="staged")),
     ("kvcache_torch", True, _route_kvcache),
+    ("kvcache_torch_device", True, _route_kvcache_device),
     ("checkpoint_cuda", True, _check_checkpoint),
     ("cupy_baseline", True, partial(_route_baseline, libname="cupy")),
     ("cupy_devicepath_gds", True, partial(_route_devicepath, libname="cupy", mode="gds")),
     ("cupy_devicepath_compat", True, partial(_route_devicepath, libname="cupy", mode="compat")),
-    ("cupy_devicepath_host", True, partial(_route_devicepath, libname="cupy", mode="host")),
+    ("cupy_devicepath_host", True, partial(_route_devicepath, libname="cupy", mode="staged")),
 ]
 
 

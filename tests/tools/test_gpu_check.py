@@ -19,7 +19,7 @@ SCRIPT = ROOT / "tools" / "gpu_check.py"
 CHECK_NAMES = [
     "probe", "cuda_registration", "read_into_cuda",
     "torch_baseline", "torch_devicepath_gds", "torch_devicepath_compat", "torch_devicepath_host",
-    "kvcache_torch", "checkpoint_cuda",
+    "kvcache_torch", "kvcache_torch_device", "checkpoint_cuda",
     "cupy_baseline", "cupy_devicepath_gds", "cupy_devicepath_compat", "cupy_devicepath_host",
 ]
 CPU_ROUTES = {"torch_baseline", "torch_devicepath_host", "kvcache_torch", "checkpoint_cuda"}
@@ -109,13 +109,13 @@ def test_routes_run_end_to_end_with_cpu_tensors(tmp_path: Path) -> None:
     assert {n for n, s in status.items() if s == "PASS"} == CPU_ROUTES, p.stdout
     assert {n for n, s in status.items() if s == "FAIL"} == set()
     routes = {r["route"]: r for r in doc["table"]}
-    assert set(routes) == {"torch baseline", "torch DevicePath host", "KVCacheStore put + get (block tier)",
+    assert set(routes) == {"torch baseline", "torch DevicePath staged", "KVCacheStore put + get (block tier)",
                            "KVCacheStore get (pinned tier)", "checkpoint save/load(device='cpu')"}
     assert all(r["bit_exact"] for r in routes.values())
     base = routes["torch baseline"]
     assert base["put_gib_s"] > 0 and base["get_gib_s"] > 0
     assert base["put_vs_baseline"] == base["get_vs_baseline"] == 1.0
-    host = routes["torch DevicePath host"]
+    host = routes["torch DevicePath staged"]
     assert host["put_vs_baseline"] is not None and host["get_vs_baseline"] is not None
     assert host["bytes"] == 4 << 20 and host["cold_get"] is True
     assert routes["KVCacheStore get (pinned tier)"]["put_gib_s"] is None
