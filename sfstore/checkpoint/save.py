@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from sfstore import defaults, errors
+from sfstore.arguments import check_timeout
 from sfstore.checkpoint import _fs
 from sfstore.checkpoint import safetensors_format as stf
 from sfstore.checkpoint._fs import DATA_CLASS
@@ -44,6 +45,7 @@ from sfstore.checkpoint.catalog import CheckpointInfo, info_for
 from sfstore.checkpoint.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import Leaf, check_metadata, flatten, format_path
 from sfstore.checksums import xxh3_64_hex
+from sfstore.futures import Future as SfFuture
 from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.file import FilePath, enable_direct
 
@@ -492,8 +494,9 @@ def save(
 # -- asynchronous saves ---------------------------------------------------------------------------------------
 
 
-class SaveFuture:
-    """The pending result of :func:`save_async`: :meth:`get` returns the :class:`CheckpointInfo` or raises."""
+class SaveFuture(SfFuture[CheckpointInfo]):
+    """The pending result of :func:`save_async` (an :class:`sfstore.futures.Future`): :meth:`get` returns the
+    :class:`CheckpointInfo` or raises."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -512,7 +515,7 @@ class SaveFuture:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (``None``: until done); return whether it finished."""
-        return self._done.wait(timeout)
+        return self._done.wait(check_timeout(timeout, "wait"))
 
     def get(self, timeout: float | None = None) -> CheckpointInfo:
         """The committed checkpoint's :class:`CheckpointInfo`; raises the save's error.
@@ -520,7 +523,7 @@ class SaveFuture:
         Raises :class:`~sfstore.errors.IOTimeoutError` when not finished within ``timeout`` seconds (the save
         goes on).
         """
-        if not self._done.wait(timeout):
+        if not self._done.wait(check_timeout(timeout, "get")):
             raise errors.IOTimeoutError(f"checkpoint save to {self.url} not finished after {timeout} s")
         if self._error is not None:
             raise self._error
