@@ -376,6 +376,8 @@ class Router:
                 "fallbacks": d["fallbacks"],
                 "counters": d["counters"],
             }
+            if d.get("root_route"):  # the device path: how GPU memory reaches files under its root, and why
+                out["classes"][name]["gpu_route"] = d["root_route"]
         return out
 
     def counters(self) -> dict[str, dict[str, int]]:
@@ -394,6 +396,8 @@ class Router:
             io = "not open" if c["direct_io"] is None else "O_DIRECT" if c["direct_io"] else "page cache"
             where = c["root"] if isinstance(c["root"], str) else ", ".join(f"{k}={v}" for k, v in c["root"].items())
             lines.append(f"{name:<11} {c['path']:<6} {c['transport']:<6} {io:<10} {where}")
+            if c.get("gpu_route"):
+                lines.append(f"{'':<11} GPU route: {c['gpu_route']['route']} ({c['gpu_route']['why']})")
             for f in c["fallbacks"]:
                 lines.append(f"{'':<11} fallback: {f}")
         return "\n".join(lines)

@@ -43,8 +43,9 @@ def test_defaults_route_to_the_data_dir(tmp_path: Path) -> None:
     kv = d["classes"]["kvcache"]
     assert kv["available"] and kv["path"] == "device" and kv["root"] == str(tmp_path / "data" / "kvcache")
     assert any("device path staged" in f for f in kv["fallbacks"])  # no GPU here: reported, not silent
+    assert kv["gpu_route"]["route"] == "staged" and "no CUDA driver" in kv["gpu_route"]["why"]
     text = r.format()
-    assert "dataset" in text and "fallback: local" in text
+    assert "dataset" in text and "fallback: local" in text and "GPU route: staged (" in text
 
 
 def test_config_file_and_env_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

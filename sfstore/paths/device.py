@@ -291,9 +291,14 @@ class DevicePath(StoragePath):
         d: dict[str, Any] = self.fp.describe() if self.fp is not None else {"transport": "local", "fallbacks": []}
         mine = self.counters.snapshot()
         counters = {k: mine.get(k, 0) + int(d.get("counters", {}).get(k, 0)) for k in mine}
+        root_route: dict[str, str] | None = None
+        if self.fp is not None:  # the route GPU ranges to files under the root take (the KV shared tier's)
+            route, why = self.route_for(self.fp.beneath.root_fd(), self.fp.root)
+            root_route = {"route": route, "why": why}
         with self._lock:
             routes = [{"target": name, "route": r, "why": w} for r, w, name in self._routes.values()]
-        return {**d, "kind": self.kind, "mode": self.mode, "why": self.why, "runtime": self.runtime.name,
+        return {**d, "kind": self.kind, "root_route": root_route, "mode": self.mode, "why": self.why,
+                "runtime": self.runtime.name,
                 "supports_device_buffers": True, "gpu_direct": self.mode == "gds", "routes": routes,
                 "fallbacks": list(self.fallbacks) + list(d.get("fallbacks", [])), "counters": counters,
                 "by_class": self.counters.by_class()}

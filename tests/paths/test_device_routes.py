@@ -187,3 +187,17 @@ def test_the_file_path_refuses_gpu_buffers_the_device_path_takes(tmp_path: Path)
         assert fp.counters.snapshot()["requests"] == 0  # nothing was issued
     finally:
         os.close(fd)
+
+
+def test_emulated_gpu_describe_names_the_route_of_its_root(tmp_path: Path) -> None:
+    dp = DevicePath(tmp_path, runtime=EmulatedDeviceRuntime("gds"))
+    try:
+        fd = os.open(tmp_path, os.O_RDONLY)
+        try:
+            accepted, why = cufile_accepts(TargetFacts.of_fd(fd, str(tmp_path)))
+        finally:
+            os.close(fd)
+        root = dp.describe()["root_route"]
+        assert root["route"] == ("gds" if accepted else "compat") and why in root["why"]
+    finally:
+        dp.close()
