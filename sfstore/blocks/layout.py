@@ -9,8 +9,11 @@
     data_start (1 MiB)  class 0 slots | class 1 slots | ...   each slot: header block + value (LBA-rounded)
 
 A slot header holds the store's uuid (so headers left by an earlier format never come back), the slot
-number, the key, the value's length and xxh3-64, a generation (a store-wide counter: the newest wins) and a
-checksum over all of it. ``meta`` is ``max(LBA, 4096)``; a slot header takes ``max(LBA, 512)`` bytes.
+number, the key, the value's length and checksum, a generation (a store-wide counter: the newest wins) and a
+checksum over all of it. A value's checksum is xxh3-64, or kvsum64 (:func:`sfstore.checksums.kvsum64`) for a
+value written GPU-direct (computed on the GPU): the header's flags say which (:data:`SUM_KV64`), and in a
+snapshot entry the top bit of the class byte does. ``meta`` is ``max(LBA, 4096)``; a slot header takes
+``max(LBA, 512)`` bytes.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from __future__ import annotations
 import struct
 import uuid as _uuid
 from dataclasses import dataclass
+from typing import Any
 
 from sfstore import errors
-from sfstore.checksums import xxh3_64
+from sfstore.checksums import kvsum64, xxh3_64
 
-__all__ = ["ClassRegion", "Layout", "SlotHeader", "State", "SnapshotEntry", "plan_layout", "round_up"]
+__all__ = ["ClassRegion", "Layout", "SlotHeader", "State", "SnapshotEntry", "plan_layout", "round_up", "sum_of",
+           "SUM_XXH3", "SUM_KV64"]
 
 SUPER_MAGIC = b"SFBLKSB1"
 STATE_MAGIC = b"SFBLKST1"
@@ -40,6 +45,9 @@ _SLOT = struct.Struct("<8s16sQQQQHBB")  # magic, uuid, slot, gen, length, value_
 _SNAP = struct.Struct("<BQQQQH")  # class, slot, gen, length, value_sum, key_len
 _SUM = struct.Struct("<Q")
 SLOT_FIXED = _SLOT.size + _SUM.size
+SUM_XXH3 = 0  # a value's checksum kinds (slot header flags; a snapshot entry's class byte, top bit)
+SUM_KV64 = 1
+_SNAP_KV64 = 0x80
 
 
 def round_up(n: int, align: int) -> int:
@@ -113,6 +121,8 @@ def plan_layout(capacity: int, lba: int, sizes: tuple[int, ...]) -> Layout:
     Raises :class:`~sfstore.errors.InvalidRequestError` when the device is too small for one slot of every
     class.
     """
+    if len(sizes) > 127:  # a snapshot entry keeps the class in 7 bits (the top one says which checksum)
+        raise errors.InvalidRequestError(f"a block store has at most 127 size classes, not {len(sizes)}")
     meta = max(lba, 4096)
     header = max(lba, 512)
     strides = [header + round_up(s, lba) for s in sizes]
@@ -174,11 +184,12 @@ class SlotHeader:
     value_sum: int
     cls: int
     key: bytes
+    sum_kind: int = SUM_XXH3
 
     def pack_into(self, buf: memoryview, uid: bytes) -> None:
         """Write the header at the start of ``buf`` (a ``"B"`` memoryview)."""
         _SLOT.pack_into(buf, 0, SLOT_MAGIC, uid, self.slot, self.gen, self.length, self.value_sum, len(self.key),
-                        self.cls, 0)
+                        self.cls, self.sum_kind)
         end = _SLOT.size + len(self.key)
         buf[_SLOT.size:end] = self.key
         _SUM.pack_into(buf, end, xxh3_64(buf[:end]))
@@ -195,11 +206,13 @@ class SlotHeader:
         by another format)."""
         if buf[:8] != SLOT_MAGIC:
             return None
-        _magic, u, slot, gen, length, vsum, klen, c, _flags = _SLOT.unpack_from(buf)
+        _magic, u, slot, gen, length, vsum, klen, c, flags = _SLOT.unpack_from(buf)
         end = _SLOT.size + klen
         if u != uid or end + _SUM.size > limit or _SUM.unpack_from(buf, end)[0] != xxh3_64(buf[:end]):
             return None
-        return cls(slot, gen, length, vsum, c, bytes(buf[_SLOT.size:end]))
+        if flags not in (SUM_XXH3, SUM_KV64):
+            return None
+        return cls(slot, gen, length, vsum, c, bytes(buf[_SLOT.size:end]), flags)
 
 
 @dataclass(frozen=True)
@@ -212,9 +225,11 @@ class SnapshotEntry:
     length: int
     value_sum: int
     key: bytes
+    sum_kind: int = SUM_XXH3
 
     def encode(self) -> bytes:
-        return _SNAP.pack(self.cls, self.slot, self.gen, self.length, self.value_sum, len(self.key)) + self.key
+        c = self.cls | (_SNAP_KV64 if self.sum_kind == SUM_KV64 else 0)
+        return _SNAP.pack(c, self.slot, self.gen, self.length, self.value_sum, len(self.key)) + self.key
 
     @staticmethod
     def decode_all(data: bytes | memoryview, count: int) -> list[SnapshotEntry]:
@@ -226,10 +241,16 @@ class SnapshotEntry:
             pos += _SNAP.size
             if pos + klen > len(data):
                 raise ValueError("snapshot entry runs past the end")
-            out.append(SnapshotEntry(c, slot, gen, length, vsum, bytes(data[pos:pos + klen])))
+            kind = SUM_KV64 if c & _SNAP_KV64 else SUM_XXH3
+            out.append(SnapshotEntry(c & ~_SNAP_KV64, slot, gen, length, vsum, bytes(data[pos:pos + klen]), kind))
             pos += klen
         return out
 
 
-#: The checksum of a value (xxh3-64).
+#: The checksum of a value written from host memory (xxh3-64).
 value_sum = xxh3_64
+
+
+def sum_of(kind: int, data: Any) -> int:
+    """The checksum of kind ``kind`` (:data:`SUM_XXH3` or :data:`SUM_KV64`) of host bytes ``data``."""
+    return kvsum64(data) if kind == SUM_KV64 else xxh3_64(data)

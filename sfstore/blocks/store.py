@@ -33,18 +33,21 @@ from typing import Any, TypeVar
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
 from sfstore.blocks.layout import (
+    SUM_KV64,
+    SUM_XXH3,
     Layout,
     SlotHeader,
     SnapshotEntry,
     State,
     plan_layout,
     round_up,
+    sum_of,
     value_sum,
 )
 from sfstore.buffers import RegisteredBufferPool, as_buffer
 from sfstore.counters import Counters
 from sfstore.futures import ExecutorFuture
-from sfstore.paths.base import PathFuture
+from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.block import BlockPath
 
 __all__ = ["BlockStore", "Key"]
@@ -99,6 +102,15 @@ class _Entry:
     header: bytes = b""  # the slot header's exact bytes (made on first read): a read compares them whole
     readers: int = 0
     dead: bool = False
+    kind: int = SUM_XXH3  # which checksum vsum is (SUM_KV64: the value was written GPU-direct)
+
+
+@dataclass
+class _DeviceValue:
+    """A GPU value on its way to a slot: the array and its size (what a host value's memoryview gives)."""
+
+    array: Any
+    nbytes: int
 
 
 class _Class:
@@ -355,7 +367,7 @@ class BlockStore:
     def _install(self, entries: Iterable[SnapshotEntry], stale: list[tuple[int, int]]) -> None:
         used: set[tuple[int, int]] = set(stale)
         for e in sorted(entries, key=lambda x: x.gen):
-            entry = _Entry(e.key, e.cls, e.slot, e.gen, e.length, e.value_sum)
+            entry = _Entry(e.key, e.cls, e.slot, e.gen, e.length, e.value_sum, kind=e.sum_kind)
             self._index[e.key] = entry
             self._classes[e.cls].lru[e.key] = entry
             used.add((e.cls, e.slot))
@@ -401,7 +413,8 @@ class BlockStore:
                     torn += 1
                 stale.append((h.cls, h.slot))
             if pick is not None:
-                chosen.append(SnapshotEntry(pick.cls, pick.slot, pick.gen, pick.length, pick.value_sum, pick.key))
+                chosen.append(SnapshotEntry(pick.cls, pick.slot, pick.gen, pick.length, pick.value_sum, pick.key,
+                                            pick.sum_kind))
         self.counters.add(corrupt_dropped=torn)
         self._install(chosen, stale)
 
@@ -412,7 +425,7 @@ class BlockStore:
         try:
             self.path.submit([("read", c.slot_offset(h.slot), n, buf, 0)]).get()
             view = memoryview(buf)
-            ok = value_sum(view[self._hdr:self._hdr + h.length]) == h.value_sum
+            ok = sum_of(h.sum_kind, view[self._hdr:self._hdr + h.length]) == h.value_sum
             del view
             return ok
         finally:
@@ -508,7 +521,14 @@ class BlockStore:
             batch[k] = mv
         if not batch:
             return
-        remaining = list(batch.items())
+        self._put_reserved(list(batch.items()), self._write_slots, SUM_XXH3)
+        if durable:
+            self.flush()
+
+    def _put_reserved(self, remaining: list[tuple[bytes, Any]], write: Callable[[list[list[Any]]], None],
+                      kind: int) -> None:
+        """Reserve slots for the values, ``write`` them (and their headers), publish them with checksums of
+        ``kind``; as many at a time as there are slots free."""
         deadline = time.monotonic() + _WAIT_SECONDS
         while remaining:
             reserved, remaining = self._reserve(remaining)
@@ -523,7 +543,7 @@ class BlockStore:
                     self._slot_freed.wait(0.05)  # short: a release between _reserve and here is not missed long
                 continue
             try:
-                self._write_slots(reserved)
+                write(reserved)
             except BaseException:
                 with self._lock:
                     for _k, _mv, cls, slot, gen, _sum in reserved:
@@ -531,9 +551,115 @@ class BlockStore:
                         self._pending.append((cls, slot))
                     self._slot_freed.notify_all()
                 raise
-            self._publish(reserved)
+            self._publish(reserved, kind)
+
+    def put_many_device(self, items: Sequence[tuple[Key, Any]], device: Any, *, durable: bool = False,
+                        data_class: str = "hot") -> None:
+        """Store GPU values through ``device`` (a :class:`~sfstore.paths.device.DevicePath`): each value's
+        kvsum64 is computed on the GPU and the value moves from GPU memory to its slot on the device path's route
+        for this store's device (GPU-direct where cuFile takes it); its header follows from host memory.
+
+        Values must be multiples of 8 bytes (kvsum64 sums words) and stay unchanged until this returns. Reads
+        verify them on the GPU (:meth:`get_into_device`) or in host memory (every other read).
+        """
+        self._check_open()
+        batch: dict[bytes, Any] = {}
+        for key, value in as_batch(items, "put_many_device: items"):
+            k = self._key(key)
+            n = int(device.runtime.nbytes(value))
+            if n > self.max_value_bytes:
+                raise errors.ValueTooLargeError(
+                    f"value of key {k!r} is {n} bytes; the largest size class holds {self.max_value_bytes}"
+                )
+            batch[k] = _DeviceValue(value, n)
+        if batch:
+            self._put_reserved(list(batch.items()),
+                               lambda reserved: self._write_device_slots(reserved, device, data_class), SUM_KV64)
         if durable:
             self.flush()
+
+    def _write_device_slots(self, reserved: list[list[Any]], device: Any, data_class: str) -> None:
+        hdr, uid = self._hdr, self.layout.uuid
+        fd = self.path.fd
+        for first, last in _waves([item[1].nbytes for item in reserved]):
+            wave = reserved[first:last]
+            for item in wave:
+                item[5] = device.runtime.checksum(item[1].array, 0, item[1].nbytes)
+            values = [Range.write(self._classes[cls].slot_offset(slot) + hdr, dv.nbytes, dv.array, 0, fd)
+                      for _k, dv, cls, slot, _gen, _s in wave]
+            device.submit(values, data_class=data_class).get()  # the values first: a header without one fails it
+            hbuf = self._hdr_pool.acquire()
+            try:
+                reqs = []
+                for j, (k, dv, cls, slot, gen, vsum) in enumerate(wave):
+                    hview = memoryview(hbuf)[j * hdr:(j + 1) * hdr]
+                    SlotHeader(slot, gen, dv.nbytes, vsum, cls, k, SUM_KV64).pack_into(hview, uid)
+                    del hview
+                    reqs.append(("write", self._classes[cls].slot_offset(slot), hdr, hbuf, j * hdr))
+                self.path.submit(reqs, check=False).get()
+            finally:
+                hbuf.release()
+        self.counters.add(puts=len(reserved), bytes_put=sum(item[1].nbytes for item in reserved))
+
+    def get_into_device(self, keys: Sequence[Key], dests: Sequence[Any], device: Any, *,
+                        keep_on_miss: bool = True, data_class: str = "hot") -> list[int | None]:
+        """Read GPU-written values (:meth:`put_many_device`) into GPU buffers through ``device``; each value's
+        length, ``None`` for a miss.
+
+        A value is read on the device path's route and verified on the GPU; with ``keep_on_miss`` it lands in
+        a GPU scratch buffer first and reaches ``dests[i]`` only once verified. A value written from host memory
+        (xxh3-64, which a GPU does not compute) is a ``None`` here: read it with :meth:`get_into` through host
+        memory. A value that fails verification is dropped (``corrupt_dropped``).
+        """
+        self._check_open()
+        ks = [self._key(k) for k in as_batch(keys, "get_into_device: keys")]
+        outs = as_batch(dests, "get_into_device: dests")
+        if len(ks) != len(outs):
+            raise errors.InvalidRequestError(f"get_into_device: {len(ks)} keys but {len(outs)} buffers")
+        entries = self._acquire(ks)
+        result: list[int | None] = [None] * len(ks)
+        hits = nbytes = 0
+        try:
+            live = [i for i, e in enumerate(entries) if e is not None and e.kind == SUM_KV64]
+            for first, last in _waves([entries[i].length for i in live]):  # type: ignore[union-attr]
+                wave = live[first:last]
+                targets = []
+                ranges = []
+                for i in wave:
+                    e = entries[i]
+                    assert e is not None
+                    if int(device.runtime.nbytes(outs[i])) < e.length:
+                        raise errors.BufferTooSmallError(
+                            f"get_into_device: buffer {i} holds {device.runtime.nbytes(outs[i])} bytes, the value "
+                            f"of key {e.key!r} is {e.length}")
+                    t = device.runtime.scratch(outs[i], e.length) if keep_on_miss else outs[i]
+                    targets.append(t)
+                    c = self._classes[e.cls]
+                    ranges.append(Range.read(c.slot_offset(e.slot) + self._hdr, e.length, t, 0, self.path.fd))
+                got = device.submit(ranges, data_class=data_class).results()
+                for i, t, n in zip(wave, targets, got, strict=True):
+                    e = entries[i]
+                    assert e is not None
+                    if n != e.length or device.runtime.checksum(t, 0, e.length) != e.vsum:
+                        self._drop_corrupt(e)
+                        continue
+                    if keep_on_miss:
+                        device.runtime.copy(outs[i], 0, t, 0, e.length)
+                    result[i] = e.length
+                    hits += 1
+                    nbytes += e.length
+        finally:
+            self._unpin(entries)
+        self.counters.add(gets=len(ks), hits=hits, misses=len(ks) - hits, bytes_got=nbytes)
+        return result
+
+    def sum_kind(self, key: Key) -> int | None:
+        """Which checksum ``key``'s value carries (:data:`~sfstore.blocks.layout.SUM_XXH3` for a host put,
+        :data:`~sfstore.blocks.layout.SUM_KV64` for a GPU-direct one), or ``None`` without a value."""
+        k = self._key(key)
+        with self._lock:
+            e = self._index.get(k)
+            return None if e is None else e.kind
 
     def put_many_async(
         self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]], *, durable: bool = False
@@ -678,7 +804,7 @@ class BlockStore:
                     b.release()
         self.counters.add(puts=len(reserved), bytes_put=sum(item[1].nbytes for item in reserved))
 
-    def _publish(self, reserved: list[list[Any]]) -> None:
+    def _publish(self, reserved: list[list[Any]], kind: int = SUM_XXH3) -> None:
         with self._lock:
             for k, mv, cls, slot, gen, vsum in reserved:
                 self._inflight.discard(gen)
@@ -689,7 +815,7 @@ class BlockStore:
                 if old is not None:
                     self._classes[old.cls].lru.pop(k, None)
                     self._retire(old)
-                entry = _Entry(k, cls, slot, gen, mv.nbytes, vsum)
+                entry = _Entry(k, cls, slot, gen, mv.nbytes, vsum, kind=kind)
                 self._index[k] = entry
                 self._classes[cls].lru[k] = entry
             self._slot_freed.notify_all()
@@ -817,7 +943,7 @@ class BlockStore:
                 if got < 0 and got != -errno.EBADMSG:
                     raise fut.error_for(j, -got)
                 if buf is None:
-                    good = got >= 0 if engine_checked else value_sum(dests[i][: e.length]) == e.vsum  # type: ignore[index]
+                    good = got >= 0 if engine_checked else sum_of(e.kind, dests[i][: e.length]) == e.vsum  # type: ignore[index]
                 elif engine_checked:  # the value alone in a staging buffer, checked by the engine: land it
                     good = got >= 0
                     if good:
@@ -826,7 +952,7 @@ class BlockStore:
                     view = memoryview(buf)
                     want = e.header or self._header_bytes(e)
                     value = view[hdr:hdr + e.length]
-                    good = got >= 0 and view[: len(want)] == want and value_sum(value) == e.vsum
+                    good = got >= 0 and view[: len(want)] == want and sum_of(e.kind, value) == e.vsum
                     if good:
                         if dests is None:
                             out[i] = bytes(value)
@@ -875,14 +1001,14 @@ class BlockStore:
                             # content fails it), so the header needs no read: it is what a recovery scan reads.
                             # The engine checks it where the read completes when the read is exactly the value;
                             # a value that fails leaves the caller's buffer overwritten.
-                            engine_checked = n == e.length
+                            engine_checked = n == e.length and e.kind == SUM_XXH3  # the engine checks xxh3
                             items.append((i, None, engine_checked))
                             reqs.append(("read", off + hdr, n, dests[i], 0))
                             sums.append(e.vsum if engine_checked else None)
                             continue
                         buf = c.pool.acquire()
                         held.append(buf)
-                        if dests is not None and n == e.length and n >= _ZERO_COPY_MIN:
+                        if dests is not None and n == e.length and n >= _ZERO_COPY_MIN and e.kind == SUM_XXH3:
                             # Staged only to land verified (keep_on_miss): the value alone, checked by the
                             # engine where it completes, as a direct read is; the caller's thread only copies.
                             items.append((i, buf, True))
@@ -914,7 +1040,7 @@ class BlockStore:
         return out
 
     def _header_bytes(self, e: _Entry) -> bytes:
-        e.header = SlotHeader(e.slot, e.gen, e.length, e.vsum, e.cls, e.key).encode(self.layout.uuid)
+        e.header = SlotHeader(e.slot, e.gen, e.length, e.vsum, e.cls, e.key, e.kind).encode(self.layout.uuid)
         return e.header
 
     def _drop_corrupt(self, e: _Entry) -> None:
@@ -948,11 +1074,12 @@ class BlockStore:
         return True
 
     def checksum(self, key: Key) -> int | None:
-        """The xxh3-64 of ``key``'s value as the index has it (no I/O; every read verifies it), or ``None``."""
+        """The xxh3-64 of ``key``'s value as the index has it (no I/O; every read verifies it), or ``None`` (no
+        value, or one written GPU-direct: its checksum is a kvsum64, see :meth:`sum_kind`)."""
         k = self._key(key)
         with self._lock:
             e = self._index.get(k)
-            return None if e is None else e.vsum
+            return None if e is None or e.kind != SUM_XXH3 else e.vsum
 
     def locate(self, key: Key) -> tuple[int, int] | None:
         """Where ``key``'s slot is on the device: ``(offset, bytes)`` of its header and value (for tools)."""
@@ -1054,7 +1181,8 @@ class BlockStore:
     def _write_snapshot(self) -> None:
         lay = self.layout
         with self._lock:
-            entries = [SnapshotEntry(e.cls, e.slot, e.gen, e.length, e.vsum, e.key) for e in self._index.values()]
+            entries = [SnapshotEntry(e.cls, e.slot, e.gen, e.length, e.vsum, e.key, e.kind)
+                       for e in self._index.values()]
         data = b"".join(e.encode() for e in entries)
         if len(data) > lay.snapshot_bytes:
             self._write_state(clean=False)  # too many long keys for the snapshot area: the next open scans

@@ -20,6 +20,7 @@ from typing import Any
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
 from sfstore.blocks import BlockStore
+from sfstore.blocks.layout import SUM_KV64
 from sfstore.buffers import RegisteredBufferPool, as_buffer, is_device_buffer
 from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
@@ -800,6 +801,16 @@ class KVCacheStore:
         corrupt = unreadable = 0
         if self.block is not None:
             present = [i for i, k in enumerate(ks) if self.block.contains(k)]
+            gpu_written = [i for i in present if self.block.sum_kind(ks[i]) == SUM_KV64]
+            if gpu_written:  # written GPU-direct: read the same way, verified on the GPU
+                got_d = self.block.get_into_device([ks[i] for i in gpu_written], [dests[i] for i in gpu_written], dp,
+                                                   keep_on_miss=keep, data_class="kvcache.block")
+                for i, length in zip(gpu_written, got_d, strict=True):
+                    if length == n:
+                        tiers[i] = "block"
+                    else:
+                        corrupt += self.block.sum_kind(ks[i]) is None  # dropped as it failed verification
+                present = [i for i in present if i not in set(gpu_written)]
             for wave in self._staged_waves(len(present)):
                 idx = [present[j] for j in wave]
                 with self._staging(len(idx)) as views:
@@ -837,9 +848,18 @@ class KVCacheStore:
         except errors.SfstoreError:
             self.counters.add(lower_tier_errors=1)
 
+    def _block_gpu_direct(self, dp: Any) -> bool:
+        """Whether GPU blocks go to the block store's slots GPU-direct: cuFile takes its target (an image file
+        on ext4/XFS on NVMe); never a raw namespace."""
+        assert self.block is not None
+        return bool(dp.route_for(self.block.path.fd, self.block.path.device)[0] == "gds")
+
     def _put_device_block_only(self, ks: list[bytes], blocks: list[Any], dp: Any) -> None:
         n = self.geometry.block_bytes
         assert self.block is not None
+        if self._block_gpu_direct(dp):
+            self.block.put_many_device(list(zip(ks, blocks, strict=True)), dp, data_class="kvcache.block")
+            return
         for wave in self._staged_waves(len(ks)):
             with self._staging(len(wave)) as views:
                 for i, v in zip(wave, views, strict=True):
@@ -870,10 +890,12 @@ class KVCacheStore:
             gpu["shared"] = {"route": route, "why": why}
         if self.block is not None:
             route, why = dp.route_for(self.block.path.fd, self.block.path.device)
-            gpu["block"] = {"route": "staged", "why": (
-                "the block store's slots carry xxh3-64 checksums of host bytes, so GPU blocks are staged through "
-                f"host memory; cuFile on its target: {why}"
-                + ("" if route == "gds" else " (so it would stage anyway)"))}
+            if route == "gds":
+                gpu["block"] = {"route": "gds", "why": f"{why}: slots written and read GPU-direct (kvsum64 on the GPU)"}
+            else:
+                gpu["block"] = {"route": "staged", "why": (
+                    f"cuFile does not take the block store's target ({why}): GPU blocks are staged through "
+                    "sfstore's registered host buffers (xxh3-64 checksums, O_DIRECT)")}
         out["gpu_blocks"] = gpu
         out["device"] = dp.describe()
         return out

@@ -295,18 +295,25 @@ class BlockPath(StoragePath):
         buffer, buffer_offset)`` tuples; ``file`` is unused: the target is this path's device) as one batch.
 
         Ranges longer than :attr:`chunk_size` are split into LBA-aligned requests. ``check=False`` skips the
-        alignment and range checks (for callers that computed the ranges from this path's geometry).
+        alignment and range checks and the splitting (for callers that computed the ranges from this path's
+        geometry; one request per range).
         ``checksums``: per read, the xxh3-64 its bytes must have (or ``None``), checked where the read completes;
         a mismatch ends that range with ``-EBADMSG``. Host memory only. See :meth:`StoragePath.submit`.
         """
+        fd = self.fd
+        if not check:
+            # Ranges this path's own callers computed from its geometry (the block store's): the engine still
+            # validates every request; only the path's checks are skipped.
+            reqs = [Request(r[0], fd, r[1], r[2], r[3], r[4]) for r in ranges]
+            fut = self.engine.submit(reqs, checksums=checksums)
+            return PathFuture(self, [(fut, list(range(len(reqs))), "host")], [r[0] for r in ranges],
+                              data_class=data_class)
         batch = [check_range(r, i) for i, r in enumerate(as_batch(ranges, "ranges"))]
         if checksums is not None and len(as_batch(checksums, "checksums")) != len(batch):
             raise errors.InvalidRequestError(f"checksums: {len(list(checksums))} given for {len(batch)} ranges")
-        if check:
-            for r in batch:
-                self.check(r.offset, r.length)
+        for r in batch:
+            self.check(r.offset, r.length)
         self.refuse_device_buffers(batch)
-        fd = self.fd
         pieces, owner, sums = split_ranges(batch, self.chunk_size, checksums)
         reqs = [Request(p.op, fd, p.offset, p.length, p.buffer, p.buffer_offset) for p in pieces]
         fut = self.engine.submit(reqs, checksums=sums)

@@ -124,6 +124,20 @@ def choose_route(mode: str, mode_why: str, target: TargetFacts) -> tuple[str, st
     return "compat", mode_why
 
 
+def _route_key(st: os.stat_result) -> tuple[int, int]:
+    """What a route depends on: the filesystem of a regular file (its device), or the block device itself."""
+    return (-1, st.st_rdev) if stat.S_ISBLK(st.st_mode) else (st.st_dev, 0)
+
+
+def _close_handles(opened: list[tuple[int, DeviceFile]]) -> None:
+    for mine, handle in opened:
+        try:
+            handle.close()
+        finally:
+            os.close(mine)
+    opened.clear()
+
+
 class _StagedLeg:
     """GPU ranges through pinned staging buffers and the engine, run on the device path's staging thread."""
 
@@ -275,8 +289,7 @@ class DevicePath(StoragePath):
 
     def route_for(self, fd: int, name: str = "") -> tuple[str, str]:
         """``(route, why)`` of GPU ranges to the open file ``fd`` (decided once per file, then remembered)."""
-        st = os.fstat(fd)
-        key = (st.st_dev, st.st_ino) if not stat.S_ISBLK(st.st_mode) else (-1, st.st_rdev)
+        key = _route_key(os.fstat(fd))
         with self._lock:
             got = self._routes.get(key)
         if got is not None:
@@ -347,21 +360,28 @@ class DevicePath(StoragePath):
             reqs = [Request(p.op, fds[host[owner[j]]], p.offset, p.length, p.buffer, p.buffer_offset)
                     for j, p in enumerate(pieces)]
             legs.append((self.engine.submit(reqs, checksums=piece_sums), [host[o] for o in owner], "host"))
+        opened: list[tuple[int, DeviceFile]] = []  # handles made for this batch only, closed once it finished
         for route in ("gds", "compat"):
             if by_route[route]:
-                legs.extend(self._kvikio_legs([(i, batch[i], fds[i]) for i in by_route[route]], route))
+                try:
+                    legs.extend(self._kvikio_legs([(i, batch[i], fds[i]) for i in by_route[route]], route, opened))
+                except BaseException:
+                    _close_handles(opened)
+                    raise
         if by_route["staged"]:
             idx = by_route["staged"]
             legs.append((_StagedLeg(self, [batch[i] for i in idx], [fds[i] for i in idx]), idx, "staged"))
-        return PathFuture(self, legs, [r.op for r in batch], data_class=data_class)
+        release = (lambda: _close_handles(opened)) if opened else None
+        return PathFuture(self, legs, [r.op for r in batch], data_class=data_class, release=release)
 
-    def _kvikio_legs(self, items: list[tuple[int, Range, int]], route: str) -> list[tuple[Any, list[int], str]]:
+    def _kvikio_legs(self, items: list[tuple[int, Range, int]], route: str,
+                     opened: list[tuple[int, DeviceFile]]) -> list[tuple[Any, list[int], str]]:
         """kvikio transfers of ``items``: GPU-direct on the ``gds`` route unless kvikio chose compat mode for
         the file; through kvikio's host buffers (counted staged) otherwise."""
         direct: tuple[list[Any], list[tuple[str, int, int, int]], list[str], list[int]] = ([], [], [], [])
         staged: tuple[list[Any], list[tuple[str, int, int, int]], list[str], list[int]] = ([], [], [], [])
         for i, r, fd in items:
-            handle = self._device_file(fd)
+            handle = self._device_file(fd, opened)
             side = staged if handle.compat or route != "gds" else direct
             start = handle.pwrite if r.op == "write" else handle.pread
             side[0].append(start(r.buffer, r.length, r.offset, r.buffer_offset) if r.length else None)
@@ -375,16 +395,25 @@ class DevicePath(StoragePath):
                 legs.append((KvikioLeg(futures, described, names), owner, kind))
         return legs
 
-    def _device_file(self, fd: int) -> DeviceFile:
+    def _device_file(self, fd: int, opened: list[tuple[int, DeviceFile]]) -> DeviceFile:
+        """The kvikio handle of ``fd``: kept for block devices and this path's slab files (used again and again,
+        registered once); for other files (a KV shared-tier block, read or written once) made for this batch and
+        added to ``opened``, closed when the batch has finished."""
         st = os.fstat(fd)
+        keep = stat.S_ISBLK(st.st_mode) or fd in self._fds.values()
         key = (st.st_dev, st.st_ino) if not stat.S_ISBLK(st.st_mode) else (-1, st.st_rdev)
-        with self._lock:
-            got = self._files.get(key)
-            if got is not None:
-                return got[1]
-        # Our own duplicate of the descriptor keeps /proc/self/fd/N naming this inode for as long as the handle
-        # lives, whatever the caller closes.
-        mine = os.dup(fd)
+        if keep:
+            with self._lock:
+                got = self._files.get(key)
+                if got is not None:
+                    return got[1]
+        # Our own open file description of the inode (through /proc/self/fd/N: a new description, so it shares
+        # no file lock with the caller's, e.g. the block store's) keeps the name valid for the handle's life,
+        # whatever the caller closes.
+        try:
+            mine = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise errors.os_error(exc.errno or errno.EIO, f"cannot reopen fd {fd} for kvikio", None) from None
         try:
             handle = self.runtime.open(mine, f"fd {fd}")
         except BaseException:
@@ -392,8 +421,12 @@ class DevicePath(StoragePath):
             raise
         if handle.compat and self.mode == "gds":
             with self._lock:
-                self._routes[key] = ("compat", "kvikio chose its compat mode for this file (cuFile refused it)",
-                                     self._routes.get(key, ("", "", f"fd {fd}"))[2])
+                rkey = _route_key(st)
+                self._routes[rkey] = ("compat", "kvikio chose its compat mode for this file (cuFile refused it)",
+                                      self._routes.get(rkey, ("", "", f"fd {fd}"))[2])
+        if not keep:
+            opened.append((mine, handle))
+            return handle
         with self._lock:
             if key in self._files:  # another thread opened it meanwhile
                 handle.close()

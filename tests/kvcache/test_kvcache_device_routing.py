@@ -110,15 +110,14 @@ def test_emulated_gpu_without_kvikio_is_staged_and_says_why(tmp_path: Path) -> N
 def test_emulated_gpu_block_store_target_cufile_refuses_is_staged(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # A raw NVMe-oF namespace is what a cluster's block store sits on: cuFile refuses every block device.
+    # Routes are decided per filesystem (or per block device): every target here is made to look like one.
     refused = TargetFacts("block", "/dev/nvme1n1", source="/dev/nvme1n1")
-    real_of_fd = TargetFacts.of_fd
-    monkeypatch.setattr(TargetFacts, "of_fd", classmethod(
-        lambda cls, fd, name: refused if name.endswith("hot.img") else real_of_fd(fd, name)))
+    monkeypatch.setattr(TargetFacts, "of_fd", classmethod(lambda cls, fd, name: refused))
     rt = EmulatedDeviceRuntime("gds")
     kv = _store(tmp_path, rt, block=True)
     try:
         d = kv.describe()["gpu_blocks"]["block"]
-        assert d["route"] == "staged" and "block device" in d["why"] and "stage anyway" in d["why"]
+        assert d["route"] == "staged" and "block device" in d["why"] and "registered host buffers" in d["why"]
         src = _blocks(3, seed=7)
         keys = kv.keys_for(list(range(3 * GEOM.block_tokens)))
         kv.put(keys, src)
@@ -196,5 +195,29 @@ def test_emulated_gpu_put_async_leaves_once_the_bytes_are_on_their_way(tmp_path:
         dst = [gpu_array(N) for _ in src]
         assert kv.get_into(keys, dst) == ["block"] * 4
         assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+    finally:
+        kv.close()
+
+
+def test_emulated_gpu_block_store_on_a_target_cufile_takes_goes_gpu_direct(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Stands in for the block store's image file on ext4 over NVMe (no such filesystem here).
+    monkeypatch.setattr(device_mod, "cufile_accepts", lambda t: (True, "ext4 on /dev/nvme0n1 (test stand-in)"))
+    rt = EmulatedDeviceRuntime("gds")
+    kv = _store(tmp_path, rt, block=True)
+    try:
+        assert kv.describe()["gpu_blocks"]["block"]["route"] == "gds"
+        src = _blocks(3, seed=17)
+        keys = kv.keys_for(list(range(3 * GEOM.block_tokens)))
+        kv.put(keys, src)
+        assert all(kv.block.sum_kind(k) == 1 for k in keys)  # type: ignore[union-attr]  # kvsum64: GPU-written
+        dst = [gpu_array(N) for _ in src]
+        assert kv.get_into(keys, dst) == ["block"] * 3
+        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+        assert kv.stats()["device"]["block"] == {"bytes_gpu_direct": 2 * 3 * N, "bytes_staged": 0}
+        assert rt.copies_to_host == rt.copies_from_host == 0
+        host = np.zeros(N, np.uint8)  # a host reader of a GPU-written slot verifies its kvsum64 in host memory
+        assert kv.get_into(keys[:1], [host]) == ["block"] and np.array_equal(host, src[0])
     finally:
         kv.close()
