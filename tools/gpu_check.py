@@ -1,6 +1,6 @@
 """GPU checks and device-path timings for a machine with a CUDA GPU (the device tool's H200), run once per task.
 
-    python tools/gpu_check.py [--blocks 512] [--block-mib 2] [--budget 270] [--dir DIR] [--json OUT]
+    python tools/gpu_check.py [--blocks 512] [--block-mib 2] [--budget 270] [--dir DIR] [--json OUT] [--skip-bench]
 
 Checks what CPU-only CI cannot, each printing PASS/FAIL/SKIP with the reason; a failing check never stops the
 others, and the exit status is 1 when any check failed (0 when all passed or were skipped: on a machine without
@@ -16,6 +16,10 @@ Routes: ``--blocks`` blocks of ``--block-mib`` MiB (default 512 x 2 MiB = 1 GiB 
 then fsynced) and got back (read into preallocated GPU arrays) through every route available here, checked
 bit-exact, and timed; between put and get the file is dropped from the page cache (posix_fadvise DONTNEED after
 fsync) so the get reads storage, not memory. Slab and baseline files are preallocated before the clock starts.
+  fio_odirect              fio's sequential O_DIRECT write (end_fsync=1), then read, of the same bytes (``--blocks``
+                           blocks of bs = the block size, io_uring, else libaio, iodepth 32) in the same scratch
+                           directory: the storage's limit, which every row is compared with (put/fio, get/fio);
+                           SKIP without fio (apt-get install fio), or (cuda) without a GPU for the routes;
   <lib>_baseline           t.cpu() (cupy: .get()) + os.pwrite per block + fsync; np.fromfile + .cuda() (cupy:
                            .set()) per block: what code without sfstore does, the reference for every ratio;
   <lib>_devicepath_gds     DevicePath(mode="gds"): kvikio/cuFile GPU-direct (the arrays registered with cuFile);
@@ -26,21 +30,42 @@ fsync) so the get reads storage, not memory. Slab and baseline files are preallo
                            tier (from the block tier: storage), get again (from the pinned tier);
   kvcache_torch_device     KVCacheStore with the pinned tier off: CUDA blocks to the shared tier's files and back
                            through the device path (route gds, compat or staged, as describe() reports), the
-                           counters checked to add up (bytes_gpu_direct + bytes_staged);
+                           counters checked to add up (bytes_gpu_direct + bytes_staged): the "pinned off" row;
+  kvcache_torch_device_pinned  the same with the pinned tier on (room for every block) above the shared tier:
+                           put (copied into pinned slots, written through, waited for), get after evicting the
+                           pinned tier (from the shared tier): the "pinned on" row; describe()'s routes reported;
+  per_layer_overlap        32-layer blocks (bytes as --block-mib) in the pinned tier; (a) every layer loaded alone
+                           (prefetch, get_layer_into per layer on a load stream), (b) a stand-in compute alone (a
+                           spin kernel per layer, calibrated to a layer's load time, on a compute stream), (c) both
+                           as an engine interleaves them (layer i + 1 loads while layer i computes, the compute
+                           stream waiting on layer i's event): exposed load = t(c) - t(b), hidden = 1 - exposed /
+                           t(a), the goal hidden >= 70% (on CUDA only; --device cpu runs it without streams,
+                           time.sleep standing in for the compute, and reports the numbers without a goal);
 with <lib> torch (CUDA tensors) and cupy (arrays). Each route reports put and get GiB/s, the ratio to its
-library's baseline and whether the bytes came back bit-exact; a table is printed and ``--json`` writes it all.
+library's baseline and to fio, and whether the bytes came back bit-exact; a table is printed and ``--json``
+writes it all.
+
+Benches (subprocesses, run from the checkout's root on ``--blocks x --block-mib`` bytes, stopped at the budget;
+``--skip-bench`` SKIPs them): their goal lines and ratios (a missed goal is reported, not a FAIL)
+  bench_checkpoint_save_async  python -m tools.bench checkpoint --cases 'save_async*';
+  bench_kvcache_nixl       python -m tools.bench kvcache --cases '*nixl*', with .venv-kvbench's python where there
+                           is one (NIXL lives there); SKIP with the bench's reason where NIXL cannot run.
 
 Time: a global budget (``--budget``, default 270 s) is checked before each route; the routes left when it runs out
 are SKIPped, saying so. A watchdog stops the script ``--grace`` seconds after the budget (a hung transfer is a
-FAIL, the JSON is still written), so it fits a 5-minute slot on the device machine.
+FAIL, the JSON is still written), so it fits a 5-minute slot on the device machine. The bench subprocesses get what
+is left of the budget (less 2 s) as their timeout; past it they are killed, a FAIL.
 
 ``--device cpu`` runs the same routes with CPU torch tensors (no GPU needed): it exercises this script (routes,
 timing, verification, table, JSON) where no GPU is; its numbers say nothing about GPUs.
 
 JSON (``--json OUT``): ``checks`` (every check in order: ``check``, ``status``, ``detail``, ``seconds``, ``metrics``
 where measured, ``trace`` on a failure), ``table`` (one row per measured route: ``put_gib_s``, ``get_gib_s``,
-``put_vs_baseline``, ``get_vs_baseline``, ``bit_exact``, ``cold_get``, seconds and bytes), ``summary`` (counts),
+``put_vs_baseline``, ``get_vs_baseline``, ``put_vs_fio``, ``get_vs_fio`` (None where fio did not run),
+``bit_exact`` (None: not verified, fio's row), ``cold_get``, seconds and bytes), ``summary`` (counts),
 ``environment`` (torch/cupy/kvikio versions, GPU, device_mode(), engine, scratch filesystem), ``stopped``.
+per_layer_overlap's ``metrics`` hold ``t_load_s``, ``t_compute_s``, ``t_interleaved_s``, ``exposed_load_s``,
+``hidden_fraction`` and ``goal_met``; the benches' ``goals``, ``acceptance`` and ``cases`` (ratios).
 
 Needs sfstore importable (installed, or this checkout: the script then adds it to ``sys.path``) with its native
 helper built (``tools/dev.sh setup``; else the registered-buffer checks SKIP saying so), torch with CUDA, and for
@@ -55,10 +80,14 @@ import ctypes
 import importlib
 import importlib.util
 import json
+import math
 import os
 import platform
+import shlex
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -79,6 +108,10 @@ PIP = {
     "numpy": "pip install numpy",
 }
 SLAB = "blocks.slab"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIO_QD = 32  # fio's queue depth: the depth at which a disk's sequential O_DIRECT limit is reached
+OVERLAP_LAYERS = 32
+HIDDEN_GOAL = 0.70  # issue #15: an engine's per-layer loads hide >= 70% of their time behind its compute
 
 Result = dict[str, Any]
 
@@ -437,9 +470,10 @@ class Run:
             raise Skip(f"not run: the time budget ({self.budget:.0f} s) is spent ({max(left, 0):.0f} s left{took}); "
                        "raise --budget or lower --blocks")
 
-    def row(self, lib: str, route: str, put_s: float | None, get_s: float | None, exact: bool,
+    def row(self, lib: str, route: str, put_s: float | None, get_s: float | None, exact: bool | None,
             cold: bool | None, nbytes: int | None = None) -> dict[str, Any]:
-        """One table row; ratios against ``lib``'s baseline (none for ``nbytes`` other than the route size)."""
+        """One table row; ratios against ``lib``'s baseline (none for ``nbytes`` other than the route size), and
+        against fio's (filled in by :meth:`Report.finish`, once every row is in). ``exact`` None: not verified."""
         n = self.total if nbytes is None else nbytes
         put = round(_gib_s(n, put_s), 3) if put_s is not None else None
         get = round(_gib_s(n, get_s), 3) if get_s is not None else None
@@ -448,7 +482,7 @@ class Run:
             "route": route, "lib": lib, "bytes": n, "put_s": put_s, "get_s": get_s, "put_gib_s": put, "get_gib_s": get,
             "put_vs_baseline": _ratio(put, base[0] if base else None),
             "get_vs_baseline": _ratio(get, base[1] if base else None),
-            "bit_exact": exact, "cold_get": cold,
+            "put_vs_fio": None, "get_vs_fio": None, "bit_exact": exact, "cold_get": cold,
         }
 
 
@@ -461,7 +495,7 @@ def _describe_rows(rows: list[dict[str, Any]]) -> str:
             if v is not None:
                 x = r[f"{op}_vs_baseline"]
                 bits.append(f"{op} {v:.2f} GiB/s" + (f" (x{x:.2f})" if x is not None else ""))
-        parts.append(f"{r['route']}: " + ", ".join(bits) + ("" if r["bit_exact"] else ", NOT bit-exact"))
+        parts.append(f"{r['route']}: " + ", ".join(bits) + (", NOT bit-exact" if r["bit_exact"] is False else ""))
     return "; ".join(parts)
 
 
@@ -712,17 +746,26 @@ def _route_devicepath(run: Run, libname: str, mode: str) -> Outcome:
                    metrics=metrics, rows=[row])
 
 
-def _route_kvcache(run: Run) -> Outcome:
-    lib = run.torch_lib()
-    from sfstore.blocks import BlockStore
-    from sfstore.kvcache import KVCacheStore, KVGeometry
+def _kv_geometry(B: int) -> Any:
+    """The KV geometry of the kv routes: bfloat16 blocks of ``B`` bytes, 16 tokens x 8 heads x 128 dims per layer
+    (as many 64 KiB layers as fit: 32 at 2 MiB), or Skip when ``B`` is not a whole number of layers."""
+    from sfstore.kvcache import KVGeometry
 
-    torch = lib.torch
-    B, N = run.block_bytes, run.nblocks
     if B % KV_LAYER_BYTES:
         raise Skip(f"a KV block is a whole number of {KV_LAYER_BYTES // 1024} KiB layers; --block-mib gives {B} bytes")
     geom = KVGeometry(num_layers=B // KV_LAYER_BYTES, block_tokens=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
     assert geom.block_bytes == B
+    return geom
+
+
+def _route_kvcache(run: Run) -> Outcome:
+    lib = run.torch_lib()
+    from sfstore.blocks import BlockStore
+    from sfstore.kvcache import KVCacheStore
+
+    torch = lib.torch
+    B, N = run.block_bytes, run.nblocks
+    geom = _kv_geometry(B)
     src = run.src(lib)
     dst = lib.alloc(run.total)
     srcb = list(src.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
@@ -797,14 +840,12 @@ def _route_kvcache_device(run: Run) -> Outcome:
     if run.device != "cuda":
         raise Skip("the device path carries GPU blocks; --device cpu has none (its host path is kvcache_torch's)")
     lib = run.torch_lib()
-    from sfstore.kvcache import KVCacheStore, KVGeometry
+    from sfstore.kvcache import KVCacheStore
     from sfstore.paths.device import DevicePath
 
     torch = lib.torch
     B, N = run.block_bytes, run.nblocks
-    if B % KV_LAYER_BYTES:
-        raise Skip(f"a KV block is a whole number of {KV_LAYER_BYTES // 1024} KiB layers; --block-mib gives {B} bytes")
-    geom = KVGeometry(num_layers=B // KV_LAYER_BYTES, block_tokens=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    geom = _kv_geometry(B)
     src = run.src(lib)
     dst = lib.alloc(run.total)
     srcb = list(src.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
@@ -856,22 +897,464 @@ def _route_kvcache_device(run: Run) -> Outcome:
     return Outcome(detail, ok=not problems and exact, metrics=metrics, rows=[row])
 
 
+def _route_kvcache_device_pinned(run: Run) -> Outcome:
+    """KVCacheStore with the pinned tier on above the shared tier: blocks copied into pinned slots and written
+    through to the shared tier's files; the get, after the pinned tier is evicted, reads them back from there (the
+    "pinned on" row next to kvcache_torch_device's "pinned off")."""
+    lib = run.torch_lib()
+    from sfstore.kvcache import KVCacheStore
+    from sfstore.paths.device import DevicePath
+
+    torch = lib.torch
+    cuda = run.device == "cuda"
+    B, N = run.block_bytes, run.nblocks
+    geom = _kv_geometry(B)
+    src = run.src(lib)
+    dst = lib.alloc(run.total)
+    srcb = list(src.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
+    dstb = list(dst.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
+    root = run.workdir("kvcache_device_pinned")
+    shared = os.path.join(root, "shared")
+    dp = DevicePath() if cuda else None  # given, as an engine would: describe() then says what it would route
+    kv = KVCacheStore(geom, model_id="gpu-check", pinned_bytes=(N + 8) * (B + 8192), shared_dir=shared,
+                      fsync_shared=True, device=dp)
+    problems: list[str] = []
+    try:
+        keys = kv.keys_for(list(range(N * geom.block_tokens)))
+        # warm-up: the pinned pool's slots are allocated and registered once, as in a serving engine
+        warm = kv.keys_for(list(range(N * geom.block_tokens)), extra=("warm-up",))
+        kv.put(warm, srcb)
+        kv.wait_for_puts()
+        kv.evict(warm, tiers=("pinned", "shared"))
+        before = kv.stats()
+        lib.sync()
+        t0 = time.perf_counter()
+        kv.put(keys, srcb)
+        kv.wait_for_puts()
+        put_s = time.perf_counter() - t0
+        evicted = kv.evict(keys, tiers=("pinned",))
+        if evicted != N:
+            problems.append(f"evicted {evicted} of {N} blocks from the pinned tier")
+        cold = _drop_tree(shared)
+        t0 = time.perf_counter()
+        tiers = kv.get_into(keys, dstb)
+        lib.sync()
+        get_s = time.perf_counter() - t0
+        if set(tiers) != {"shared"}:
+            problems.append(f"get after eviction came from tiers {sorted(map(str, set(tiers)))}, not the shared tier")
+        exact, why = _exactness(run, lib, src, dst)
+        if why:
+            problems.append(why)
+        desc = kv.describe()
+        stats = kv.stats()
+    finally:
+        try:
+            kv.close()
+        finally:
+            if dp is not None:
+                dp.close()
+            shutil.rmtree(root, ignore_errors=True)
+            del dst, srcb, dstb
+            lib.release()
+    staged = stats["bytes_device_staged"] - before["bytes_device_staged"]
+    if staged != (2 * N * B if cuda else 0):  # each block copied into its slot on the put, out of it on the get
+        problems.append(f"bytes_device_staged grew by {staged}, not {2 * N * B if cuda else 0}")
+    if stats["lower_tier_errors"]:
+        problems.append(f"{stats['lower_tier_errors']} lower-tier error(s)")
+    gpu = desc["gpu_blocks"]
+    routes = ", ".join(f"{t}: {r.get('route')}" for t, r in gpu.items())
+    row = run.row("torch", "KVCacheStore pinned on, shared tier", put_s, get_s, exact, cold)
+    metrics = {"table": [row], "gpu_blocks": gpu, "device_counters": stats.get("device"),
+               "bytes_device_staged": staged, "hits_shared": stats["hits_shared"] - before["hits_shared"],
+               "device": (desc.get("device") or {}).get("mode"),
+               "blocks": "cuda" if cuda else "cpu (--device cpu: host blocks, nothing staged)"}
+    detail = _describe_rows([row]) + f" [GPU blocks: {routes}; staged {staged / MiB:.0f} MiB]" + \
+        (f"; {'; '.join(problems)}" if problems else "")
+    return Outcome(detail, ok=not problems and exact, metrics=metrics, rows=[row])
+
+
+def _overlap_geometry(B: int) -> Any:
+    """A 32-layer KV geometry of blocks of ``B`` bytes: 16 tokens, bfloat16, heads x head_dim = ``B / 2048``
+    (head_dim 128 where that divides it: 8 heads at 2 MiB)."""
+    from sfstore.kvcache import KVGeometry
+
+    per_layer_token = OVERLAP_LAYERS * 2 * 16 * 2  # layers x (K, V) x tokens x bf16 bytes
+    if B % per_layer_token:
+        raise Skip(f"a {OVERLAP_LAYERS}-layer block of 16 tokens is a multiple of {per_layer_token} bytes; "
+                   f"--block-mib gives {B}")
+    per = B // per_layer_token
+    dim = math.gcd(per, 128)
+    geom = KVGeometry(num_layers=OVERLAP_LAYERS, block_tokens=16, num_kv_heads=per // dim, head_dim=dim,
+                      dtype="bfloat16")
+    assert geom.block_bytes == B
+    return geom
+
+
+def _stand_in_compute(torch: Any, stream: Any, seconds: float) -> tuple[Callable[[], None], str]:
+    """A callable that keeps the compute stream busy for about ``seconds`` (one layer's compute), and what it is.
+
+    On CUDA a spin kernel (``torch.cuda._sleep``) calibrated against CUDA events, or where this torch lacks it
+    repeated matmuls; without a stream (``--device cpu``) ``time.sleep``: nothing runs beside it there.
+    """
+    if stream is None:
+        return partial(time.sleep, seconds), f"time.sleep({seconds * 1e3:.2f} ms) per layer (no streams)"
+    sleep = getattr(torch.cuda, "_sleep", None)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        if sleep is not None:
+            probe = 20_000_000
+            sleep(1000)  # the kernel's first launch loads it: outside the calibration
+            start.record()
+            sleep(probe)
+            end.record()
+            end.synchronize()
+            per_s = probe / (start.elapsed_time(end) / 1e3)
+            cycles = max(1, int(seconds * per_s))
+            return partial(_on_stream, torch, stream, partial(sleep, cycles)), \
+                f"torch.cuda._sleep({cycles}) per layer ({per_s / 1e9:.2f} G cycles/s)"
+        a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+        torch.matmul(a, a)
+        start.record()
+        for _ in range(10):
+            torch.matmul(a, a)
+        end.record()
+        end.synchronize()
+        one = start.elapsed_time(end) / 1e3 / 10
+    reps = max(1, round(seconds / one))
+
+    def matmuls() -> None:
+        for _ in range(reps):
+            torch.matmul(a, a)
+
+    return partial(_on_stream, torch, stream, matmuls), f"{reps} bf16 2048x2048 matmuls per layer"
+
+
+def _on_stream(torch: Any, stream: Any, fn: Callable[[], None]) -> None:
+    """``fn()`` with ``stream`` current: its kernels are queued there."""
+    with torch.cuda.stream(stream):
+        fn()
+
+
+def _check_per_layer_overlap(run: Run) -> Outcome:
+    """An engine's per-layer loads behind its compute: 32-layer blocks in the pinned tier, each layer loaded with
+    get_layer_into on a load stream while the layer before it computes; how much of the load time stays hidden."""
+    lib = run.torch_lib()
+    torch = lib.torch
+    from sfstore.kvcache import KVCacheStore
+
+    cuda = run.device == "cuda"
+    B, N = run.block_bytes, run.nblocks
+    geom = _overlap_geometry(B)
+    L = geom.num_layers
+    src = run.src(lib)
+    dst = lib.alloc(run.total)
+    srcb = list(src.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
+    per_block = dst.view(torch.bfloat16).view(N, *geom.block_shape)
+    layer_dst = [[per_block[n, layer] for n in range(N)] for layer in range(L)]
+    kv = KVCacheStore(geom, model_id="gpu-check-overlap", pinned_bytes=(N + 8) * (B + 8192))
+    load_stream = torch.cuda.Stream() if cuda else None
+    compute_stream = torch.cuda.Stream() if cuda else None
+    problems: list[str] = []
+    misses = 0
+
+    def load(layer: int) -> Any:
+        """Layer ``layer`` of every block into its destination, issued on the load stream; its event (CUDA)."""
+        nonlocal misses
+        ctx = torch.cuda.stream(load_stream) if load_stream is not None else contextlib.nullcontext()
+        with ctx:
+            tiers = kv.get_layer_into(keys, layer, layer_dst[layer])
+            misses += sum(1 for t in tiers if t != "pinned")
+            if load_stream is None:
+                return None
+            ev = torch.cuda.Event()
+            ev.record(load_stream)
+            return ev
+
+    try:
+        keys = kv.keys_for(list(range(N * geom.block_tokens)))
+        kv.put(keys, srcb)
+        kv.wait_for_puts()
+        lib.sync()
+        # (a) the loads alone
+        t0 = time.perf_counter()
+        kv.prefetch(keys, count=True).get()
+        for layer in range(L):
+            load(layer)
+        lib.sync()
+        t_load = time.perf_counter() - t0
+        exact_a, why = _exactness(run, lib, src, dst)
+        if why:
+            problems.append(f"loads alone: {why}")
+        busy, what = _stand_in_compute(torch, compute_stream, t_load / L)
+        # (b) the stand-in compute alone
+        lib.sync()
+        t0 = time.perf_counter()
+        for _layer in range(L):
+            busy()
+        lib.sync()
+        t_compute = time.perf_counter() - t0
+        # (c) both, as an engine interleaves them: layer i + 1 loads while layer i computes
+        lib.zero(dst)
+        lib.sync()
+        t0 = time.perf_counter()
+        kv.prefetch(keys, count=True).get()
+        events = [load(0)]
+        for layer in range(L):
+            if compute_stream is not None:
+                compute_stream.wait_event(events[layer])  # layer i's compute reads layer i's KV
+            busy()
+            if layer + 1 < L:
+                events.append(load(layer + 1))
+        lib.sync()
+        t_both = time.perf_counter() - t0
+        exact_c, why = _exactness(run, lib, src, dst)
+        if why:
+            problems.append(f"interleaved: {why}")
+        stats = kv.stats()
+    finally:
+        try:
+            kv.close()
+        finally:
+            layer_dst.clear()  # (the views, as dst: freed before the cache is emptied)
+            del dst, srcb, per_block
+            lib.release()
+    if misses:
+        problems.append(f"{misses} layer load(s) did not come from the pinned tier")
+    exposed = t_both - t_compute
+    hidden = 1.0 - exposed / t_load if t_load > 0 else 0.0
+    exact = exact_a and exact_c
+    met = hidden >= HIDDEN_GOAL if cuda else None
+    row = run.row("torch", f"KVCacheStore get_layer_into x{L} (pinned tier)", None, t_load, exact, None)
+    metrics = {"table": [row], "geometry": str(geom), "layers": L, "blocks": N, "compute": what,
+               "t_load_s": round(t_load, 6), "t_compute_s": round(t_compute, 6), "t_interleaved_s": round(t_both, 6),
+               "exposed_load_s": round(exposed, 6), "hidden_fraction": round(hidden, 4),
+               "goal": f"hidden >= {HIDDEN_GOAL:.0%}" if cuda else None, "goal_met": met, "streams": cuda,
+               "gets": stats["gets"], "hits_pinned": stats["hits_pinned"]}
+    goal = (f"goal hidden >= {HIDDEN_GOAL:.0%}: {'met' if met else 'MISSED'}" if cuda
+            else "--device cpu: no streams, nothing overlaps; no goal")
+    detail = (f"{L} layers x {N} blocks: loads alone {t_load * 1e3:.1f} ms, compute alone {t_compute * 1e3:.1f} ms "
+              f"({what}), interleaved {t_both * 1e3:.1f} ms: exposed load {exposed * 1e3:.1f} ms, hidden "
+              f"{hidden:.0%} ({goal})" + ("" if exact else ", NOT bit-exact")
+              + (f"; {'; '.join(problems)}" if problems else ""))
+    return Outcome(detail, ok=exact and not problems and met is not False, metrics=metrics, rows=[row])
+
+
+# -- fio and the benches ---------------------------------------------------------------------------------------
+
+
+def _tools_bench(module: str) -> Any:
+    """``tools.bench.<module>`` from this checkout (its root put on ``sys.path`` when it is not there)."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    return importlib.import_module(f"tools.bench.{module}")
+
+
+def _run_process(cmd: list[str], timeout: float, **kwargs: Any) -> tuple[int | None, str, str]:
+    """``(exit status, stdout, stderr)`` of ``cmd`` run in its own session; status None when it ran past
+    ``timeout`` seconds (then its whole process group is killed: a bench's own fio goes with it)."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kwargs) as p:
+        try:
+            out, err = p.communicate(timeout=max(1.0, timeout))
+            return p.returncode, out, err
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            return None, out or "", err or ""
+
+
+def _tail(text: str, lines: int = 6) -> str:
+    """The last ``lines`` non-blank lines of ``text`` on one line."""
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:] if line.strip())
+
+
+class _FioFailed(Exception):
+    """fio exited with an error (or wrote no readable JSON): with io_uring, the check tries libaio."""
+
+
+def _run_fio_job(run: Run, cmd: list[str], ddir: str) -> dict[str, Any]:
+    """fio's numbers for one job (``ddir``: write or read) from its JSON output; _FioFailed when it fails."""
+    rc, out, err = _run_process(cmd, run.deadline - time.monotonic())
+    if rc is None:  # not a refused engine: no retry with another
+        raise TimeoutError(f"fio {ddir} ran past the time budget, stopped ({_tail(err)})")
+    try:
+        job = json.loads(out[out.index("{"):])["jobs"][0]
+    except (ValueError, KeyError, IndexError):
+        job = None
+    if rc != 0 or job is None or job.get("error"):
+        raise _FioFailed(f"exit {rc}, error {job.get('error') if job else '?'}: {_tail(err or out)}")
+    d = job[ddir]
+    pct = d.get("clat_ns", {}).get("percentile", {})
+    p50, p99 = pct.get("50.000000"), pct.get("99.000000")
+    return {"seconds": max(float(d["runtime"]), 0.5) / 1e3,  # fio's runtime, whole ms (a write's fsync included)
+            "bytes": int(d["io_bytes"]), "runtime_ms": float(d["runtime"]),
+            "clat_p50_ms": None if p50 is None else round(float(p50) / 1e6, 3),
+            "clat_p99_ms": None if p99 is None else round(float(p99) / 1e6, 3)}
+
+
+def _check_fio(run: Run) -> Outcome:
+    """fio's sequential O_DIRECT write, then read, of the routes' bytes in blocks of their size, on the scratch
+    directory the routes use: the storage's limit for that shape, which every row's put/get is compared with."""
+    exe = shutil.which("fio")
+    if exe is None:
+        raise Skip("fio is not on PATH: apt-get install fio (the O_DIRECT reference every route is compared with)")
+    if run.device == "cuda":
+        try:
+            run.torch_lib()
+        except Skip as exc:
+            raise Skip(f"fio is the reference of the GPU routes, and none can run here: {exc}") from None
+    fio = _tools_bench("fio")
+    B, total = run.block_bytes, run.total
+    root = run.workdir("fio")
+    path = os.path.join(root, "fio.bin")
+    notes: list[str] = []
+    got: dict[str, dict[str, Any]] = {}
+    engine = "io_uring"
+    cold: bool | None = None
+    try:
+        _preallocate(path, total)  # as the routes' files: allocated before the clock starts
+        try:
+            os.close(os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+        except OSError as exc:
+            raise Skip(f"the scratch filesystem ({_mount_of(root)['fstype']}) refuses O_DIRECT ({exc}): "
+                       "use --dir on a disk filesystem") from None
+        for op, ddir in (("put", "write"), ("get", "read")):
+            job = fio.FioJob(name=f"gpu-check-{ddir}", filename=path, size=total, io_size=total, rw=ddir, bs=B,
+                             iodepth=FIO_QD)
+            while True:
+                cmd = [a if not a.startswith("--ioengine=") else f"--ioengine={engine}"
+                       for a in fio.fio_command(exe, job)]
+                try:
+                    got[op] = _run_fio_job(run, cmd, ddir)
+                    break
+                except _FioFailed as exc:
+                    if engine != "io_uring":
+                        raise
+                    notes.append(f"io_uring failed ({exc}): libaio")  # e.g. io_uring refused in a container
+                    engine = "libaio"
+            got[op]["command"] = shlex.join(cmd)
+            if op == "put":
+                cold = _drop_cache(path)
+        version = fio.fio_version(exe)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    problems = [f"fio {op} moved {g['bytes']} of {total} bytes" for op, g in got.items() if g["bytes"] != total]
+    row = run.row("fio", f"fio O_DIRECT {engine}, QD {FIO_QD}", got["put"]["seconds"], got["get"]["seconds"], None,
+                  cold)
+    metrics = {"table": [row], "fio": version, "engine": engine, "bs": B, "iodepth": FIO_QD, "write": got["put"],
+               "read": got["get"], "notes": notes}
+    detail = (_describe_rows([row]) + f" [{version}, bs {B // 1024} KiB, direct=1, end_fsync=1"
+              + (f"; {'; '.join(notes)}" if notes else "") + "]" + (f"; {'; '.join(problems)}" if problems else ""))
+    return Outcome(detail, ok=not problems, metrics=metrics, rows=[row])
+
+
+BENCHES = {  # check's argument -> (suite, its --cases glob)
+    "checkpoint": ("checkpoint", "save_async*"),
+    "kvcache": ("kvcache", "*nixl*"),
+}
+
+
+def _bench_python(suite: str) -> tuple[str, str]:
+    """The interpreter for ``suite`` and a note on it: NIXL lives in .venv-kvbench (tools/kvbench-env.sh)."""
+    if suite == "kvcache":
+        kvb = os.path.join(REPO, ".venv-kvbench", "bin", "python")
+        if os.access(kvb, os.X_OK):
+            return kvb, ".venv-kvbench"
+        return sys.executable, "no .venv-kvbench here"
+    return sys.executable, ""
+
+
+def summarize_bench(suite: str, doc: dict[str, Any]) -> Outcome:
+    """The outcome of a bench run from its JSON: its goal lines (those of the cases that ran) and each case's
+    ratio; Skip when every NIXL goal is n/a (NIXL cannot run here: the bench's reason). A missed goal is reported
+    in the detail, not a FAIL; a goal the bench could not measure is one."""
+    cases = [{k: c.get(k) for k in ("name", "ratio", "ratio_min", "ratio_max", "blocking_fraction") if k in c}
+             for c in doc.get("cases", [])]
+    goals = [g for g in doc.get("acceptance", []) if "not run" not in str(g.get("line", ""))
+             and g.get("status") != "not run"]
+    if suite == "kvcache":
+        goals = [g for g in goals if "nixl" in str(g.get("case", ""))]
+        if goals and all(g.get("status") == "n/a" for g in goals):
+            raise Skip(f"NIXL cannot run here: {goals[0].get('reason', 'n/a')}")
+    lines = [str(g["line"]).removeprefix("goal: ") for g in goals]
+    unmeasured = [g for g in goals if g.get("met") is None]
+    ratios = ", ".join(f"{c['name']} {c['ratio']:.2f}x" for c in cases if isinstance(c.get("ratio"), (int, float)))
+    detail = "; ".join(lines) or "no goal line"
+    if ratios:
+        detail += f" [{ratios}]"
+    metrics = {"goals": lines, "acceptance": goals, "cases": cases}
+    return Outcome(detail, ok=bool(goals) and not unmeasured, metrics=metrics)
+
+
+def _check_bench(run: Run, which: str) -> Outcome:
+    """``python -m tools.bench <suite> --cases <glob>`` on ``--blocks x --block-mib`` bytes in the scratch
+    directory, within what is left of the budget; its goal lines and ratios."""
+    suite, cases = BENCHES[which]
+    if run.args.skip_bench:
+        raise Skip(f"not run: --skip-bench (python -m tools.bench {suite} --cases '{cases}' runs it)")
+    python, note = _bench_python(suite)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if suite == "kvcache":  # the bench would run its sfstore sides only to say n/a: ask it first, cheaply
+        rc, out, _err = _run_process([python, "-c", "from tools.bench.suites.kvcache import probe_nixl\n"
+                                      "print(probe_nixl() or '')"], min(60.0, run.deadline - time.monotonic()),
+                                     cwd=REPO, env=env)
+        if rc == 0 and out.strip():
+            raise Skip(f"NIXL cannot run here: {out.strip().splitlines()[-1]}" + (f" ({note})" if note else ""))
+    left = run.deadline - time.monotonic() - 2.0
+    if left < 10:
+        raise Skip(f"not run: {max(left, 0):.0f} s of the budget left; raise --budget")
+    size = max(run.total, 2 * MiB)  # the checkpoint bench takes 1 MiB at least, the kvcache bench one 2 MiB block
+    work = run.workdir(f"bench_{suite}")
+    out_json = os.path.join(work, f"{suite}.json")
+    cmd = [python, "-m", "tools.bench", suite, "--cases", cases, "--size", str(size), "--dir", work,
+           "--json", out_json]
+    t0 = time.monotonic()
+    try:
+        rc, out, err = _run_process(cmd, left, cwd=REPO, env=env)
+        doc: dict[str, Any] | None = None
+        if rc == 0:
+            with open(out_json) as f:
+                doc = json.load(f)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    took = time.monotonic() - t0
+    base = {"command": shlex.join(cmd), "python": python, "seconds": round(took, 2)}
+    if rc is None:
+        return Outcome(f"did not finish in the {left:.0f} s left of the budget: stopped ({_tail(out + err, 3)})",
+                       ok=False, metrics={**base, "output_tail": _tail(out + err, 12)})
+    if rc == 2:  # BenchSetupError: the bench cannot run here, and says why
+        raise Skip(f"the bench cannot run here: {_tail(err or out, 2)}")
+    if doc is None:
+        return Outcome(f"exit {rc}: {_tail(err or out, 4)}", ok=False, metrics={**base, "output_tail": _tail(err, 12)})
+    outcome = summarize_bench(suite, doc)
+    outcome.metrics.update(base)
+    outcome.detail += f" ({took:.0f} s" + (f", {note}" if note else "") + ")"
+    return outcome
+
+
 # name, heavy (moves the route's data: the budget estimate applies), function
 CHECKS: list[tuple[str, bool, Callable[[Run], Outcome]]] = [
     ("probe", False, _check_probe),
     ("cuda_registration", False, _check_cuda_registration),
     ("read_into_cuda", False, _check_read_into_cuda),
+    ("fio_odirect", True, _check_fio),
     ("torch_baseline", True, partial(_route_baseline, libname="torch")),
     ("torch_devicepath_gds", True, partial(_route_devicepath, libname="torch", mode="gds")),
     ("torch_devicepath_compat", True, partial(_route_devicepath, libname="torch", mode="compat")),
     ("torch_devicepath_host", True, partial(_route_devicepath, libname="torch", mode="staged")),
     ("kvcache_torch", True, _route_kvcache),
     ("kvcache_torch_device", True, _route_kvcache_device),
+    ("kvcache_torch_device_pinned", True, _route_kvcache_device_pinned),
+    ("per_layer_overlap", True, _check_per_layer_overlap),
     ("checkpoint_cuda", True, _check_checkpoint),
     ("cupy_baseline", True, partial(_route_baseline, libname="cupy")),
     ("cupy_devicepath_gds", True, partial(_route_devicepath, libname="cupy", mode="gds")),
     ("cupy_devicepath_compat", True, partial(_route_devicepath, libname="cupy", mode="compat")),
     ("cupy_devicepath_host", True, partial(_route_devicepath, libname="cupy", mode="staged")),
+    ("bench_checkpoint_save_async", True, partial(_check_bench, which="checkpoint")),
+    ("bench_kvcache_nixl", True, partial(_check_bench, which="kvcache")),
 ]
 
 
@@ -917,13 +1400,23 @@ def _fmt(v: float | None, suffix: str = "") -> str:
     return "-" if v is None else f"{v:.2f}{suffix}"
 
 
+def add_fio_ratios(rows: list[dict[str, Any]]) -> None:
+    """Fill every row's ``put_vs_fio`` / ``get_vs_fio`` from the fio row (None for all when fio did not run)."""
+    fio = next((r for r in rows if r.get("lib") == "fio"), None)
+    for r in rows:
+        for op in ("put", "get"):
+            r[f"{op}_vs_fio"] = _ratio(r[f"{op}_gib_s"], fio[f"{op}_gib_s"] if fio else None)
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'route':<46} {'put GiB/s':>10} {'get GiB/s':>10} {'put/base':>9} {'get/base':>9}  bit-exact"
+    head = (f"{'route':<46} {'put GiB/s':>10} {'get GiB/s':>10} {'put/base':>9} {'get/base':>9} {'put/fio':>8} "
+            f"{'get/fio':>8}  bit-exact")
     lines = [head, "-" * len(head)]
     for r in rows:
+        exact = {True: "yes", False: "NO", None: "n/a"}[r["bit_exact"]]
         lines.append(f"{r['route']:<46} {_fmt(r['put_gib_s']):>10} {_fmt(r['get_gib_s']):>10} "
-                     f"{_fmt(r['put_vs_baseline'], 'x'):>9} {_fmt(r['get_vs_baseline'], 'x'):>9}  "
-                     f"{'yes' if r['bit_exact'] else 'NO'}")
+                     f"{_fmt(r['put_vs_baseline'], 'x'):>9} {_fmt(r['get_vs_baseline'], 'x'):>9} "
+                     f"{_fmt(r.get('put_vs_fio'), 'x'):>8} {_fmt(r.get('get_vs_fio'), 'x'):>8}  {exact}")
     return "\n".join(lines)
 
 
@@ -952,10 +1445,13 @@ class Report:
         counts = {s: sum(1 for r in self.results if r["status"] == s) for s in ("PASS", "FAIL", "SKIP")}
         elapsed = time.monotonic() - run.t0
         print()
+        with self.lock:
+            add_fio_ratios(self.rows)
         if self.rows:
             size = f"{run.total / GiB:.2f} GiB" if run.total >= GiB else f"{run.total / MiB:g} MiB"
             print(f"{run.nblocks} blocks x {run.block_bytes / MiB:g} MiB per route ({size}); "
-                  f"get after fsync + page-cache drop; ratios against the same library's baseline")
+                  f"get after fsync + page-cache drop; ratios against the same library's baseline (base) and fio's "
+                  f"O_DIRECT write/read of the same bytes (fio)")
             print(format_table(self.rows))
         else:
             print("no route was measured")
@@ -1068,6 +1564,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: run the routes with CPU torch tensors (tests this script without a GPU)")
+    parser.add_argument("--skip-bench", action="store_true",
+                        help="SKIP the bench_* checks (python -m tools.bench subprocesses: tens of seconds each)")
     parser.add_argument("--kvikio-threads", type=int, metavar="N",
                         help="set kvikio's thread pool size (default: kvikio's own, KVIKIO_NTHREADS)")
     args = parser.parse_args(argv)
