@@ -9,7 +9,6 @@ the block store with no copy.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import stat
 import struct
@@ -24,7 +23,7 @@ from sfstore.buffers import RegisteredBufferPool
 from sfstore.checksums import kvsum64, xxh3_64
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.paths.base import Range
-from sfstore.paths.file import FilePath
+from sfstore.paths.file import FilePath, set_blocking
 
 __all__ = ["HEADER", "Slot", "PinnedTier", "SharedTier"]
 
@@ -275,13 +274,13 @@ class SharedTier:
             if st.st_size != HEADER + n:
                 self._drop(sub, base, st)
                 return "corrupt", 0
-            got = _pread_all(fd, views, HEADER + n, direct=self.fp.direct)
+            got = self._read_file(fd, views)
         except OSError:
             self.fp.counters.add(errors=1)
             return "unreadable", 0
         finally:
             os.close(fd)
-        self.fp.counters.add(requests=1, files=1, bytes_read=got)
+        self.fp.counters.add(files=1)
         head = views[0][:HEADER]
         found = read_header(head, self.geom, key) if got == HEADER + n else None
         if found is None or block_sum(found[1], _block_bytes(views, n)) != found[0]:
@@ -290,6 +289,17 @@ class SharedTier:
         if found[1] != SUM_XXH3:  # the tiers above keep xxh3-64 of host bytes
             return "hit", xxh3_64(_block_bytes(views, n))
         return "hit", found[0]
+
+    def _read_file(self, fd: int, views: list[memoryview]) -> int:
+        """Read a block file (opened ``O_NONBLOCK``) from its start into ``views`` through the file path: the
+        header and the block, O_DIRECT where the file path uses it (the views are registered, aligned buffers of
+        aligned sizes: no page-cache copy). Returns the bytes read; ``OSError`` (typed) when the read fails."""
+        set_blocking(fd, direct=self.fp.direct)
+        if len(views) == 1:
+            ranges = [Range.read(0, HEADER + self.slot_bytes, views[0], 0, fd)]
+        else:
+            ranges = [Range.read(0, HEADER, views[0], 0, fd), Range.read(HEADER, self.slot_bytes, views[1], 0, fd)]
+        return sum(self.fp.submit(ranges, data_class="kvcache.shared").get())
 
     def _drop(self, sub: str, base: str, st: os.stat_result) -> None:
         """Remove the corrupt file just read, if the name still holds that very file (a writer may have
@@ -433,9 +443,8 @@ class SharedTier:
                 return "corrupt", ""
             checksum, kind = found
             if kind == SUM_XXH3:
-                fcntl.fcntl(fd, fcntl.F_SETFL, 0)
                 return self._read_device_staged(key, dest, device, fd, checksum, sub, base, st)
-            fcntl.fcntl(fd, fcntl.F_SETFL, 0)
+            set_blocking(fd, direct=False)  # kvikio reopens the file itself
             target = device.runtime.scratch(dest, n) if keep else dest
             route = device.route_for(fd)[0]
             try:
@@ -462,8 +471,13 @@ class SharedTier:
         buf = self._scratch.acquire()
         try:
             view = memoryview(buf)
-            got = _pread_all(fd, [view], HEADER + n, direct=self.fp.direct)
-            self.fp.counters.add(requests=1, files=1, bytes_read=got)
+            try:
+                got = self._read_file(fd, [view])
+            except OSError:
+                del view
+                self.fp.counters.add(errors=1)
+                return "unreadable", ""
+            self.fp.counters.add(files=1)
             if got != HEADER + n or xxh3_64(view[HEADER:HEADER + n]) != checksum:
                 del view
                 self._drop(sub, base, st)
@@ -515,7 +529,6 @@ class SharedTier:
 
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def _native_beneath() -> Any:
@@ -527,38 +540,6 @@ def _native_beneath() -> Any:
 
 
 _beneath = _native_beneath()
-
-
-def _pread_all(fd: int, views: list[memoryview], want: int, *, direct: bool) -> int:
-    """Read from offset 0 into ``views`` until ``want`` bytes or the end of the file; return the bytes read.
-
-    With ``direct`` the read goes with O_DIRECT (the views are registered, aligned buffers of aligned sizes):
-    no page-cache copy; a filesystem that refuses it for this file is read through the page cache.
-    """
-    if direct and _O_DIRECT:
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
-        except OSError:
-            direct = False
-    total = 0
-    for view in views:
-        pos = 0
-        while pos < len(view) and total < want:
-            try:
-                got = os.preadv(fd, [view[pos:]], total)
-            except OSError as exc:
-                if not (direct and exc.errno == errno.EINVAL):
-                    raise
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-                direct = False
-                continue
-            if got == 0:
-                return total
-            pos += got
-            total += got
-        if total >= want:
-            break
-    return total
 
 
 def _block_bytes(views: list[memoryview], n: int) -> memoryview:

@@ -974,6 +974,19 @@ def _set_status(fd: int, full: str, direct: bool) -> None:
         ) from None
 
 
+def set_blocking(fd: int, *, direct: bool) -> bool:
+    """Make ``fd`` (opened ``O_NONBLOCK``, so a FIFO could not make ``open`` wait) blocking, with O_DIRECT when
+    ``direct`` and the filesystem takes it for this file; return whether O_DIRECT is set. io_uring answers a
+    read of an ``O_NONBLOCK`` file that misses the page cache with EAGAIN, so reads through the engine need it."""
+    o_direct = getattr(os, "O_DIRECT", 0) if direct else 0
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, o_direct)
+        return bool(o_direct)
+    except OSError:
+        fcntl.fcntl(fd, fcntl.F_SETFL, 0)
+        return False
+
+
 def enable_direct(fd: int, full: str, *, required: bool) -> bool:
     """Add O_DIRECT to ``fd``; return whether it is set. ``required``: a refusal raises (errno EINVAL)."""
     o_direct = getattr(os, "O_DIRECT", 0)
