@@ -751,6 +751,14 @@ class KVCacheStore:
                 self._owns_device = True
             return self._device
 
+    def register_device_buffers(self, buffers: Iterable[Any]) -> int:
+        """Register long-lived GPU buffers (an engine's KV-cache tensors) with cuFile once, so the device path's
+        transfers into and out of them need no registration each; returns how many were registered (0 outside
+        ``gds``, where there is nothing to register). They are deregistered when the device path closes."""
+        self._check_open()
+        dp = self._device_path()
+        return sum(1 for b in as_batch(buffers, "register_device_buffers: buffers") if dp.register(b))
+
     def _uses_device(self, sources: list[tuple[Any, bool]]) -> bool:
         """Whether a batch moves through the device path: no pinned tier, a lower tier, and only GPU blocks."""
         return (self.pinned.capacity == 0 and (self.block is not None or self.shared is not None)

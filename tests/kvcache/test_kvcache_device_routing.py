@@ -221,3 +221,20 @@ def test_emulated_gpu_block_store_on_a_target_cufile_takes_goes_gpu_direct(
         assert kv.get_into(keys[:1], [host]) == ["block"] and np.array_equal(host, src[0])
     finally:
         kv.close()
+
+
+def test_emulated_gpu_long_lived_buffers_are_registered_once(tmp_path: Path) -> None:
+    rt = EmulatedDeviceRuntime("gds")
+    kv = _store(tmp_path, rt)
+    try:
+        cache = [gpu_array(4 * N), gpu_array(4 * N)]
+        assert kv.register_device_buffers(cache) == 2
+        assert kv.register_device_buffers(cache) == 2 and len(rt.registered) == 2  # already registered: once
+        assert kv.register_device_buffers([np.zeros(N, np.uint8)]) == 0  # host memory: nothing to register
+    finally:
+        kv.close()
+    staged = _store(tmp_path / "s", EmulatedDeviceRuntime("staged"))
+    try:
+        assert staged.register_device_buffers([gpu_array(N)]) == 0  # outside gds: nothing to register
+    finally:
+        staged.close()
