@@ -26,6 +26,30 @@ What it does, per engine step:
   request with ``finish_reason="error"`` instead, so the connector sets ``"recompute"`` unless told otherwise
   (``kv_load_failure_policy`` below). A damaged block fails at most the loads already planned when it was found.
 
+A GPU cache (or any cache when ``stage_copies`` is set) moves each layer through a pinned host staging buffer,
+and the copies overlap the forward pass instead of stopping the engine's thread once per layer:
+
+* loads: ``wait_for_layer_load`` of layer ``i`` finds layer ``i``'s copy already issued (by the call for layer
+  ``i - 1``), issues layer ``i + 1``'s (``load_ahead`` layers) and makes the current stream wait for layer ``i``'s
+  event: the kernels enqueued after the call wait for the copy, the CPU does not. Issuing a layer means the store
+  copies each block's slice from its pinned slot into a staging buffer on the engine's thread (``get_layer_into``),
+  then one copy to the device and one scatter into the pages are enqueued on the connector's load stream, which
+  first waits for what the engine had enqueued when ``start_load_kv`` ran (vLLM zeroing the new blocks, an
+  earlier step's kernels), not for the forward pass enqueued after it. Layer 0's copy is issued at the first
+  ``wait_for_layer_load``, not in ``start_load_kv``: the prefetch from the lower tiers then runs while the engine
+  enqueues the work before the first attention, instead of holding the engine's thread before it.
+* saves: ``save_kv_layer`` enqueues, on the connector's save stream after the work enqueued so far (so after the
+  layer's attention wrote its pages), a gather of the pages and one copy into a pinned staging buffer, and hands
+  the copy's event to one save thread, which waits for it and calls ``store.put_layer``; the call returns at once.
+  ``wait_for_save`` waits until that thread has put every layer handed over in the step, so the step still ends
+  with its blocks committed or dropped as partial, and with the pages no longer read.
+* staging buffers come from two small pools (``staging_buffers`` each, which bounds their pinned memory); a
+  buffer is handed out again only once the copy that used it completed, checked without waiting: the CPU waits
+  only when the device falls that many layers behind (loads) or the save thread does (saves).
+
+On a CPU cache the streams and events are ``None``: the same steps run with synchronous copies (and, unless
+``stage_copies`` is set, block by block straight between the pages and the store, with no staging buffer).
+
 ``kv_connector_extra_config`` keys (all optional):
 
 ``sfstore_config``
@@ -72,12 +96,14 @@ Pipeline parallelism and hybrid (HMA) models are not supported.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -425,9 +451,242 @@ else:  # pragma: no cover
     _KVEvents = None  # type: ignore[assignment,misc]
 
 
+# -- staged copies: CUDA streams and events (nothing on the CPU), the staging pool, the save worker -------------------
+def _new_stream(device: torch.device) -> Any:
+    """A CUDA stream of its own on ``device`` for the connector's copies; ``None`` for a CPU tensor (copies are then
+    synchronous and need no ordering)."""
+    stream_type: Any = torch.cuda.Stream  # (untyped in torch's stubs)
+    return stream_type(device=device) if device.type == "cuda" else None
+
+
+def _current_stream(device: torch.device) -> Any:
+    """The stream the engine computes on now (``None`` on the CPU)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _record(stream: Any) -> Any:
+    """An event recorded on ``stream`` after the work enqueued there so far; ``None`` without a stream."""
+    if stream is None:
+        return None
+    event_type: Any = torch.cuda.Event  # (untyped in torch's stubs)
+    event = event_type(blocking=True)  # a thread that waits for it sleeps instead of spinning (the save worker)
+    event.record(stream)
+    return event
+
+
+def _wait_event(stream: Any, event: Any) -> None:
+    """Make ``stream``'s later work wait for ``event`` on the device (no CPU wait)."""
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+def _wait_stream(stream: Any, other: Any) -> None:
+    """Make ``stream``'s later work wait for what ``other`` has enqueued so far (no CPU wait)."""
+    if stream is not None and other is not None:
+        stream.wait_stream(other)
+
+
+def _host_wait(event: Any) -> None:
+    """Block the calling thread until ``event`` completed (CUDA releases the GIL meanwhile)."""
+    if event is not None:
+        event.synchronize()
+
+
+def _done(event: Any) -> bool:
+    return event is None or bool(event.query())
+
+
+def _on(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """Enqueue the block's device work on ``stream`` (tensors it allocates belong to it)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+_STAGING_MIN_BYTES = 1 << 20
+
+
+class _StagingPool:
+    """Host buffers for staged copies, pinned for a GPU cache, reused rather than allocated (and pinned) per layer.
+
+    A buffer goes back with :meth:`release` and the event of the last copy that reads or writes it; it is handed
+    out again only once that event completed (:func:`_done`). At most ``limit`` buffers exist: past it,
+    :meth:`acquire` waits for the oldest copy (a CPU wait only when the device falls ``limit`` layers behind) or,
+    when every buffer is out (with the save worker), for one to come back.
+
+    Parameters
+    ----------
+    pin : bool
+        Pinned (page-locked) memory: needed for asynchronous host-device copies.
+    limit : int
+        Most buffers this pool holds at once.
+    """
+
+    def __init__(self, pin: bool, limit: int) -> None:
+        self.pin = pin
+        self.limit = max(1, limit)
+        self.allocated = 0  # buffers made so far
+        self._free: list[torch.Tensor] = []  # by capacity, smallest first
+        self._pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()  # (event, buffer)
+        self._out = 0
+        self._cond = threading.Condition()
+
+    def _reclaim(self) -> None:
+        for entry in [e for e in self._pending if _done(e[0])]:
+            self._pending.remove(entry)
+            self._add_free(entry[1])
+
+    def _add_free(self, buf: torch.Tensor) -> None:
+        self._free.append(buf)
+        self._free.sort(key=lambda b: b.numel())
+
+    def reclaim(self) -> None:
+        """Put back the buffers whose copies completed (no wait)."""
+        with self._cond:
+            self._reclaim()
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A flat ``uint8`` buffer of at least ``nbytes``, whose last copy completed."""
+        while True:
+            event = None
+            with self._cond:
+                self._reclaim()
+                for i, buf in enumerate(self._free):
+                    if buf.numel() >= nbytes:
+                        self._out += 1
+                        return self._free.pop(i)
+                if len(self._free) + len(self._pending) + self._out < self.limit or self._free:
+                    if len(self._free) + len(self._pending) + self._out >= self.limit:
+                        self._free.pop(0)  # too small for this copy: make room for one that fits
+                    self._out += 1
+                    break
+                if self._pending:
+                    event = self._pending[0][0]
+                else:
+                    self._cond.wait()
+                    continue
+            _host_wait(event)
+        try:
+            size = max(_STAGING_MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        except BaseException:
+            with self._cond:
+                self._out -= 1
+                self._cond.notify_all()
+            raise
+        self.allocated += 1
+        return buf
+
+    def release(self, buf: torch.Tensor, event: Any = None) -> None:
+        """Give ``buf`` back; it is reused once ``event`` (the copy that still uses it, if any) completed."""
+        with self._cond:
+            self._out -= 1
+            if event is None:
+                self._add_free(buf)
+            else:
+                self._pending.append((event, buf))
+            self._cond.notify_all()
+
+    def synchronize(self) -> None:
+        """Wait for every copy still using a buffer of this pool."""
+        with self._cond:
+            pending = list(self._pending)
+        for event, _buf in pending:
+            _host_wait(event)
+        self.reclaim()
+
+    def in_flight(self) -> list[torch.Tensor]:
+        """The buffers waiting for their copies (not handed out until those complete)."""
+        with self._cond:
+            return [buf for _e, buf in self._pending]
+
+
+class _SaveWorker:
+    """One thread that runs the connector's save jobs in the order they were handed over.
+
+    A job waits for its device-to-host copy (its event) on this thread and then calls ``store.put_layer``: the
+    engine's thread only enqueues the copy. :meth:`wait` returns once every job handed over so far has run.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
+        self.handed = 0
+        self.done = 0
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cond:
+            if self._closing:
+                raise errors.InvalidRequestError("SfstoreConnector: a save handed over after shutdown")
+            self._jobs.append(job)
+            self.handed += 1
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Until every job handed over before this call has run."""
+        with self._cond:
+            target = self.handed
+            while self.done < target:
+                self._cond.wait()
+
+    def close(self) -> None:
+        self.wait()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closing:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+            try:
+                job()
+            except BaseException:  # a job logs its own errors; this thread must outlive any of them
+                log.exception("SfstoreConnector: a save job failed")
+            finally:
+                with self._cond:
+                    self.done += 1
+                    self._cond.notify_all()
+
+
 # -- the connector ---------------------------------------------------------------------------------------------------
 class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """vLLM KV connector (v1 API) that loads and saves KV-cache blocks through a :class:`KVCacheStore`."""
+    """vLLM KV connector (v1 API) that loads and saves KV-cache blocks through a :class:`KVCacheStore`.
+
+    Attributes
+    ----------
+    stage_copies : bool or None
+        Copy through host staging buffers (the path of a GPU cache); ``None``: when the cache is not on the CPU.
+    load_ahead : int
+        How many layers past the one it waits for :meth:`wait_for_layer_load` issues the copies of.
+    staging_buffers : int
+        Most staging buffers per direction, read when the pools are first used.
+    load_log : list of (str, int)
+        This step's staged loads in order: ``("issue", layer)`` when a layer's copy was issued,
+        ``("wait", layer)`` when the current stream was made to wait for it.
+
+    Notes
+    -----
+    The staged copies are asynchronous on the device (see the module's description), so the engine must keep to
+    what vLLM's model runner does:
+
+    * call a step's worker hooks from one thread, in order: :meth:`start_load_kv`, then for each layer
+      :meth:`wait_for_layer_load` before anything reads the layer's loaded pages and :meth:`save_kv_layer` after
+      its attention, then :meth:`wait_for_save` before the saved blocks' pages are written again or freed;
+    * read a loaded layer only through work enqueued on the stream that was current at its
+      :meth:`wait_for_layer_load`, after that call: another stream, or the CPU, must synchronize with it first;
+    * call :meth:`unregister_kv_caches` before the caches' memory goes away (sleep): it waits for the copies
+      still in flight.
+    """
+
+    load_ahead = 1  # staged loads: how many layers' copies wait_for_layer_load issues past the one it waits for
+    staging_buffers = 8  # staged copies: most staging buffers per direction (bounds the pinned memory they take)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -476,6 +735,15 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loads_chunk: tuple[list[bytes], list[int]] | None = None
         # None: stage through the host when the cache is not on the CPU; True/False force it (tests)
         self.stage_copies: bool | None = None
+        # staged copies: per-device streams, the staging pools, the save thread, this step's issued loads
+        self._streams: dict[tuple[str, str], Any] = {}
+        self._pools: dict[str, _StagingPool] = {}
+        self._saver: _SaveWorker | None = None
+        self._issued: dict[int, Any] = {}  # store layer -> event of its load copy (None: done, or on the CPU)
+        self._load_ordered: set[str] = set()  # devices whose load stream waits for the step's earlier work
+        self._step_start: dict[str, Any] = {}  # device -> event on the compute stream at start_load_kv
+        self._dst_index: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # this step's destination ids
+        self.load_log: list[tuple[str, int]] = []  # this step: ("issue", layer) and ("wait", layer), in order
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -642,8 +910,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return True
 
     def unregister_kv_caches(self) -> None:
-        """Before sleep (transfers are drained: every step waits for its copies): forget the caches, so nothing
-        copies into unmapped memory. Idempotent."""
+        """Before sleep: wait for the copies still in flight (a load's host-device copy, a save's device-host copy
+        and its ``put_layer``), then forget the caches, so nothing copies into unmapped memory. Idempotent."""
+        self._drain()
         if self._kv_caches:
             self._asleep, self._kv_caches = self._kv_caches, {}
 
@@ -664,12 +933,20 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_future = None
         self._load_req = {b: t.req_id for t in self._loads for b in t.block_ids}
         self._failed_reqs = set()
+        self._issued, self._load_ordered, self._dst_index = {}, set(), {}
+        self.load_log = []
         if self._loads:
+            # The loads go after what the engine enqueued so far (a previous step's kernels, vLLM zeroing the
+            # new blocks), not after the forward pass's work enqueued before the first wait_for_layer_load.
+            devices = {str(c.device): c.device for c in self._kv_caches.values() if self._staged(c)}
+            self._step_start = {key: _record(_current_stream(dev)) for key, dev in devices.items()}
             keys = [k for t in self._loads for k in t.keys]
             self._dropped_before = self._dropped()
             if len(keys) > self.store.pinned.capacity // 2:
                 self._load_all_layers_now()
             else:
+                # Layer 0's copy is issued at the first wait_for_layer_load, not here: resolving the prefetch
+                # now would hold the engine's thread before it enqueued the forward pass's first kernels.
                 self._load_future = self.store.prefetch(keys, count=True)
 
     def _dropped(self) -> int:
@@ -684,6 +961,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         block_ids = [b for t in self._loads for b in t.block_ids]
         chunk = max(1, self.store.pinned.capacity // 2)
         failed: set[int] = set()
+        devices: dict[str, torch.device] = {}
         for i in range(0, len(keys), chunk):
             ks, bs = keys[i:i + chunk], block_ids[i:i + chunk]
             self._load_future = self.store.prefetch(ks, count=True)
@@ -695,11 +973,17 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if cache is None or layer is None:
                     continue
                 try:
-                    tiers = self._load_layer(cache, layer, ks, bs)
+                    if self._staged(cache):
+                        tiers, _event = self._issue_load(cache, layer, ks, bs)
+                        devices[str(cache.device)] = cache.device
+                    else:
+                        tiers = self._load_layer(cache, layer, ks, bs)
                 except Exception:  # recomputed instead (get_block_ids_with_load_errors)
                     log.exception("SfstoreConnector: loading layer %s of %d blocks failed", name, len(ks))
                     tiers = [None] * len(ks)
                 failed.update(b for b, tier in zip(bs, tiers, strict=True) if tier is None)
+        for device in devices.values():  # the forward pass runs after every copy (on the device, no CPU wait)
+            _wait_stream(_current_stream(device), self._stream("load", device))
         for b in failed:
             self._load_failed(b)
         self._loads = []  # done: wait_for_layer_load has nothing left to copy
@@ -750,6 +1034,10 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._load_ok
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before layer ``layer_name``'s attention: its loaded blocks are in the paged cache for the work the
+        engine enqueues next. A staged (GPU) cache's copy of this layer was issued one call earlier (or now, for
+        the first layer); this call issues the next layers' copies and makes the current stream wait for this
+        layer's on the device: the CPU does not wait for any copy."""
         if not self._loads:
             return
         layer = self._layer_of(layer_name)
@@ -761,30 +1049,129 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         cache = self._kv_caches.get(layer_name)
         if cache is None:
             raise errors.InvalidRequestError(f"layer {layer_name} has no registered KV cache (register_kv_caches)")
+        if not self._staged(cache):
+            try:
+                tiers = self._load_layer(cache, layer, keys, block_ids)
+            except Exception:  # recomputed instead (get_block_ids_with_load_errors)
+                log.exception("SfstoreConnector: loading layer %s of %d blocks failed", layer_name, len(keys))
+                tiers = [None] * len(keys)
+            self._note_failed(block_ids, tiers)
+            return
+        event = self._ensure_issued(layer, cache, keys, block_ids)
+        for ahead in self._layers_after(layer):
+            self._ensure_issued(ahead, self._kv_caches[self.layout.layer_names[ahead]], keys, block_ids)
+        self.load_log.append(("wait", layer))
+        _wait_event(_current_stream(cache.device), event)
+
+    def _layers_after(self, layer: int) -> list[int]:
+        """The next ``load_ahead`` store layers with a registered cache (the engine runs them in this order)."""
+        out: list[int] = []
+        for j in range(layer + 1, len(self.layout.layer_names)):
+            if len(out) >= self.load_ahead:
+                break
+            cache = self._kv_caches.get(self.layout.layer_names[j])
+            if cache is not None and self._staged(cache):
+                out.append(j)
+        return out
+
+    def _ensure_issued(self, layer: int, cache: torch.Tensor, keys: list[bytes], block_ids: list[int]) -> Any:
+        """The event of layer ``layer``'s load copy, issuing it first if this step has not (once per layer)."""
+        if layer in self._issued:
+            return self._issued[layer]
         try:
-            tiers = self._load_layer(cache, layer, keys, block_ids)
+            tiers, event = self._issue_load(cache, layer, keys, block_ids)
         except Exception:  # recomputed instead (get_block_ids_with_load_errors)
-            log.exception("SfstoreConnector: loading layer %s of %d blocks failed", layer_name, len(keys))
-            tiers = [None] * len(keys)
+            log.exception("SfstoreConnector: loading layer %s of %d blocks failed",
+                          self.layout.layer_names[layer], len(keys))
+            tiers, event = [None] * len(keys), None
+        self._issued[layer] = event
+        self.load_log.append(("issue", layer))
+        self._note_failed(block_ids, tiers)
+        return event
+
+    def _note_failed(self, block_ids: list[int], tiers: list[str | None]) -> None:
         for b, tier in zip(block_ids, tiers, strict=True):
             if tier is None:  # evicted since the prefetch, or the copy failed
                 self._load_failed(b)
 
     def _load_layer(self, cache: torch.Tensor, layer: int, keys: list[bytes], block_ids: list[int]) -> list[str | None]:
-        if not self._staged(cache):
-            return self.store.get_layer_into(keys, layer, [block_layer_view(cache, b, self.layout) for b in block_ids])
-        # one host staging tensor, then one copy to the device and one scatter into the pages
-        staging = torch.empty((len(block_ids), *self.layout.page_shape), dtype=cache.dtype,
-                              pin_memory=cache.device.type == "cuda")
-        tiers = self.store.get_layer_into(
-            keys, layer, [block_layer_view(staging, i, self.layout) for i in range(len(block_ids))]
-        )
-        rows = [i for i, tier in enumerate(tiers) if tier is not None]
-        if rows:
-            dst = torch.tensor([block_ids[i] for i in rows], dtype=torch.long, device=cache.device)
-            src = staging if len(rows) == len(block_ids) else staging[rows]
-            cache[dst] = src.to(cache.device, non_blocking=True)
-        return tiers
+        """A CPU cache, unstaged: the store copies each block's layer straight into its page."""
+        return self.store.get_layer_into(keys, layer, [block_layer_view(cache, b, self.layout) for b in block_ids])
+
+    def _pool(self, kind: str, device: torch.device) -> _StagingPool:
+        pool = self._pools.get(kind)
+        if pool is None:
+            pool = self._pools[kind] = _StagingPool(device.type == "cuda", self.staging_buffers)
+        return pool
+
+    def _stream(self, kind: str, device: torch.device) -> Any:
+        """The connector's ``"load"`` or ``"save"`` stream on ``device`` (``None`` on the CPU)."""
+        key = (kind, str(device))
+        if key not in self._streams:
+            self._streams[key] = _new_stream(device)
+        return self._streams[key]
+
+    def _pages(self, buf: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """``count`` pages of ``dtype`` (``[count, H, N, C]``, contiguous) at the start of a staging buffer."""
+        shape = (count, *self.layout.page_shape)
+        nbytes = count * self._page_bytes(dtype)
+        return buf[:nbytes].view(dtype).view(shape)
+
+    def _page_bytes(self, dtype: torch.dtype) -> int:
+        h, n, c = self.layout.page_shape
+        return h * n * c * dtype.itemsize
+
+    def _index(self, ids: list[int], device: torch.device, stream: Any) -> torch.Tensor:
+        """``ids`` as a long tensor on ``device``, made once per step and stream (each layer reuses it)."""
+        key = (f"{device}:{id(stream)}", tuple(ids))
+        idx = self._dst_index.get(key)
+        if idx is None:
+            idx = torch.tensor(ids, dtype=torch.long)
+            if device.type != "cpu":
+                idx = idx.pin_memory().to(device, non_blocking=True)  # on ``stream``: the caller's context
+            self._dst_index[key] = idx
+        return idx
+
+    def _issue_load(self, cache: torch.Tensor, layer: int, keys: list[bytes],
+                    block_ids: list[int]) -> tuple[list[str | None], Any]:
+        """Issue one layer's load into a staged cache: the store copies each block's slice from its pinned slot
+        into one staging buffer (on this thread), then one host-to-device copy and one scatter into the pages are
+        enqueued on the load stream. Returns each block's tier and the event after the scatter (``None`` on the
+        CPU, where both copies are done on return)."""
+        n = len(block_ids)
+        pool = self._pool("load", cache.device)
+        buf = pool.acquire(n * self._page_bytes(cache.dtype))
+        stream = self._stream("load", cache.device)
+        event = None
+        try:
+            staging = self._pages(buf, n, cache.dtype)
+            tiers = self.store.get_layer_into(
+                keys, layer, [block_layer_view(staging, i, self.layout) for i in range(n)]
+            )
+            rows = [i for i, tier in enumerate(tiers) if tier is not None]
+            if rows:
+                if len(rows) < n:  # a block left the pinned tier since the prefetch: pack the others first
+                    staging[:len(rows)] = staging[rows]
+                src = staging[:len(rows)]
+                device = str(cache.device)
+                if device not in self._load_ordered:  # once per step: after the work before start_load_kv
+                    start = self._step_start.get(device)
+                    if start is not None:
+                        _wait_event(stream, start)
+                    else:
+                        _wait_stream(stream, _current_stream(cache.device))
+                    self._load_ordered.add(device)
+                with _on(stream):
+                    dst = self._index([block_ids[i] for i in rows], cache.device, stream)
+                    cache[dst] = src.to(cache.device, non_blocking=True)
+                event = _record(stream)
+        except BaseException:
+            if stream is not None:
+                stream.synchronize()  # a copy enqueued before the error may still read the buffer
+            raise
+        finally:
+            pool.release(buf, event)  # reused once the host-to-device copy that reads it completed
+        return tiers, event
 
     def _staged(self, cache: torch.Tensor) -> bool:
         """Whether copies go through one host staging tensor per layer (a GPU cache: one device-host copy per
@@ -792,6 +1179,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return cache.device.type != "cpu" if self.stage_copies is None else self.stage_copies
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """After layer ``layer_name``'s attention: save its slice of the step's completed blocks. A staged (GPU)
+        cache's pages are gathered and copied to a pinned buffer on the save stream, after the work enqueued so
+        far; the save worker calls ``store.put_layer`` once that copy completed, and this call returns at once."""
         layer = self._layer_of(layer_name)
         if layer is None or not self.has_connector_metadata():
             return
@@ -812,15 +1202,58 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                                          for b in save.block_ids])
                 self._saved_keys.update(save.keys)
             return
-        # gather the pages on the device, one copy to the host, then the store copies each block's slice
         block_ids = [b for t in saves for b in t.block_ids]
         keys = [k for t in saves for k in t.keys]
-        idx = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
-        pages = kv_layer[idx].to("cpu")
-        self.store.put_layer(keys, layer, [block_layer_view(pages, i, self.layout) for i in range(len(block_ids))])
-        self._saved_keys.update(keys)
+        device = kv_layer.device
+        pool = self._pool("save", device)
+        buf = pool.acquire(len(block_ids) * self._page_bytes(kv_layer.dtype))
+        stream = self._stream("save", device)
+        try:
+            pages = self._pages(buf, len(block_ids), kv_layer.dtype)
+            _wait_stream(stream, _current_stream(device))  # after this layer's attention wrote the pages
+            with _on(stream):
+                idx = self._index(block_ids, device, stream)
+                if stream is None:
+                    torch.index_select(kv_layer, 0, idx, out=pages)
+                else:
+                    pages.copy_(kv_layer.index_select(0, idx), non_blocking=True)
+            event = _record(stream)
+            if self._saver is None:
+                self._saver = _SaveWorker("sfstore-vllm-save")
+            self._saver.submit(lambda: self._put_staged(event, pool, buf, pages, keys, layer))
+        except BaseException:
+            if stream is not None:
+                stream.synchronize()  # nothing may still write the buffer once it is back in the pool
+            pool.release(buf)
+            raise
+        self._saved_keys.update(keys)  # handed over: wait_for_save discards them if still partial at the end
+
+    def _put_staged(self, event: Any, pool: _StagingPool, buf: torch.Tensor, pages: torch.Tensor,
+                    keys: list[bytes], layer: int) -> None:
+        """On the save worker: once the device-to-host copy completed, the store copies each block's slice out of
+        the staging buffer, which then goes back to the pool."""
+        try:
+            _host_wait(event)
+            self.store.put_layer(keys, layer, [block_layer_view(pages, i, self.layout) for i in range(len(keys))])
+        except Exception:  # a cache: a failed save is a later miss (wait_for_save drops the partial blocks)
+            log.exception("SfstoreConnector: saving layer %d of %d blocks failed", layer, len(keys))
+        finally:
+            pool.release(buf)
+
+    def _drain(self) -> None:
+        """Wait for every copy the connector issued: the saves handed over, the loads still in flight."""
+        if self._saver is not None:
+            self._saver.wait()
+        for pool in self._pools.values():
+            pool.synchronize()
 
     def wait_for_save(self) -> None:
+        """End of the step: wait until the save worker passed every layer handed over this step to
+        ``store.put_layer`` (so the blocks are committed or partial, and vLLM may reuse the pages), then drop the
+        partial ones, record the step's KV events and reset the step's state. The step's loads are not waited
+        for here: the device ordered them before the attention that reads them."""
+        if self._saver is not None:
+            self._saver.wait()
         if self._saved_keys:
             # Every layer of this step has been through save_kv_layer: a block still partial was abandoned
             # (the step ended early); it must not linger in the pinned tier.
@@ -834,6 +1267,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_ok = ([], [])
         self._load_req = {}
         self._failed_reqs = set()
+        self._issued, self._load_ordered, self._dst_index, self._step_start = {}, set(), {}, {}
+        for pool in self._pools.values():
+            pool.reclaim()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
@@ -923,6 +1359,11 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return out
 
     def shutdown(self) -> None:
+        saver, self._saver = self._saver, None
+        if saver is not None:
+            saver.close()
+        for pool in self._pools.values():
+            pool.synchronize()
         key, self._store_key = self._store_key, None
         if key is not None:
             _release_store(key)

@@ -373,7 +373,7 @@ def test_scheduler_lookup_rounds_to_blocks_and_keeps_one_token(model_dir: Path) 
 
 @pytest.mark.parametrize("layout,kv_layout,staged", [
     ("LBHNC", "auto", None), ("LBNHC", "split", None), ("BLNHC", "opaque", None), ("LBHNC", "auto", True),
-    ("LBNHC", "split", True),
+    ("LBNHC", "split", True), ("BLNHC", "opaque", True),
 ])
 def test_save_then_load_in_another_server_with_stand_in_attention_kernel(
     model_dir: Path, tmp_path: Path, layout: str, kv_layout: str, staged: bool | None
