@@ -40,6 +40,7 @@ def _check_demo(tmp_path: Path, run: int) -> None:
     kv = s["steps"]["kvcache"]
     assert kv["steps"][0]["hit_tokens"] == 0 and all(st["hit_tokens"] > 0 for st in kv["steps"][1:])
     assert [st["tiers"] for st in kv["steps"][1:]] == [["pinned"], ["block"], ["shared"]]
+    assert kv["hits_shared"] > 0 and s["classes"]["kvcache"]["bytes_read"] > 0  # the second store's shared hits
     assert s["steps"]["hot"]["verified"] and s["steps"]["round_trip"]["verified"]
     # the round trip's own path counted what it moved: 8 MiB each way, plus the misaligned read of 9997 bytes
     rt = s["steps"]["round_trip"]["counters"]
@@ -48,6 +49,9 @@ def _check_demo(tmp_path: Path, run: int) -> None:
     text = out.stdout
     assert "engine    ok" in text and "routing" in text and "summary per data class" in text
     assert "the last committed: recovered" in text and "demo verified in" in text
+    # one screen: a line per probe section (the full table is sfstore probe's), and where the data went
+    assert "sfstore probe prints the full table" in text and "alignment.memory" not in text
+    assert f"its data is in {tmp_path / 'data'}" in text and f"rm -rf {tmp_path / 'data'}" in text
 
 
 def test_demo_rejects_a_bad_size(tmp_path: Path) -> None:

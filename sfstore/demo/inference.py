@@ -53,5 +53,11 @@ def kv_cache_reuse(router: Any, prompt_tokens: int = 256) -> dict[str, Any]:
         ok = ok and all(np.array_equal(a, b) for a, b in zip(out, expected, strict=False))
         steps.append({"request": "another process, shared tier only", "prompt_tokens": len(prefix),
                       "hit_tokens": hit, "tiers": sorted(set(t for t in tiers if t))})
+        theirs = other.stats()
+        # The second store's hits and bytes are part of what the step did (its own path's counters hold them).
+        stats = {**stats, "hits_shared": stats["hits_shared"] + theirs["hits_shared"],
+                 "gets": stats["gets"] + theirs["gets"], "bytes_got": stats["bytes_got"] + theirs["bytes_got"]}
+        other_read = other.shared.fp.counters.snapshot()["bytes_read"] if other.shared is not None else 0
     ok = ok and steps[0]["hit_tokens"] == 0 and all(st["hit_tokens"] == prompt_tokens for st in steps[1:])
-    return {"block_bytes": geom.block_bytes, "steps": steps, "stats": stats, "verified": ok}
+    return {"block_bytes": geom.block_bytes, "steps": steps, "stats": stats, "verified": ok,
+            "other_store_bytes_read": other_read}
