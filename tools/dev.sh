@@ -46,10 +46,12 @@ setup() {  # setup [demo|test]
     say "creating the virtual environment $VENV"
     "$PY" -m venv "$VENV"
   fi
-  say "building and installing sfstore$extras"
-  retry "$VENV/bin/pip" install -q --disable-pip-version-check "scikit-build-core>=0.10" "nanobind>=2.4"
+  say "building and installing sfstore$extras (the first time about 2-4 minutes: downloads, then the native build)"
+  progress "installing the build tools" \
+    retry "$VENV/bin/pip" install -q --disable-pip-version-check "scikit-build-core>=0.10" "nanobind>=2.4"
   # --no-build-isolation: build with the venv's scikit-build-core/nanobind (no second download per run)
-  retry "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation -e ".$extras"
+  progress "installing sfstore$extras and its dependencies" \
+    retry "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation -e ".$extras"
 }
 
 cmd=${1:-}
@@ -68,8 +70,11 @@ case "$cmd" in
     "$VENV/bin/ruff" check sfstore tests tools
     say "mypy"
     "$VENV/bin/mypy"
-    say "pytest"
-    exec "$VENV/bin/python" -m pytest "$@"
+    say "pytest (about 4-6 minutes on 2 cores; a dot per test)"
+    start=$SECONDS
+    if "$VENV/bin/python" -m pytest "$@"; then rc=0; else rc=$?; fi
+    say "pytest: finished in $((SECONDS - start)) s"
+    exit $rc
     ;;
   *)
     sed -n '2,8p' "$0" >&2

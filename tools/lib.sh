@@ -3,6 +3,23 @@
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
+progress() {  # progress WHAT CMD...: run CMD, saying every 15 s that WHAT is still going, then how long it took
+  local what=$1 start=$SECONDS pid rc
+  shift
+  "$@" &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    for _ in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15; do
+      kill -0 "$pid" 2>/dev/null || break 2
+      sleep 1
+    done
+    say "  ... still $what ($((SECONDS - start)) s)"
+  done
+  if wait "$pid"; then rc=0; else rc=$?; fi
+  [ $rc -eq 0 ] && say "$what: done in $((SECONDS - start)) s"
+  return $rc
+}
+
 retry() {  # retry a download-dependent command: registries are far away and sometimes flaky
   local n=1
   until "$@"; do
