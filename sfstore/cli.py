@@ -10,6 +10,7 @@ Subcommands are added by ``_add_<name>(subparsers)`` functions listed in :data:`
     sfstore demo [--data-dir PATH] [--size 64m]
     sfstore ls [PATH] [-l] [-R] [--root DIR] [--config FILE]
     sfstore cp SRC DST [-r] [--root DIR] [--config FILE]     (local paths <-> sf:// URLs; - is stdin/stdout)
+    sfstore cat URL... [--root DIR] [--config FILE]          (the files' bytes to stdout, streamed)
     sfstore nvme list [--json]
     sfstore nvme discover -t rdma -a ADDR [-s PORT] [-n NQN] [--hostnqn NQN] [--json]
     sfstore nvme connect -t rdma -a ADDR [-s PORT] -n NQN [--hostnqn NQN] [--json]
@@ -216,7 +217,7 @@ def _os_errors_typed(func: Callable[[argparse.Namespace], int]) -> Callable[[arg
     def run(args: argparse.Namespace) -> int:
         try:
             return func(args)
-        except SfstoreError:
+        except (SfstoreError, BrokenPipeError):  # a closed stdout is main's to answer (`sfstore ls | head`)
             raise
         except OSError as exc:
             raise _local_error(exc, args.command, str(exc.filename or "")) from None
@@ -234,7 +235,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if info["type"] != "directory":
         entries = [info]
     elif args.recursive:
-        found = fs.find(path, withdirs=True, detail=True)
+        found = fs.find(info["name"], withdirs=True, detail=True)  # root-relative names, as info's
         entries = [found[k] for k in sorted(found) if k != info["name"]]
     else:
         entries = fs.ls(path, detail=True)
@@ -294,8 +295,8 @@ def _local_tree(src: str) -> tuple[list[str], list[tuple[str, int]], list[str]]:
 
 
 def _sf_tree(fs: SFFileSystem, src: str) -> tuple[list[str], list[tuple[str, int]], list[str]]:
-    found = fs.find(src, withdirs=True, detail=True)
     base = fs._strip_protocol(src)
+    found = fs.find(base, withdirs=True, detail=True)  # root-relative names (find spells them as it is given)
     dirs: list[str] = []
     files: list[tuple[str, int]] = []
     skipped: list[str] = []
@@ -488,6 +489,48 @@ def _add_cp(sub: Subparsers) -> None:
     p.set_defaults(func=_cmd_cp)
 
 
+class _Stdout:
+    """A sink for :meth:`SFFileSystem.get_file` writing each block to file descriptor 1 as it arrives (a pipe
+    takes it in pieces), so ``cat`` holds one or two readahead blocks, never a whole file."""
+
+    def write(self, data: Any) -> None:
+        from sfstore.fs import write_all
+
+        write_all(1, data, "<stdout>")
+
+
+@_os_errors_typed
+def _cmd_cat(args: argparse.Namespace) -> int:
+    fs = _open_fs(args)
+    urls = [u if _is_sf(u) else "sf://" + u.lstrip("/") for u in args.urls]
+    # Every name is checked before the first byte goes out: a missing file fails the command with nothing
+    # written, rather than after the files before it (a reader such as tarfile would see a short stream).
+    for url in urls:
+        if fs.info(url)["type"] == "directory":
+            raise errors.InvalidRequestError(f"{url} is a directory: cat writes files")
+    sys.stdout.flush()
+    sink = _Stdout()
+    try:
+        for url in urls:
+            fs.get_file(url, None, outfile=sink)
+    except OSError as exc:
+        if exc.errno == errno.EPIPE:  # the reader stopped early (`| head`, a webdataset pipe closed): not an error
+            return 0
+        raise
+    return 0
+
+
+def _add_cat(sub: Subparsers) -> None:
+    p = sub.add_parser("cat", help="write sf:// files to stdout (for pipes: webdataset's pipe:, tar, ...)",
+                       description="Write the bytes of each sf:// file to stdout, in order, streamed in "
+                                   "blocks. A missing file (or a directory) is an error before anything is "
+                                   "written. For webdataset: "
+                                   "WebDataset('pipe:sfstore cat sf://shards/train-{000000..000099}.tar').")
+    p.add_argument("urls", nargs="+", metavar="URL", help="sf:// URL or root-relative path")
+    _add_root_options(p)
+    p.set_defaults(func=_cmd_cat)
+
+
 # -- nvme --------------------------------------------------------------------------------------------------
 
 
@@ -618,7 +661,7 @@ def _add_nvme(sub: Subparsers) -> None:
     q.set_defaults(func=_cmd_nvme_disconnect)
 
 
-SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_probe, _add_demo, _add_ls, _add_cp, _add_nvme]
+SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_probe, _add_demo, _add_ls, _add_cp, _add_cat, _add_nvme]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,8 @@ Installed with sfstore, the ``fsspec.specs`` entry point registers the protocol,
 ``UPath("sf://train")`` work without importing sfstore. Every byte moves through :class:`~sfstore.paths.file.
 FilePath` (NFS over RDMA on a cluster, any directory elsewhere): whole files are read straight into the returned
 ``bytes``, many small files in one pipelined batch (:meth:`SFFileSystem.cat`), byte ranges coalesced and read in
-one batch per file (:meth:`SFFileSystem.cat_ranges`), and every write is published atomically.
+one batch per file (:meth:`SFFileSystem.cat_ranges`), and every write is published atomically. Importing this
+module also gives webdataset's ``gopen`` its ``sf`` handler (:mod:`sfstore.integrations.webdataset_gopen`).
 
 >>> import fsspec
 >>> fs = fsspec.filesystem("sf", root="/tmp/sf-doc")   # doctest: +SKIP
@@ -36,6 +37,7 @@ from fsspec.utils import isfilelike, stringify_path
 
 from sfstore import errors
 from sfstore.futures import Future, MappedFuture
+from sfstore.integrations import webdataset_gopen
 from sfstore.paths.base import Range
 from sfstore.paths.beneath import fold_parts
 from sfstore.paths.file import AtomicWriter, FilePath, OpenFile, _as_bytes, _bytes_for_filling
@@ -191,19 +193,20 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         sf://train/0001.tar   sf:///train/0001.tar   /train/0001.tar   train/0001.tar   ->  <root>/train/0001.tar
 
     A leading ``/`` means the root, never the host's ``/``: ``sf:///etc/passwd`` is ``<root>/etc/passwd``, so
-    an absolute path cannot name anything outside the root. Names this filesystem returns (``ls``, ``find``,
-    ``info``) are root-relative without a leading slash, ``train/0001.tar``, and the root itself is ``""``
-    (as an object store names ``bucket/key``); :meth:`unstrip_protocol` gives ``sf://train/0001.tar``, and so
-    does ``str(UPath(...))``. pyarrow given this filesystem (``filesystem=fs``) wants that form too:
-    ``"train"``, not ``"/train"``. ``.`` and ``..`` are folded before use; ``..`` above the root (``sf://../x``,
-    ``a/../../x``), and symlinks that resolve outside the root, raise
-    :class:`~sfstore.errors.PathEscapeError` (a ``PermissionError``). Symlinks that stay inside the root are
-    followed for content; ``rm`` and ``mv`` act on the link itself. ``ls`` hides sfstore's in-progress temporary
-    files, and lists a symlink that points out of the root (or nowhere) as type ``"other"``. Every operation
-    resolves its name beneath the root without a check-then-use window (:mod:`sfstore.paths.beneath`): a
-    directory swapped for a symlink to elsewhere while it runs makes it fail, never read, write, move or
-    delete outside. ``exists``, ``isdir`` and ``isfile`` say ``False`` for a missing name, a name too long or a
-    symlink loop (as ``os.path`` does).
+    an absolute path cannot name anything outside the root. Names this filesystem returns (``ls``, ``glob``,
+    ``walk``, ``info``) are root-relative without a leading slash, ``train/0001.tar``, and the root itself is
+    ``""`` (as an object store names ``bucket/key``); :meth:`unstrip_protocol` gives ``sf://train/0001.tar``,
+    and so does ``str(UPath(...))``. :meth:`find` alone names what it finds in the spelling of the path it was
+    given (``find("sf://train")`` -> ``sf://train/0001.tar``), which is what pyarrow's dataset discovery
+    needs to take any of the three forms (``ds.dataset("sf://train", filesystem=fs)``). ``.`` and ``..`` are
+    folded before use; ``..`` above the root (``sf://../x``, ``a/../../x``), and symlinks that resolve outside
+    the root, raise :class:`~sfstore.errors.PathEscapeError` (a ``PermissionError``). Symlinks that stay inside
+    the root are followed for content; ``rm`` and ``mv`` act on the link itself. ``ls`` hides sfstore's
+    in-progress temporary files, and lists a symlink that points out of the root (or nowhere) as type
+    ``"other"``. Every operation resolves its name beneath the root without a check-then-use window
+    (:mod:`sfstore.paths.beneath`): a directory swapped for a symlink to elsewhere while it runs makes it fail,
+    never read, write, move or delete outside. ``exists``, ``isdir`` and ``isfile`` say ``False`` for a missing
+    name, a name too long or a symlink loop (as ``os.path`` does).
 
     **Special files.** Only regular files are read: a FIFO, socket or device in the tree raises
     :class:`~sfstore.errors.NotARegularFileError` at once (it is opened without blocking), a directory
@@ -355,6 +358,44 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             raise _typed(exc, "ls", name) from None
         out.sort(key=lambda d: str(d["name"]))
         return out if detail else [d["name"] for d in out]
+
+    def find(
+        self, path: Any, maxdepth: int | None = None, withdirs: bool = False, detail: bool = False, **kwargs: Any
+    ) -> Any:
+        """Everything below ``path`` (fsspec's ``find``), named in the spelling ``path`` was given in.
+
+        ``find("ds")`` names ``ds/a/x.parquet``; ``find("sf://ds")`` names ``sf://ds/a/x.parquet`` and
+        ``find("/ds")`` ``/ds/a/x.parquet``: each name is the given path followed by the rest. pyarrow needs
+        this: its ``FSSpecHandler`` passes the caller's path to ``find`` unchanged (its ``normalize_path`` is
+        the identity), and dataset discovery refuses every name found that does not start with that path
+        ("GetFileInfo() yielded path ... outside base dir"). fsspec's own methods strip the protocol before
+        they call ``find``, so they see root-relative names as before; ``ls``, ``glob``, ``walk`` and ``info``
+        always name root-relative paths.
+        """
+        base = self._strip_protocol(path)
+        found: dict[str, dict[str, Any]] = super().find(
+            base, maxdepth=maxdepth, withdirs=withdirs, detail=True, **kwargs
+        )
+        text = str(stringify_path(path))
+        if base == "":
+            head = text if text == "" or text.endswith("/") else text + "/"
+        else:
+            head = text.rstrip("/")
+        if head == base:
+            return found if detail else list(found)
+
+        def spelled(name: str) -> str:
+            if base == "":
+                return head + name  # names below the root have no leading slash
+            if name == base or name.startswith(base + "/"):
+                return head + name[len(base):]
+            return name
+
+        out: dict[str, dict[str, Any]] = {}
+        for name, info in found.items():
+            key = spelled(name)
+            out[key] = {**info, "name": key} if info else info
+        return out if detail else list(out)
 
     def exists(self, path: Any, **kwargs: Any) -> bool:
         """Whether ``path`` exists; a path that escapes the root raises :class:`PathEscapeError`."""
@@ -833,6 +874,23 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             self.copy(src, dst, recursive=True, on_error="raise")
             self.rm(src, recursive=True)
 
+    def replace(self, path1: Any, path2: Any) -> None:
+        """Rename ``path1`` to ``path2`` with one ``rename(2)`` beneath the root, as ``os.replace`` does.
+
+        An existing file at ``path2`` (or an empty directory, when ``path1`` is a directory) is replaced
+        atomically: a reader sees the old entry or the new one. Unlike :meth:`mv`, a directory at ``path2`` is
+        never moved into, and nothing is copied: across mounts it fails (``EXDEV``), as do a file onto a
+        directory (``EISDIR``) and a directory onto a non-empty one (``ENOTEMPTY``), each as sfstore's typed
+        error.
+        """
+        src, dst = self._strip_protocol(path1), self._strip_protocol(path2)
+        if src == "" or dst == "":
+            raise errors.InvalidRequestError("refusing to replace the sf:// root or to replace onto it")
+        try:
+            self.file_path.beneath.rename(src, dst)
+        except OSError as exc:
+            raise _typed(exc, f"rename onto {_url(dst)}", src) from None
+
     def touch(self, path: Any, truncate: bool = True, **kwargs: Any) -> None:
         """Create an empty file (atomically), or with ``truncate=False`` update an existing file's times."""
         if truncate or not self.exists(path):
@@ -1106,3 +1164,7 @@ class SFFile(AbstractBufferedFile):  # type: ignore[misc]
         else:
             self.close()
 
+
+# webdataset opens shard URLs through its own scheme table, not fsspec's: give it "sf" whenever sf:// is in use
+# (now if webdataset is imported, else when it is; sfstore never imports it).
+webdataset_gopen.install()

@@ -1,0 +1,63 @@
+"""Hugging Face ``datasets`` on ``sf://``: ``data_files`` URLs work; ``data_dir`` is taken as a local path.
+
+``load_dataset("parquet", data_dir=...)`` builds its base path with ``Path(data_dir).expanduser().resolve()``
+(``datasets.load.PackagedDatasetModuleFactory.get_module``), so any URL there — ``sf://``, ``s3://`` — becomes
+a local directory named ``sf:`` under the working directory. ``data_files`` patterns go through fsspec's
+``url_to_fs`` and glob instead: the spelling that works is ``data_files="sf://dir/*.parquet"`` (or
+``"sf://dir/**"``, what ``data_dir`` would have meant).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import pandas as pd
+import pytest
+from datasets.data_files import EmptyDatasetError
+
+
+@pytest.fixture(autouse=True)
+def _no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    # load_dataset sends a download-count HEAD request to the Hub (3 s timeout, errors ignored): none here.
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", False)
+
+
+def _write_splits() -> None:
+    for split, start in (("train", 0), ("test", 100)):
+        for part in range(2):
+            df = pd.DataFrame({"id": range(start + part * 5, start + part * 5 + 5), "split": split})
+            df.to_parquet(f"sf://hf/data/{split}-{part:05d}.parquet")
+
+
+def test_data_files_urls(tmp_path: Path) -> None:
+    _write_splits()
+    cache = str(tmp_path / "hf-cache")
+    whole = datasets.load_dataset("parquet", data_files="sf://hf/data/*.parquet", cache_dir=cache)
+    assert sorted(whole["train"]["id"]) == [*range(10), *range(100, 110)]
+    splits = datasets.load_dataset(
+        "parquet",
+        data_files={"train": "sf://hf/data/train-*.parquet", "test": "sf://hf/data/test-*.parquet"},
+        cache_dir=cache,
+    )
+    assert sorted(splits["train"]["id"]) == list(range(10)) and sorted(splits["test"]["id"]) == list(range(100, 110))
+    # "**": every file below, as data_dir would have taken them.
+    below = datasets.load_dataset("parquet", data_files="sf://hf/**", cache_dir=cache)
+    assert len(below["train"]) == 20
+
+
+def test_streaming_reads_through_sf() -> None:
+    _write_splits()
+    stream = datasets.load_dataset("parquet", data_files="sf://hf/data/train-*.parquet", split="train",
+                                   streaming=True)
+    assert sorted(row["id"] for row in stream) == list(range(10))
+
+
+def test_data_dir_url_is_a_local_path_in_datasets(tmp_path: Path) -> None:
+    """datasets, not sfstore: ``data_dir`` never reaches fsspec. Should datasets start resolving it as a URL,
+    this test fails and README's advice can change."""
+    _write_splits()
+    with pytest.raises(EmptyDatasetError) as err:
+        datasets.load_dataset("parquet", data_dir="sf://hf/data", cache_dir=str(tmp_path / "hf-cache"))
+    assert f"{tmp_path}/sf:/hf/data" in str(err.value)  # the working directory is tmp_path (conftest)
+    assert not (tmp_path / "sf:").exists()
