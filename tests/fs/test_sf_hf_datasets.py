@@ -46,10 +46,10 @@ def test_data_files_urls(tmp_path: Path) -> None:
     assert len(below["train"]) == 20
 
 
-def test_streaming_reads_through_sf() -> None:
+def test_streaming_reads_through_sf(tmp_path: Path) -> None:
     _write_splits()
     stream = datasets.load_dataset("parquet", data_files="sf://hf/data/train-*.parquet", split="train",
-                                   streaming=True)
+                                   streaming=True, cache_dir=str(tmp_path / "hf-cache"))
     assert sorted(row["id"] for row in stream) == list(range(10))
 
 
