@@ -80,9 +80,13 @@ def kv_cache_config(cfg: VllmConfig) -> KVCacheConfig:
 
 @contextlib.contextmanager
 def worker(model_dir: Path, *, layout: str = "LBHNC", kv_layout: str = "auto", device: str = "cpu",
-           pinned_bytes: int = 4 << 20) -> Iterator[tuple[Any, dict[str, torch.Tensor]]]:
+           pinned_bytes: int = 4 << 20,
+           shared_dir: Path | None = None) -> Iterator[tuple[Any, dict[str, torch.Tensor]]]:
     """vLLM's worker-side connector with ``stage_copies`` on, and its registered paged caches."""
-    extra = {"pinned_bytes": pinned_bytes, "kv_layout": kv_layout, "model_id": f"pipeline-{uuid.uuid4().hex}"}
+    extra: dict[str, Any] = {"pinned_bytes": pinned_bytes, "kv_layout": kv_layout,
+                             "model_id": f"pipeline-{uuid.uuid4().hex}"}
+    if shared_dir is not None:
+        extra["shared_dir"] = str(shared_dir)
     cfg = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256),
         cache_config=CacheConfig(block_size=BLOCK),
@@ -219,9 +223,9 @@ def test_staged_loads_are_bit_exact_and_issued_a_layer_ahead(model_dir: Path, la
         assert bad == []
 
 
-def test_staged_load_of_a_block_gone_midway_packs_the_others(model_dir: Path) -> None:
-    """A block that leaves the pinned tier after some layers fails the layers issued after; the other blocks of
-    those layers still land in their own pages (the staging rows are packed before the copy)."""
+def test_staged_load_of_a_block_evicted_midway_still_lands_in_every_layer(model_dir: Path) -> None:
+    """The step reads each block once, whole, into its host buffer: a block that leaves the pinned tier after the
+    first layers were issued still lands in the layers issued after."""
     with worker(model_dir) as (conn, caches):
         store = conn.store
         keys = store.keys_for(list(range(100, 100 + 4 * BLOCK)), ())
@@ -231,15 +235,44 @@ def test_staged_load_of_a_block_gone_midway_packs_the_others(model_dir: Path) ->
 
         def before_wait(li: int, name: str) -> None:
             if li == 5:
-                store.evict(keys[1:2])  # layers 0..5 are issued; 6.. find block 1 gone
+                store.evict(keys[1:2])
 
         run_load_step(conn, caches, keys, block_ids, blocks, before_wait=before_wait)
-        assert conn.get_block_ids_with_load_errors() == {9}
+        assert conn.get_block_ids_with_load_errors() == set()
+        for li, name in enumerate(layer_names()):
+            for b, blk in zip(block_ids, blocks, strict=True):
+                assert page_holds(conn, caches[name], b, blk[li]), (name, b)
+
+
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("layout,kv_layout", LAYOUTS)
+def test_a_block_gone_before_the_reads_is_a_load_error_and_the_others_land(model_dir: Path, tmp_path: Path,
+                                                                            staged: bool, layout: str,
+                                                                            kv_layout: str) -> None:
+    """A block missing when the step reads its blocks is reported; the others, read from the shared tier's files on
+    several threads, are packed in the buffer and each lands in its own page, staged or straight into a CPU
+    cache; each read is counted once, by the tier it came from."""
+    with worker(model_dir, layout=layout, kv_layout=kv_layout, shared_dir=tmp_path / "shared") as (conn, caches):
+        conn.stage_copies = staged
+        conn.load_threads, conn.blocks_per_load_thread = 3, 1  # the blocks read on three threads
+        store = conn.store
+        keys = store.keys_for(list(range(300, 300 + 6 * BLOCK)), ())
+        blocks = random_blocks(conn, 6, seed=5)
+        store.put(keys, blocks)
+        store.wait_for_puts()
+        store.evict(keys[2:3])  # from every tier: a miss
+        store.evict(keys[3:], tiers=("pinned",))  # read from the shared tier's files
+        before = store.counters.snapshot()
+        block_ids = [4, 17, 8, 26, 1, 13]
+        run_load_step(conn, caches, keys, block_ids, blocks)
+        assert conn.get_block_ids_with_load_errors() == {8}
         for li, name in enumerate(layer_names()):
             for j, (b, blk) in enumerate(zip(block_ids, blocks, strict=True)):
-                if j == 1 and li > 5:
-                    continue  # not loaded: vLLM recomputes it
-                assert page_holds(conn, caches[name], b, blk[li]), (name, b)
+                if j != 2:  # block 2 is not loaded: vLLM recomputes it
+                    assert page_holds(conn, caches[name], b, blk[li]), (name, b)
+        now = store.counters.snapshot()
+        got = {k: now.get(k, 0) - before.get(k, 0) for k in ("gets", "hits_pinned", "hits_shared", "misses")}
+        assert got == {"gets": 6, "hits_pinned": 2, "hits_shared": 3, "misses": 1}
 
 
 def test_staged_loads_larger_than_half_the_pinned_tier_load_every_layer_at_start(model_dir: Path) -> None:
