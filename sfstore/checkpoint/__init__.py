@@ -11,6 +11,13 @@ checksums per tensor, per shard and per shard header, the state dict's nesting a
 caller's metadata), which carries an xxh3-64 of its own over all of that (``manifest_xxh3_64``, format version
 3), checked before anything in it is used. Nothing is pickled, nothing is unpickled.
 
+Hugging Face, both ways (:mod:`sfstore.checkpoint.hf`): a flat state dict (``str`` keys, torch tensors:
+``model.state_dict()``) is saved with Hugging Face's shard names (``model.safetensors``, or
+``model-00001-of-00003.safetensors`` ... with ``model.safetensors.index.json``), so that
+``transformers``' ``from_pretrained`` reads the directory once its ``config.json`` is there; other state dicts
+keep ``shard-00000.safetensors`` ... . ``load`` reads a directory ``save_pretrained`` wrote (no manifest: the
+index and the shards' headers say what is in it), and any ``.safetensors`` file, ``into=`` a model too.
+
 Urls: ``"sf://a/b"`` or ``"a/b"`` is the directory ``a/b`` under the checkpoint root
 (``sfstore.open().file_path("checkpoint")``: ``<root>/checkpoints`` unless configured); ``"/x/y/name"`` or
 ``"file:///x/y/name"`` is that directory. ``list``/``latest`` take a directory holding checkpoints, in the
@@ -35,7 +42,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from sfstore.checkpoint import safetensors_format
+from sfstore.checkpoint import hf, safetensors_format
 from sfstore.checkpoint._host import load_buffers as _load_buffers
 from sfstore.checkpoint.catalog import CheckpointInfo
 from sfstore.checkpoint.catalog import latest as _latest
@@ -65,6 +72,7 @@ __all__ = [
     "SaveFuture",
     "MANIFEST_NAME",
     "safetensors_format",
+    "hf",
 ]
 
 
@@ -89,7 +97,8 @@ def save(
         sharing memory are stored separately. Containers nest at most 64 deep
         (:data:`~sfstore.checkpoint.manifest.MAX_DEPTH`; a dict's tuple key is one level inside its dict).
     url : str, os.PathLike or CheckpointInfo
-        The checkpoint directory (see the module docs).
+        The checkpoint directory (see the module docs). A flat state dict (``str`` keys, torch tensors) gets
+        Hugging Face's file names and index beside the manifest (:func:`~sfstore.checkpoint.hf.hf_layout`).
     max_shard_bytes : int, optional
         Most tensor bytes per shard (default: the ``checkpoint_shard_bytes`` setting, 1 GiB). A larger tensor
         gets a shard of its own.
@@ -186,14 +195,17 @@ def prepare_async(state_dict: Any, *, max_shard_bytes: int | None = None) -> int
 
 
 def load(url: Url, *, device: str | torch.device = "cpu", into: Any = None, verify: bool = True) -> Any:
-    """Load the checkpoint at ``url`` (or a plain ``.safetensors`` file).
+    """Load the checkpoint at ``url`` (or a Hugging Face model directory, or a plain ``.safetensors`` file).
 
     Parameters
     ----------
     url : str, os.PathLike or CheckpointInfo
-        A checkpoint directory (see the module docs), a :class:`CheckpointInfo` (from :func:`latest`), or the
-        path of a ``.safetensors`` file (any writer's; returns ``{name: tensor}`` as
-        ``safetensors.torch.load_file`` does, no checksums to check).
+        A checkpoint directory (see the module docs), a :class:`CheckpointInfo` (from :func:`latest`), a
+        directory ``save_pretrained`` wrote (no manifest: ``model.safetensors``, else
+        ``model.safetensors.index.json`` and the shards it lists; ``{name: tensor}`` in the index's order), or
+        the path of a ``.safetensors`` file (any writer's; ``{name: tensor}`` as ``safetensors.torch.load_file``
+        gives). The last two have no checksums to check; their files are read as a checkpoint's shards are
+        (links followed only where they stay beneath the root).
     device : str or torch.device
         ``"cpu"``: tensors are views of the buffers the shards were read into (no copy). ``"cuda..."``:
         each shard is copied to the GPU from its pinned buffer, which is then dropped. numpy arrays always
@@ -204,7 +216,10 @@ def load(url: Url, *, device: str | torch.device = "cpu", into: Any = None, veri
         destination of the same dtype and shape and every destination a checkpoint tensor, else
         :class:`~sfstore.errors.InvalidRequestError` naming the key. The returned structure holds these
         tensors (and the checkpoint's non-tensor values; ``into``'s own are not changed). On an error the
-        destinations' contents are unspecified.
+        destinations' contents are unspecified. A ``.safetensors`` file fills the tensors it holds (by name;
+        every one needs a destination) and leaves the others as they are: it may be one shard of a model. A
+        Hugging Face directory must fill every destination but the tied ones (the memory of a filled one, as
+        ``save_pretrained`` stores tied weights once).
     verify : bool
         Check the xxh3-64 of every tensor and shard (one pass over the bytes, as they are read).
 
@@ -216,13 +231,18 @@ def load(url: Url, *, device: str | torch.device = "cpu", into: Any = None, veri
     Raises
     ------
     sfstore.errors.PathNotFoundError
-        No such directory, or no manifest in it (not a checkpoint).
+        No such directory, or neither a manifest nor Hugging Face's files in it (not a checkpoint).
+    sfstore.errors.InvalidRequestError
+        ``url`` is a JSON file (``model.safetensors.index.json``, the manifest): the message says to pass its
+        directory; ``into=`` destinations that do not match (naming the key).
     sfstore.errors.CorruptCheckpointError
         A checksum mismatch (naming the shard and tensor), a manifest whose bytes fail its own checksum, a
         missing or truncated shard, a manifest that does not match its shards or is malformed or nested too
         deeply, a safetensors header that is oversized, lies about sizes, has a shape torch cannot hold or
         offsets out of bounds or overlapping, a manifest path that escapes the checkpoint directory, a FIFO,
-        socket, device or directory where the manifest or a shard should be (refused without blocking).
+        socket, device or directory where the manifest or a shard should be (refused without blocking); a
+        Hugging Face index that is not JSON, names a shard outside the directory or a missing one, or a tensor
+        its shard does not hold.
         Nothing is read out of bounds and nothing is unpickled, whatever the files hold.
     """
     return _load(url, device=device, into=into, verify=verify)

@@ -27,12 +27,12 @@ import xxhash
 
 from sfstore import errors
 from sfstore.buffers import as_buffer
-from sfstore.checkpoint import _fs
+from sfstore.checkpoint import _fs, hf
 from sfstore.checkpoint import safetensors_format as stf
 from sfstore.checkpoint._fs import DATA_CLASS
 from sfstore.checkpoint._host import HostBuffer, load_buffers
 from sfstore.checkpoint.catalog import CheckpointInfo, read_manifest
-from sfstore.checkpoint.manifest import Manifest, ShardRecord, TensorRecord
+from sfstore.checkpoint.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import KeyPath, format_path, tensor_paths, unflatten
 from sfstore.checksums import xxh3_64_hex
 from sfstore.paths.base import PathFuture, Range
@@ -59,11 +59,12 @@ def _itemsize(rec: TensorRecord) -> int:
         raise _corrupt(f"tensor {rec.name!r}: {exc}", rec.shard, rec.name) from None
 
 
-def _check_header(header: stf.Header, shard: ShardRecord, records: list[TensorRecord]) -> None:
-    """The header describes exactly the manifest's tensors of this shard, as the manifest says."""
+def _check_header(header: stf.Header, shard: ShardRecord, records: list[TensorRecord], exact: bool = True) -> None:
+    """The header describes exactly the manifest's tensors of this shard, as the manifest says (``exact=False``,
+    another tool's files: it holds at least those, as their header said when the manifest was made of it)."""
     names = {r.name for r in records}
     missing = sorted(names - set(header.entries))
-    extra = sorted(set(header.entries) - names)
+    extra = sorted(set(header.entries) - names) if exact else []
     if missing or extra:
         raise _corrupt(
             f"shard {shard.file} does not match the manifest: tensors missing from the shard {missing[:5]}, "
@@ -118,12 +119,14 @@ def _view(base: torch.Tensor, offset: int, nbytes: int, dtype_name: str, shape: 
     return piece.view(dtype).reshape(shape)
 
 
-def _open_shard(loc_dir: str, fp: FilePath, shard: ShardRecord) -> OpenFile:
+def _open_shard(loc_dir: str, fp: FilePath, shard: ShardRecord, follow: bool = False) -> OpenFile:
     """The shard file, opened once beneath the root (every read of it goes to that descriptor), checked to be
-    a regular file of the recorded size. A symlink in its place is refused: shards are files of the directory."""
+    a regular file of the recorded size. A symlink in its place is refused: shards are files of the directory.
+    ``follow``: another tool's files, whose links are followed where they stay beneath the root (the Hugging
+    Face hub's cache links a snapshot's files to its blobs)."""
     path = os.path.join(loc_dir, shard.file)
     try:
-        of = fp.open_file(path, follow=False)  # refuses a symlink (ELOOP) and checks the kind on the descriptor
+        of = fp.open_file(path, follow=follow)  # refuses a symlink (ELOOP) and checks the kind on the descriptor
     except errors.PathNotFoundError:
         raise _corrupt(f"shard {shard.file} is missing", shard.file) from None
     except (errors.NotARegularFileError, errors.IsADirectoryPathError) as exc:
@@ -137,15 +140,17 @@ def _open_shard(loc_dir: str, fp: FilePath, shard: ShardRecord) -> OpenFile:
     if size != shard.size:
         of.close()
         what = "truncated" if size < shard.size else "longer than recorded"
-        raise _corrupt(f"shard {shard.file} is {what}: {size} bytes, the manifest says {shard.size}", shard.file)
+        raise _corrupt(f"shard {shard.file} is {what}: {size} bytes, the manifest says {shard.size} (or it changed "
+                       f"while being loaded)", shard.file)
     return of
 
 
 class _ShardReader:
     """Reads shards whole into registered buffers, ``READ_AHEAD`` at a time, in order."""
 
-    def __init__(self, fp: FilePath, directory: str, shards: list[ShardRecord], ahead: int) -> None:
+    def __init__(self, fp: FilePath, directory: str, shards: list[ShardRecord], ahead: int, follow: bool) -> None:
         self.fp, self.directory, self.shards, self.ahead = fp, directory, shards, max(1, ahead)
+        self.follow = follow
         self.queue: deque[tuple[ShardRecord, OpenFile, HostBuffer, PathFuture]] = deque()
         self.next = 0
 
@@ -153,7 +158,7 @@ class _ShardReader:
         while self.next < len(self.shards) and len(self.queue) < self.ahead:
             shard = self.shards[self.next]
             self.next += 1
-            of = _open_shard(self.directory, self.fp, shard)
+            of = _open_shard(self.directory, self.fp, shard, self.follow)
             try:
                 hb = load_buffers.take(shard.size)
                 fut = self.fp.submit([Range.read(0, shard.size, hb.buf, 0, of)], data_class=DATA_CLASS)
@@ -198,22 +203,24 @@ def _to_device(value: Any, device: torch.device) -> Any:
 
 
 def _load_checkpoint(
-    fp: FilePath, directory: str, manifest: Manifest, device: torch.device, verify: bool
+    fp: FilePath, directory: str, manifest: Manifest, device: torch.device, verify: bool, foreign: bool = False
 ) -> dict[str, Any]:
-    """Every tensor of the checkpoint, by name (views of the shard buffers on the CPU)."""
+    """Every tensor of the checkpoint, by name (views of the shard buffers on the CPU). ``foreign``: a manifest
+    made of another tool's files (:mod:`~sfstore.checkpoint.hf`): no sums, links followed beneath the root,
+    tensors the manifest does not name left out."""
     import torch
 
     by_shard = manifest.by_shard()
     out: dict[str, Any] = {}
     on_cpu = device.type == "cpu"
-    reader = _ShardReader(fp, directory, manifest.shards, READ_AHEAD if on_cpu else 2)
+    reader = _ShardReader(fp, directory, manifest.shards, READ_AHEAD if on_cpu else 2, follow=foreign)
     try:
         for shard, hb in reader:
             records = by_shard[shard.file]
             with memoryview(hb.buf) as raw:
                 header = stf.parse_header(raw, shard.size, shard=shard.file)
-            _check_header(header, shard, records)
-            if verify:
+            _check_header(header, shard, records, exact=not foreign)
+            if verify and not foreign:
                 _verify(hb.buf, header, shard, {r.name: r for r in records})
             base = hb.tensor()
             for rec in records:
@@ -265,8 +272,20 @@ def _leaf_paths(root: Any) -> set[KeyPath]:
     return out
 
 
-def _targets(manifest: Manifest, into: Any) -> dict[KeyPath, Any]:
-    """For ``into=``: the existing tensor at each tensor node's key path, checked against the manifest."""
+def _same_memory(a: Any, b: Any) -> bool:
+    import torch
+
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device
+            and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
+def _targets(manifest: Manifest, into: Any, unfilled: str = "refuse") -> dict[KeyPath, Any]:
+    """For ``into=``: the existing tensor at each tensor node's key path, checked against the manifest.
+
+    ``unfilled``: what of destinations the checkpoint has no tensor for: ``"refuse"`` (an error naming them),
+    ``"tied"`` (allowed where they are the memory of a filled one: tied weights, which ``save_pretrained``
+    stores once) or ``"keep"`` (left as they are: a file holds part of a model)."""
     import numpy as np
     import torch
 
@@ -299,7 +318,10 @@ def _targets(manifest: Manifest, into: Any) -> dict[KeyPath, Any]:
                 f"{rec.dtype}{list(rec.shape)}"
             )
         found[path] = target
-    extra = _leaf_paths(root) - set(found)
+    extra = _leaf_paths(root) - set(found) if unfilled != "keep" else set()
+    if extra and unfilled == "tied":
+        filled = list(found.values())
+        extra = {p for p in extra if not any(_same_memory(_navigate(root, p), t) for t in filled)}
     if extra:
         names = sorted(format_path(p) for p in extra)
         raise errors.InvalidRequestError(
@@ -337,10 +359,12 @@ def _read_header(fp: FilePath, of: OpenFile, shard: ShardRecord) -> tuple[stf.He
     return stf.parse_header(raw, shard.size, shard=shard.file), raw[: 8 + n]
 
 
-def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, verify: bool) -> dict[str, Any]:
+def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, verify: bool, foreign: bool = False,
+               unfilled: str = "refuse") -> dict[str, Any]:
     """Fill ``into``'s tensors in place; returns the filled target per tensor name (first path wins), and a
-    fresh copy of each tensor with no target (numpy scalars)."""
-    targets = _targets(manifest, into)
+    fresh copy of each tensor with no target (numpy scalars). ``foreign``, ``unfilled``: as for
+    :func:`_load_checkpoint` and :func:`_targets`."""
+    targets = _targets(manifest, into, unfilled)
     by_name: dict[str, list[Any]] = {}
     for key, _tag, name in tensor_paths(manifest.structure):
         if key in targets:
@@ -349,9 +373,9 @@ def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, veri
     fresh: dict[str, Any] = {}
     for shard in manifest.shards:
         records = by_shard[shard.file]
-        of = _open_shard(directory, fp, shard)  # closed after its ranges are read (or when dropped, on errors)
+        of = _open_shard(directory, fp, shard, foreign)  # closed after its ranges are read (or dropped, on errors)
         header, head_bytes = _read_header(fp, of, shard)
-        _check_header(header, shard, records)
+        _check_header(header, shard, records, exact=not foreign)
         ordered = sorted(records, key=lambda r: header.entries[r.name].begin)
         direct: dict[str, Any] = {}
         bounce_at: dict[str, int] = {}
@@ -386,7 +410,7 @@ def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, veri
                     rec.name,
                 )
         bounce = hb.tensor() if hb is not None else None
-        if verify:
+        if verify and not foreign:
             # As _verify: the header's sum and the tensors' cover the shard (version 1: the whole shard's sum,
             # streamed over the same pieces).
             whole = xxhash.xxh3_64(head_bytes) if shard.header_xxh3_64 is None else None
@@ -440,30 +464,6 @@ def _copy_into(dst: Any, src: Any) -> None:
             dst.copy_(src if isinstance(src, torch.Tensor) else torch.from_numpy(src))
 
 
-def _load_bare(fp: FilePath, path: str, device: torch.device) -> dict[str, Any]:
-    """A plain ``.safetensors`` file: every tensor by name, as ``safetensors.torch.load_file`` reads it."""
-    with fp.open_file(path) as of:
-        size = of.size
-        hb = load_buffers.take(size)
-        got = fp.submit([Range.read(0, size, hb.buf, 0, of)], data_class=DATA_CLASS).get()[0] if size else 0
-    fp.counters.add_for(DATA_CLASS, files=1)
-    name = os.path.basename(path)
-    if got != size:
-        raise _corrupt(f"{name} is truncated: read {got} of {size} bytes", name)
-    with memoryview(hb.buf) as raw:
-        header = stf.parse_header(raw, size, shard=name)
-    base = hb.tensor()
-    out: dict[str, Any] = {}
-    for entry in header.entries.values():
-        try:
-            dtype, shape = stf.st_to_torch(entry)
-        except errors.CorruptCheckpointError as exc:
-            raise _corrupt(f"{name}: {exc}", name, entry.name) from None
-        t = _view(base, header.data_start + entry.begin, entry.nbytes, dtype, shape)
-        out[entry.name] = t if device.type == "cpu" else _to_device(t, device)
-    return out
-
-
 def load(
     url: str | os.PathLike[str] | CheckpointInfo,
     *,
@@ -490,22 +490,36 @@ def load(
     finally:
         os.close(pfd)
     try:
-        is_file = stat.S_ISREG(fp.stat(path).st_mode)
+        kind = fp.stat(path).st_mode
     except errors.PathNotFoundError:
-        is_file = False
-    if is_file:
-        if into is not None:
-            raise errors.InvalidRequestError("load(into=...) needs an sfstore checkpoint, not a .safetensors file")
-        with load_buffers.session():
-            return _load_bare(fp, path, dev)
-    manifest = read_manifest(fp, path)
+        kind = 0
+    foreign = stat.S_ISREG(kind)
+    unfilled = "keep"  # a plain file may be one shard of a model: fill what it holds
+    directory = os.path.dirname(path) if foreign else path
+    if foreign:
+        manifest = hf.file_manifest(fp, path)
+    else:
+        try:
+            manifest = read_manifest(fp, path)
+        except errors.PathNotFoundError:
+            if not stat.S_ISDIR(kind):
+                raise
+            found = hf.directory_manifest(fp, path)
+            if found is None:
+                raise errors.os_error(
+                    errno.ENOENT,
+                    f"not a checkpoint: neither {MANIFEST_NAME} (sfstore) nor {hf.WEIGHTS_NAME} or {hf.INDEX_NAME} "
+                    "(Hugging Face) is in the directory",
+                    path,
+                ) from None
+            manifest, foreign, unfilled = found, True, "tied"
     if into is not None and dev.type != "cpu":
         raise errors.InvalidRequestError("load(into=...) fills the given tensors where they are; omit device=")
     with load_buffers.session():
         if into is not None:
-            tensors = _load_into(fp, path, manifest, into, verify)
+            tensors = _load_into(fp, directory, manifest, into, verify, foreign, unfilled if foreign else "refuse")
         else:
-            tensors = _load_checkpoint(fp, path, manifest, dev, verify)
+            tensors = _load_checkpoint(fp, directory, manifest, dev, verify, foreign)
 
     def resolve(tag: str, name: str, key: KeyPath) -> Any:
         value = tensors[name]

@@ -17,7 +17,9 @@ With ``checkpoint_reuse_buffers`` (the default) both keep their buffers for the 
 holds the ring, and a copy of the last ``save_async``'s tensor bytes.
 
 Both write into a staging directory, fsync every shard, then the manifest, then the staging directory, and
-publish it (see :mod:`sfstore.checkpoint._fs`).
+publish it (see :mod:`sfstore.checkpoint._fs`). A flat state dict's shards take Hugging Face's names, and when
+there are several its ``model.safetensors.index.json`` is written before the manifest
+(:mod:`sfstore.checkpoint.hf`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import xxhash
 
 from sfstore import defaults, errors
 from sfstore.arguments import check_timeout
-from sfstore.checkpoint import _fs
+from sfstore.checkpoint import _fs, hf
 from sfstore.checkpoint import safetensors_format as stf
 from sfstore.checkpoint._fs import DATA_CLASS
 from sfstore.checkpoint._host import HostBuffer, check_written, round_size, write_small
@@ -94,6 +96,8 @@ class _Plan:
     items: list[_Item]
     shards: list[_Shard]
     metadata: dict[str, Any]
+    hf: bool = False
+    """Hugging Face names and index (:func:`~sfstore.checkpoint.hf.hf_layout`)."""
 
     @property
     def largest_shard(self) -> int:
@@ -149,8 +153,10 @@ def plan(state_dict: Any, max_shard_bytes: int | None, metadata: Mapping[str, An
         size += it.nbytes
     if current:
         groups.append(current)
+    hf_names = hf.hf_layout(state_dict, leaves)
+    names = hf.shard_names(len(groups)) if hf_names else [f"shard-{i:05d}.safetensors" for i in range(len(groups))]
     shards = []
-    for i, group in enumerate(groups):
+    for name, group in zip(names, groups, strict=True):
         # Largest alignment first: with the data on a page boundary, every tensor is aligned to its element.
         ordered = sorted(group, key=lambda it: -it.itemsize)
         header, offsets = stf.build_header(
@@ -159,8 +165,8 @@ def plan(state_dict: Any, max_shard_bytes: int | None, metadata: Mapping[str, An
         for it, (begin, _end) in zip(ordered, offsets, strict=True):
             it.offset = len(header) + begin
         data = offsets[-1][1] if offsets else 0
-        shards.append(_Shard(f"shard-{i:05d}.safetensors", ordered, header, len(header) + data))
-    return _Plan(structure, items, shards, meta)
+        shards.append(_Shard(name, ordered, header, len(header) + data))
+    return _Plan(structure, items, shards, meta, hf_names)
 
 
 def _as_plain(t: torch.Tensor) -> torch.Tensor:
@@ -360,6 +366,11 @@ class _Job:
         # Tensors in the order the state dict holds them (shards order them by alignment).
         manifest.tensors = {it.name: manifest.tensors[it.name] for it in plan.items}
         data = manifest.to_json()
+        if plan.hf and len(plan.shards) > 1:
+            # save_pretrained writes no index for one shard: from_pretrained looks for model.safetensors first.
+            index = hf.index_json({it.name: sh.file for sh in plan.shards for it in sh.items},
+                                  sum(it.nbytes for it in plan.items))
+            write_small(self.fp, os.path.join(self.staging_full, hf.INDEX_NAME), index, dirfd=self.staging_fd)
         write_small(self.fp, os.path.join(self.staging_full, MANIFEST_NAME), data, dirfd=self.staging_fd)
         try:
             os.fsync(self.staging_fd)

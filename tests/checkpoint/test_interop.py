@@ -59,8 +59,8 @@ def test_safetensors_native_dtypes_have_their_safetensors_name(tmp_path: Path, d
     st.save_file({"x": t}, str(tmp_path / "ref.safetensors"))
     checkpoint.save({"x": t}, tmp_path / "ck")
     ref = json.loads((tmp_path / "ref.safetensors").read_bytes()[8:].split(b"}}")[0] + b"}}")
-    ours = stf.parse_header((tmp_path / "ck" / "shard-00000.safetensors").read_bytes(), os.path.getsize(
-        tmp_path / "ck" / "shard-00000.safetensors"), shard="s")
+    ours = stf.parse_header((tmp_path / "ck" / "model.safetensors").read_bytes(), os.path.getsize(
+        tmp_path / "ck" / "model.safetensors"), shard="s")  # a flat dict of tensors: Hugging Face's name
     assert ours.entries["x"].dtype == ref["x"]["dtype"] and list(ours.entries["x"].shape) == ref["x"]["shape"]
 
 

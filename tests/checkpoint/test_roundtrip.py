@@ -140,7 +140,7 @@ def test_loaded_tensors_are_views_of_the_shard_buffer(tmp_path: Path) -> None:
     t0 = out["t0"]
     base, size = t0.untyped_storage().data_ptr(), t0.untyped_storage().nbytes()
     assert base % 4096 == 0  # the registered buffer is page-aligned
-    shard_size = (tmp_path / "ck" / "shard-00000.safetensors").stat().st_size
+    shard_size = (tmp_path / "ck" / "model.safetensors").stat().st_size
     assert shard_size <= size < shard_size + (2 << 20)
     for t in out.values():
         assert base <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= base + size
@@ -285,7 +285,7 @@ def test_missing_checkpoint_or_manifest_is_path_not_found(tmp_path: Path) -> Non
     with pytest.raises(errors.PathNotFoundError):
         checkpoint.load(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(errors.PathNotFoundError, match="not an sfstore checkpoint"):
+    with pytest.raises(errors.PathNotFoundError, match=r"not a checkpoint: neither sfstore-manifest\.json"):
         checkpoint.load(tmp_path / "empty")
     with pytest.raises(errors.PathNotFoundError):
         checkpoint.load("/nonexistent-root-dir/x/y")
