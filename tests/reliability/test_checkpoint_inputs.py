@@ -33,7 +33,7 @@ from sfstore.checkpoint import safetensors_format as stf
 from sfstore.checkpoint.crashtest import states_equal
 from sfstore.checkpoint.manifest import MAX_DEPTH, SUM_KEY, seal
 
-SHARD = "shard-00000.safetensors"
+SHARD = "model.safetensors"  # a flat state dict of tensors is saved with Hugging Face names
 
 
 def safetensors_file(path: Path, entries: dict[str, Any], data: bytes) -> None:
