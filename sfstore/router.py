@@ -432,9 +432,14 @@ def open(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> Ro
         if got is not None and not got.closed:
             return got
     made = Router(config)
+    # A config file's [settings] (and data_dir) are applied to the process's settings by Router(): the key the
+    # next call computes includes them, so the router is found under that key too (else every first call after
+    # the file appears, or changes, would make a second router: two block stores on one image, split counters).
+    after = _cache_key(config)
     with _routers_lock:
         got = _routers.get(key)
         if got is not None and not got.closed:
             return got
         _routers[key] = made
+        _routers[after] = made
     return made

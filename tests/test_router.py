@@ -167,3 +167,15 @@ def test_nvmeof_target_on_a_host_without_fabrics_falls_back_to_the_image_and_say
                    for f in hot["fallbacks"])
     finally:
         r.close()
+
+
+def test_open_returns_one_router_for_a_config_with_settings(tmp_path: Path) -> None:
+    # Router() applies [settings] to the process, which changes the key the next open() computes: it must still
+    # find the same router (two would hold two block stores on one image and split the counters).
+    (tmp_path / "sfstore.toml").write_text("[settings]\nqueue_depth = 40\nfile_chunk_size = 4194304\n")
+    first = sfstore.open()
+    assert sfstore.open() is first and sfstore.open() is first
+    assert defaults.get("queue_depth") == 40
+    hot = BlockStore.from_router(first)  # one block store per router: a second router would refuse the image
+    assert BlockStore.from_router(sfstore.open()) is hot
+    first.close()
