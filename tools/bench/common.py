@@ -42,6 +42,8 @@ __all__ = [
     "utc_now",
     "match_any",
     "Table",
+    "ttft_cell",
+    "render_ttft_table",
     "warn",
     "RatioGoal",
     "evaluate_ratio_goals",
@@ -595,6 +597,54 @@ def _ratio(case: dict[str, Any]) -> str:
     return f"{r:.2f} ({lo:.2f}-{hi:.2f})"
 
 
+def ttft_cell(side: Any, spread: bool = True) -> str:
+    """A side of the ``vllm`` suite as text: its median time to first token in ms, with ``spread`` the min-max in
+    brackets; ``n/a`` for a side that did not run (its error, shortened, in brackets).
+
+    Parameters
+    ----------
+    side : dict
+        ``median_s``, ``min_s``, ``max_s``; or ``error``.
+    spread : bool
+        Add the min-max.
+
+    Returns
+    -------
+    str
+        E.g. ``22.1 ms (20.3-25.0)``.
+    """
+    if not isinstance(side, dict) or "median_s" not in side:
+        why = str(side.get("error", "")) if isinstance(side, dict) else ""
+        return f"n/a ({why[:40]})" if why else "n/a"
+    text = f"{float(side['median_s']) * 1e3:.1f} ms"
+    if spread and "min_s" in side and "max_s" in side:
+        text += f" ({float(side['min_s']) * 1e3:.1f}-{float(side['max_s']) * 1e3:.1f})"
+    return text
+
+
+def render_ttft_table(ttft: Iterable[dict[str, Any]]) -> str:
+    """The ``vllm`` suite's table: one row per prompt length, one column per side (TTFT median, min-max).
+
+    Parameters
+    ----------
+    ttft : iterable of dict
+        The document's ``ttft`` entries (``name``, ``sides``: side name -> summary).
+
+    Returns
+    -------
+    str
+        The table.
+    """
+    entries = list(ttft)
+    sides: list[str] = []
+    for entry in entries:
+        sides += [s for s in entry.get("sides", {}) if s not in sides]
+    rows = [["TTFT (ms)", *sides]]
+    rows += [[str(e.get("name", "?")), *(ttft_cell(e.get("sides", {}).get(s)) for s in sides)] for e in entries]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
 def _cpu(side: dict[str, Any]) -> str:
     value = side.get("cpu_s_per_gib")
     return "n/a" if value is None else f"{value:.3f}"
@@ -650,7 +700,10 @@ class Table:
             fmt = lambda s: _iops(float(s["iops"]))  # noqa: E731
         else:
             fmt = lambda s: _gib_s(float(s["bytes_per_s"]))  # noqa: E731
-        cells = [fmt(s) if "bytes_per_s" in s else "n/a" for s in (ours, ref)]  # n/a: a side that did not run
+        if "median_s" in ours or "median_s" in ref:  # a time (the vllm suite's TTFT), not a throughput
+            cells = [ttft_cell(s, spread=False) for s in (ours, ref)]
+        else:
+            cells = [fmt(s) if "bytes_per_s" in s else "n/a" for s in (ours, ref)]  # n/a: a side that did not run
         return self._line([case["name"], *cells, _ratio(case), _cpu(ours), _cpu(ref)])
 
     def render(self, cases: Iterable[dict[str, Any]]) -> str:

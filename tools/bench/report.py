@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tools.bench.common import GIB, Table, machine_info
+from tools.bench.common import GIB, Table, machine_info, render_ttft_table, ttft_cell
 
 __all__ = ["README_START", "README_END", "Goal", "case_goals", "machine_summary", "render_summary",
            "update_readme", "write_report"]
@@ -230,8 +230,10 @@ def _short_status(status: Any) -> str:
 
 def _side_cell(case: Mapping[str, Any], key: str, use_iops: bool) -> str:
     side = case.get(key)
+    if isinstance(side, dict) and "median_s" in side:  # a time (the vllm suite's TTFT), not a throughput
+        return ttft_cell(side, spread=False) + " TTFT"
     if not isinstance(side, dict) or "bytes_per_s" not in side:
-        why = _short_status(side.get("status")) if isinstance(side, dict) else ""
+        why = _short_status(side.get("status") or side.get("error")) if isinstance(side, dict) else ""
         return f"n/a ({why})" if why else "n/a"
     if use_iops and side.get("iops") is not None:
         iops = float(side["iops"])
@@ -283,6 +285,52 @@ def _case_rows(doc: Mapping[str, Any], with_suite: bool) -> list[str]:
                  _goal_cell(per_case.get(name, []))]
         rows.append("| " + " | ".join(([suite] if with_suite else []) + cells) + " |")
     return rows
+
+
+def _common_shape(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """``doc`` with only cases in the common shape: cases that compare several sides by time (``sides``, as the
+    ``vllm`` suite wrote them before it added one common-shape case per pair) move to its ``ttft`` list."""
+    out = dict(doc)
+    cases = [c for c in doc.get("cases", []) if isinstance(c, dict)]
+    timed = [c for c in cases if "sides" in c and not {"sfstore", "reference"} <= set(c)]
+    if timed:
+        out["ttft"] = [*(doc.get("ttft") or []), *timed]
+        out["cases"] = [c for c in cases if c not in timed]
+    return out
+
+
+def _ttft_md(side: Any) -> str:
+    text = ttft_cell(side)
+    return text.replace("-", _DASH) if isinstance(side, dict) and "median_s" in side else text
+
+
+def _ttft_lines(doc: Mapping[str, Any]) -> list[str]:
+    """Markdown of a suite's time-to-first-token table (the ``vllm`` suite's ``ttft``): one row per prompt length,
+    one column per side, the median TTFT and min-max; then the files each side loaded from."""
+    entries = [e for e in doc.get("ttft") or [] if isinstance(e, dict)]
+    if not entries:
+        return []
+    sides: list[str] = []
+    for e in entries:
+        sides += [s for s in e.get("sides", {}) if s not in sides]
+    lines = ["Time to first token, median (min" + _DASH + "max) of the prompts of each length. Each side ran every "
+             "prompt in its own engine process, one side after the other (not interleaved); a case's ratio above is "
+             "the other side's TTFT over sfstore's, the median of the per-prompt ratios.", "",
+             "| prompt | " + " | ".join(f"`{s}`" for s in sides) + " |", "|---" * (len(sides) + 1) + "|"]
+    for e in entries:
+        cells = [_ttft_md(e.get("sides", {}).get(s)) for s in sides]
+        lines.append(f"| `{e.get('name', '?')}` | " + " | ".join(cells) + " |")
+    files = (doc.get("params") or {}).get("files")
+    if isinstance(files, dict):
+        facts = []
+        for side, f in files.items():
+            if isinstance(f, dict):
+                res = f.get("resident_bytes_after_evict")
+                facts.append(f"{side}: {f.get('files')} files, {int(f.get('bytes') or 0) / (1 << 20):.1f} MiB"
+                             + ("" if res is None else f", {int(res)} bytes resident after the eviction"))
+        if facts:
+            lines += ["", "Files loaded from: " + "; ".join(facts) + "."]
+    return ["", *lines]
 
 
 def _other_goal_lines(doc: Mapping[str, Any], with_suite: bool) -> list[str]:
@@ -337,7 +385,7 @@ def render_summary(docs: Sequence[Mapping[str, Any]], chart_dir: str, charts: Ma
              f"| suite | case | sfstore | reference | ratio (min{_DASH}max) | goal |", "|---|---|---|---|---|---|"]
     errors: list[str] = []
     other: list[str] = []
-    for doc in docs:
+    for doc in map(_common_shape, docs):
         if doc.get("error"):
             errors.append(f"- {doc.get('bench', 'bench')}: did not run ({doc['error']})")
             continue
@@ -362,7 +410,7 @@ def _render_index(docs: Sequence[Mapping[str, Any]], charts: Mapping[str, str], 
     lines = ["# sfstore benchmark report", "", *_header_lines(docs, command), "", _RATIO_NOTE, ""]
     if chart_note:
         lines += [f"Charts skipped: {chart_note}.", ""]
-    for doc in docs:
+    for doc in map(_common_shape, docs):
         name = str(doc.get("bench", "bench"))
         lines += [f"## {name} ({_short_date(doc.get('date'))})", ""]
         if doc.get("error"):
@@ -370,8 +418,10 @@ def _render_index(docs: Sequence[Mapping[str, Any]], charts: Mapping[str, str], 
             continue
         if name in charts:
             lines += [f"![{name}: sfstore / reference per case]({charts[name]})", ""]
-        lines += [f"| case | sfstore | reference | ratio (min{_DASH}max) | goal |", "|---|---|---|---|---|",
-                  *_case_rows(doc, with_suite=False)]
+        if doc.get("cases") or not doc.get("ttft"):
+            lines += [f"| case | sfstore | reference | ratio (min{_DASH}max) | goal |", "|---|---|---|---|---|",
+                      *_case_rows(doc, with_suite=False)]
+        lines += _ttft_lines(doc)
         other = _other_goal_lines(doc, with_suite=False)
         if other:
             lines += ["", *other]
@@ -555,10 +605,15 @@ def write_report(directory: str, docs: Sequence[dict[str, Any]], command: str | 
         written.append(json_path)
         if doc.get("error"):
             continue
+        doc = _common_shape(doc)
         cases = doc.get("cases", [])
-        tool = str(cases[0].get("reference_tool", "reference")) if cases else "reference"
+        tools = {str(c.get("reference_tool", "reference")) for c in cases}
+        tool = tools.pop() if len(tools) == 1 else "reference"
+        width = max([20, *(len(str(c.get("name", ""))) for c in cases)])
         goals = [str(a["line"]) for a in doc.get("acceptance", []) if isinstance(a, dict) and a.get("line")]
-        text = "\n".join([Table(tool).render(cases), *(["", *goals] if goals else [])])
+        timed = [render_ttft_table(doc["ttft"]), ""] if doc.get("ttft") else []
+        table = [Table(tool, name_width=width).render(cases)] if cases or not timed else []
+        text = "\n".join([*timed, *table, *(["", *goals] if goals else [])]).strip("\n")
         texts[name] = text
         txt_path = os.path.join(directory, f"{name}.txt")
         with open(txt_path, "w", encoding="utf-8") as f:
