@@ -18,10 +18,12 @@ Hugging Face, both ways (:mod:`sfstore.checkpoint.hf`): a flat state dict (``str
 keep ``shard-00000.safetensors`` ... . ``load`` reads a directory ``save_pretrained`` wrote (no manifest: the
 index and the shards' headers say what is in it), and any ``.safetensors`` file, ``into=`` a model too.
 
-Urls: ``"sf://a/b"`` or ``"a/b"`` is the directory ``a/b`` under the checkpoint root
-(``sfstore.open().file_path("checkpoint")``: ``<root>/checkpoints`` unless configured); ``"/x/y/name"`` or
-``"file:///x/y/name"`` is that directory. ``list``/``latest`` take a directory holding checkpoints, in the
-same forms (``""``: the checkpoint root).
+Urls: ``"sf://a/b"`` is ``<root>/a/b``, the directory ``fsspec.filesystem("sf")`` (and ``sfstore ls``) calls
+``sf://a/b`` (the ``sf://`` root, ``sfstore.open().file_path("dataset")``); a bare name ``"a/b"`` is the
+directory ``a/b`` under the checkpoint root (``sfstore.open().file_path("checkpoint")``: ``<root>/checkpoints``
+unless configured); ``"/x/y/name"`` or ``"file:///x/y/name"`` is that directory. ``list``/``latest`` take a
+directory holding checkpoints, in the same forms (``""``: the checkpoint root), and name what they find in the
+form they were given (``list("sf://runs")`` -> ``sf://runs/a``, ``list("runs")`` -> ``runs/a``).
 
 Speed and memory: shards are written and read through the file path (:meth:`FilePath.submit
 <sfstore.paths.file.FilePath.submit>`, counted under the ``checkpoint`` data class) with O_DIRECT from

@@ -39,6 +39,9 @@ __all__ = [
     "DATA_CLASS",
     "Location",
     "locate",
+    "locate_dir",
+    "split_url",
+    "url_of",
     "staging_path",
     "publish",
     "cleanup",
@@ -117,9 +120,24 @@ def _checkpoint_root() -> FilePath:
     return sfstore.open().file_path("checkpoint")
 
 
-def split_url(url: str | os.PathLike[str]) -> tuple[bool, str]:
-    """``(absolute, path)`` of a checkpoint url: ``file:///x`` and ``/x`` are absolute, ``sf://a`` and ``a``
-    are relative to the checkpoint root."""
+def _sf_root() -> FilePath:
+    """The file path ``sf://`` names, as :class:`sfstore.fs.SFFileSystem` has it: the router's ``dataset`` path."""
+    import sfstore
+
+    return sfstore.open().file_path("dataset")
+
+
+ABSOLUTE, SF, CLASS = "abs", "sf", "class"
+"""The kinds of checkpoint url :func:`split_url` tells apart: a host path, an ``sf://`` url, a bare name."""
+
+
+def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(kind, path)`` of a checkpoint url; no I/O.
+
+    ``file:///x`` and ``/x``: :data:`ABSOLUTE`, the host path ``/x``. ``sf://a/b`` (``sf:///a/b`` too):
+    :data:`SF`, ``a/b`` below the ``sf://`` root, the directory ``fsspec.filesystem("sf")`` names ``sf://a/b``.
+    A bare name ``a/b``: :data:`CLASS`, ``a/b`` below the checkpoint class's root.
+    """
     text = os.fspath(url)
     if not isinstance(text, str):
         raise errors.InvalidRequestError(f"a checkpoint url must be text, not {type(text).__name__}")
@@ -129,12 +147,22 @@ def split_url(url: str | os.PathLike[str]) -> tuple[bool, str]:
         text = text[len("file://") :]
         if not text.startswith("/"):
             raise errors.InvalidRequestError(f"file:// urls must be absolute: {os.fspath(url)!r}")
-        return True, posixpath.normpath(text)
+        return ABSOLUTE, posixpath.normpath(text)
     if text.startswith("sf://"):
-        text = text[len("sf://") :].lstrip("/")
+        # As the sf:// filesystem has it: a leading '/' means its root, never the host's.
+        rel = text[len("sf://") :].lstrip("/")
+        return SF, posixpath.normpath(rel) if rel else ""
+    if "://" in text:
+        raise errors.InvalidRequestError(
+            f"checkpoint url {text!r}: checkpoints are sf://name, file:///path, a path or a name"
+        )
     if os.path.isabs(text):
-        return True, posixpath.normpath(text)
-    return False, posixpath.normpath(text) if text else ""
+        return ABSOLUTE, posixpath.normpath(text)
+    return CLASS, posixpath.normpath(text) if text else ""
+
+
+def _root_for(kind: str) -> FilePath:
+    return _sf_root() if kind == SF else _checkpoint_root()
 
 
 def locate(url: str | os.PathLike[str], *, create: bool) -> Location:
@@ -143,8 +171,9 @@ def locate(url: str | os.PathLike[str], *, create: bool) -> Location:
     ``create`` makes the root directory if missing (saves); loads raise
     :class:`~sfstore.errors.PathNotFoundError` instead.
     """
-    absolute, text = split_url(url)
-    if absolute:
+    kind, text = split_url(url)
+    rel = ""
+    if kind == ABSOLUTE:
         parent_abs, base = os.path.split(text.rstrip("/") or "/")
         if not base:
             raise errors.InvalidRequestError(f"checkpoint url {os.fspath(url)!r} names no directory")
@@ -153,7 +182,7 @@ def locate(url: str | os.PathLike[str], *, create: bool) -> Location:
     else:
         if text in ("", "."):
             raise errors.InvalidRequestError(f"checkpoint url {os.fspath(url)!r} names no directory")
-        fp = _checkpoint_root()
+        fp = _root_for(kind)
         head, base = posixpath.split(text)
         parent = fp.full(head or "")  # refuses '..' above the root; symlinks are met beneath it, at each use
         rel = parent[len(fp.root):].lstrip("/")
@@ -161,9 +190,7 @@ def locate(url: str | os.PathLike[str], *, create: bool) -> Location:
         raise errors.InvalidRequestError(
             f"checkpoint name {base!r} (from {os.fspath(url)!r}) must not be empty or start with '.'"
         )
-    if absolute:
-        rel = ""
-    elif create and rel:
+    if create and rel:
         try:
             fp.beneath.mkdir(rel, parents=True, exist_ok=True)
         except errors.PathEscapeError:
@@ -173,15 +200,24 @@ def locate(url: str | os.PathLike[str], *, create: bool) -> Location:
     return Location(fp, parent, base, os.fspath(url), rel)
 
 
-def locate_dir(prefix: str | os.PathLike[str]) -> tuple[FilePath, str]:
-    """The file path and absolute directory of a ``list``/``latest`` prefix (a directory of checkpoints); the
-    name is computed, not resolved: open it with :func:`open_dir` (beneath the root)."""
-    absolute, text = split_url(prefix)
-    if absolute:
+def locate_dir(prefix: str | os.PathLike[str]) -> tuple[str, FilePath, str]:
+    """The url kind, file path and absolute directory of a ``list``/``latest`` prefix (a directory of
+    checkpoints); the name is computed, not resolved: open it with :func:`open_dir` (beneath the root)."""
+    kind, text = split_url(prefix)
+    if kind == ABSOLUTE:
         fp = _file_path(text, False)
-        return fp, fp.root
-    fp = _checkpoint_root()
-    return fp, fp.full(text if text not in ("", ".") else "")
+        return kind, fp, fp.root
+    fp = _root_for(kind)
+    return kind, fp, fp.full(text if text not in ("", ".") else "")
+
+
+def url_of(kind: str, fp: FilePath, path: str) -> str:
+    """The url of the checkpoint directory ``path`` (absolute, inside ``fp``) in the form of ``kind``: the host
+    path, ``sf://<below the sf:// root>``, or the bare name below the checkpoint root."""
+    if kind == ABSOLUTE:
+        return path
+    rel = fp.relative(path)
+    return "sf://" + rel if kind == SF else rel
 
 
 # -- reading small files -------------------------------------------------------------------------------------

@@ -94,15 +94,10 @@ def read_manifest(fp: FilePath, directory: str) -> Manifest:
     return Manifest.from_json(raw)
 
 
-def _entry_url(prefix_absolute: bool, fp: FilePath, path: str) -> str:
-    return path if prefix_absolute else "sf://" + fp.relative(path)
-
-
 def list_checkpoints(prefix: str | os.PathLike[str] = "") -> builtins.list[CheckpointInfo]:
     """The committed checkpoints directly inside ``prefix``, oldest first; see :func:`sfstore.checkpoint.list`."""
-    absolute, _ = _fs.split_url(prefix)
     try:
-        fp, directory = _fs.locate_dir(prefix)
+        kind, fp, directory = _fs.locate_dir(prefix)
     except errors.PathNotFoundError:
         return []
     try:
@@ -125,7 +120,7 @@ def list_checkpoints(prefix: str | os.PathLike[str] = "") -> builtins.list[Check
             manifest = read_manifest(fp, path)
         except (errors.SfstoreError, OSError):
             continue  # not a checkpoint (or one being removed): not listed
-        out.append(info_for(_entry_url(absolute, fp, path), path, name, manifest))
+        out.append(info_for(_fs.url_of(kind, fp, path), path, name, manifest))
     out.sort(key=lambda i: (i.created_ns, i.name))
     return out
 

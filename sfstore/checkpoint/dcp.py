@@ -5,11 +5,29 @@
 >>> dcp.save(state_dict, storage_writer=StorageWriter("sf://run1/step-1000"))  # doctest: +SKIP
 >>> dcp.load(state_dict, storage_reader=StorageReader("sf://run1/step-1000"))  # doctest: +SKIP
 
-Where checkpoints live: ``"sf://a/b"`` or ``"a/b"`` is the directory ``a/b`` under the checkpoint class root
-(``sfstore.open().file_path("checkpoint")``, ``<root>/checkpoints`` by default); an absolute path
-(``/x/y/name`` or ``file:///x/y/name``) is that directory. Every file of a ``sf://`` checkpoint is named below
-the checkpoint root and resolved beneath it at each use (:class:`~sfstore.paths.beneath.Beneath`), so ``..``
+Where checkpoints live: ``"sf://a/b"`` is ``<root>/a/b``, the directory ``fsspec.filesystem("sf")`` calls
+``sf://a/b`` (the ``sf://`` root: ``sfstore.open().file_path("dataset")``); a bare name ``"a/b"`` is ``a/b`` under
+the checkpoint class root (``sfstore.open().file_path("checkpoint")``, ``<root>/checkpoints`` by default); an
+absolute path (``/x/y/name`` or ``file:///x/y/name``) is that directory. Every file of a relative checkpoint is
+named below its root and resolved beneath it at each use (:class:`~sfstore.paths.beneath.Beneath`), so ``..``
 cannot climb out and a directory on the way swapped for a symlink to elsewhere is refused, never followed.
+
+A second save to one checkpoint id replaces the first (``overwrite=True`` by default, as DCP's own
+``FileSystemWriter``), atomically: the new data files get new names and the metadata is replaced in one rename,
+so a load finds the old checkpoint or the new one. ``StorageWriter(url, overwrite=False)`` refuses instead.
+
+DCP without this storage: ``dcp.save(state, checkpoint_id="sf://x")`` with no ``storage_writer`` is DCP's own
+``FsspecWriter`` (DCP picks it for any url with a protocol fsspec knows); it writes DCP's own format -- a pickled
+``.metadata`` and ``__<rank>_<n>.distcp`` files -- through the ``sf://`` filesystem into the same directory,
+``<root>/x``, and ``dcp.load(state, checkpoint_id="sf://x")`` reads that back (unpickling ``.metadata``). The
+two formats are separate: :class:`StorageReader` refuses a directory saved last in DCP's own format, naming the
+reader that reads it, and :class:`StorageWriter` removes DCP's own files once its checkpoint replaced them.
+
+Torch's format, for tools that want one ``torch.save`` file: :func:`to_torch_save` converts a checkpoint of this
+storage (what ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does for DCP's own format, which
+it reads with ``FileSystemReader`` and cannot read from here); for DCP's own format under ``sf://``,
+``dcp_to_torch_save("<root>/x", out)`` on its host directory. In the other direction,
+``dcp.save(torch.load(path, weights_only=True), storage_writer=StorageWriter(url))``.
 
 Layout of a checkpoint directory:
 
@@ -66,7 +84,7 @@ import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import xxhash
@@ -114,6 +132,8 @@ __all__ = [
     "encode_metadata",
     "decode_metadata",
     "resolve_checkpoint_dir",
+    "to_torch_save",
+    "TORCH_METADATA_NAME",
 ]
 
 METADATA_NAME = "sfstore-dcp-metadata.json"
@@ -131,6 +151,10 @@ MAX_METADATA_BYTES = 512 << 20
 _FORMAT = "sfstore-dcp"
 _DATA_NAME = re.compile(r"^__(\d+)_([0-9a-f]+)\.sfdcp$")
 _RANK_METADATA = re.compile(r"^__(\d+)\." + re.escape(METADATA_NAME) + "$")
+TORCH_METADATA_NAME = ".metadata"
+"""The (pickled) metadata file of DCP's own format (``FileSystemWriter``, ``FsspecWriter``)."""
+_TORCH_DATA_NAME = re.compile(r"^__(\d+)_\d+\.distcp$")
+_TORCH_RANK_METADATA = re.compile(r"^__(\d+)\.metadata(\.tmp)?$")
 _MIN_WINDOW = 64 << 20
 
 
@@ -148,26 +172,20 @@ def _url_text(url: str | os.PathLike[str]) -> str:
 
 
 def _split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
-    """``("abs", "/x/y/name")`` or ``("class", "a/b")``; no I/O."""
+    """``("abs", "/x/y/name")``, ``("sf", "a/b")`` (below the ``sf://`` root) or ``("class", "a/b")`` (below the
+    checkpoint class root), as :func:`sfstore.checkpoint._fs.split_url` has them; no I/O."""
     text = _url_text(url)
-    if text.startswith("file://"):
-        path = text[len("file://"):]
-        if not os.path.isabs(path):
-            raise errors.InvalidRequestError(f"checkpoint url {text!r}: file:// needs an absolute path")
-        return "abs", os.path.normpath(path)
-    if text.startswith("sf://"):
-        rel = text[len("sf://"):].strip("/")
-    elif "://" in text:
-        raise errors.InvalidRequestError(
-            f"checkpoint url {text!r}: sfstore checkpoints are sf://name, file:///path, a path or a name"
-        )
-    elif os.path.isabs(text):
-        return "abs", os.path.normpath(text)
-    else:
-        rel = text.strip("/")
-    if not rel or rel in (".", ".."):
+    kind, where = _fs.split_url(text)
+    if kind != _fs.ABSOLUTE and where in ("", ".", ".."):
         raise errors.InvalidRequestError(f"checkpoint url {text!r} names no checkpoint directory")
-    return "class", rel
+    return kind, where
+
+
+def _root(kind: str) -> FilePath:
+    """The file path a relative checkpoint url of ``kind`` names a directory below."""
+    import sfstore
+
+    return sfstore.open().file_path("dataset" if kind == _fs.SF else "checkpoint")
 
 
 def resolve_checkpoint_dir(url: str | os.PathLike[str]) -> str:
@@ -177,7 +195,8 @@ def resolve_checkpoint_dir(url: str | os.PathLike[str]) -> str:
     Parameters
     ----------
     url : str or os.PathLike
-        ``"sf://a/b"`` or ``"a/b"`` (under the checkpoint class root), or an absolute path / ``file://`` url.
+        ``"sf://a/b"`` (``<root>/a/b``, below the ``sf://`` root), ``"a/b"`` (below the checkpoint class root),
+        or an absolute path / ``file://`` url.
 
     Returns
     -------
@@ -187,19 +206,17 @@ def resolve_checkpoint_dir(url: str | os.PathLike[str]) -> str:
     Raises
     ------
     sfstore.errors.PathEscapeError
-        A relative name that climbs out of the checkpoint root, or a NUL byte.
+        A relative name that climbs out of its root (or names the root itself), or a NUL byte.
     sfstore.errors.InvalidRequestError
         Another url scheme, or an empty name.
     """
     kind, where = _split_url(url)
-    if kind == "abs":
+    if kind == _fs.ABSOLUTE:
         return where
-    import sfstore
-
-    root = sfstore.open().file_path("checkpoint")
+    root = _root(kind)
     full = root.resolve(where)
     if full == root.root:
-        raise errors.PathEscapeError(f"checkpoint url {url!r} resolves to the checkpoint root itself")
+        raise errors.PathEscapeError(f"checkpoint url {url!r} resolves to the root {root.root} itself")
     return full
 
 
@@ -636,20 +653,33 @@ class _CkDir:
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 
 
+def _stat_in(ck: _CkDir, name: str, *, by_name: bool = False) -> os.stat_result | None:
+    """``lstat`` of ``name`` in the checkpoint directory, None when it is missing: in the writer's
+    :meth:`_CkDir.dirfd`, or (``by_name``, as a reader names its files) resolved beneath the root now."""
+    try:
+        if by_name:
+            return ck.fp.beneath.stat(ck.name(name), follow=False)
+        return os.stat(name, dir_fd=ck.dirfd(), follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except errors.SfstoreError:
+        raise
+    except OSError as exc:
+        raise errors.os_error(exc.errno or errno.EIO, "stat", ck.full(name)) from None
+
+
 def _open_dir(url: str, *, create: bool, direct: str | None, chunk_size: int | None,
               parallelism: int | None) -> _CkDir:
     kind, where = _split_url(url)
     options: dict[str, Any] = {"direct": direct, "chunk_size": chunk_size, "parallelism": parallelism}
-    if kind == "abs":
+    if kind == _fs.ABSOLUTE:
         if not create and not os.path.isdir(where):
             raise errors.os_error(errno.ENOENT, f"no checkpoint at {url!r} (directory missing)", where)
         return _CkDir(FilePath(where, create=create, **options), "")
-    import sfstore
-
-    root = sfstore.open().file_path("checkpoint")
+    root = _root(kind)
     parts = root.beneath.parts(where)  # '..' above the root refused; symlinks are met beneath it, at each use
     if not parts:
-        raise errors.PathEscapeError(f"checkpoint url {url!r} resolves to the checkpoint root itself")
+        raise errors.PathEscapeError(f"checkpoint url {url!r} resolves to the root {root.root} itself")
     prefix = "/".join(parts)
     fp = FilePath(root.root, create=False, **options)
     try:
@@ -698,11 +728,15 @@ class StorageWriter(_DcpStorageWriter):
     Parameters
     ----------
     url : str or os.PathLike
-        The checkpoint directory: ``"sf://a/b"`` / ``"a/b"`` under the checkpoint class root, or an absolute path
-        (or ``file://`` url). ``dcp.save(..., checkpoint_id=...)`` replaces it.
+        The checkpoint directory: ``"sf://a/b"`` (``<root>/a/b``, the directory ``fsspec.filesystem("sf")`` calls
+        ``sf://a/b``), ``"a/b"`` under the checkpoint class root, or an absolute path (or ``file://`` url).
+        ``dcp.save(..., checkpoint_id=...)`` replaces it.
     overwrite : bool, optional
-        Replace an existing checkpoint in that directory (default False: :class:`~sfstore.errors.PathExistsError`).
-        The old checkpoint stays loadable until the new metadata is in place; its data files are removed after.
+        Replace a checkpoint already in that directory (default True, as DCP's own ``FileSystemWriter`` does;
+        False: :class:`~sfstore.errors.PathExistsError`). Atomic: the old checkpoint stays loadable until the new
+        metadata is in place; its data files are removed after. A checkpoint in DCP's own format there
+        (``.metadata``, ``*.distcp``: what ``dcp.save(checkpoint_id=...)`` without this writer leaves) is
+        replaced the same way: its files are removed once the new checkpoint is committed.
     direct, chunk_size, parallelism : optional
         Passed to :class:`~sfstore.paths.file.FilePath` (O_DIRECT mode, bytes per request, requests in flight).
 
@@ -717,7 +751,7 @@ class StorageWriter(_DcpStorageWriter):
         self,
         url: str | os.PathLike[str],
         *,
-        overwrite: bool = False,
+        overwrite: bool = True,
         direct: str | None = None,
         chunk_size: int | None = None,
         parallelism: int | None = None,
@@ -772,15 +806,8 @@ class StorageWriter(_DcpStorageWriter):
 
     def _metadata_exists(self, ck: _CkDir) -> bool:
         names = [METADATA_NAME] if self.use_collectives else [_metadata_name(0), METADATA_NAME]
-        for n in names:
-            try:
-                os.stat(n, dir_fd=ck.dirfd(), follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                raise errors.os_error(exc.errno or errno.EIO, "stat", ck.full(n)) from None
-            return True
-        return False
+        names.append(TORCH_METADATA_NAME)  # DCP's own format: a checkpoint at this id all the same
+        return any(_stat_in(ck, n) is not None for n in names)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Create the directory and refuse an existing checkpoint unless ``overwrite``.
@@ -803,7 +830,7 @@ class StorageWriter(_DcpStorageWriter):
         ck = self._path()
         if not self.overwrite and self._metadata_exists(ck):
             raise errors.os_error(
-                errno.EEXIST, f"a checkpoint already exists at {self.url!r} (pass overwrite=True to replace it)",
+                errno.EEXIST, f"a checkpoint already exists at {self.url!r} (overwrite=False was given)",
                 ck.full(),
             )
         if self.rank is not None and not self.use_collectives:
@@ -915,8 +942,25 @@ class StorageWriter(_DcpStorageWriter):
         return True
 
 
+def _stale(name: str, referenced: set[str], rank: int | None) -> int:
+    """Whether the new checkpoint (``rank``: one rank's, saved without coordination) leaves ``name`` unused: 0
+    when it does not, 1 for metadata (removed first: no reader finds metadata naming removed files), 2 for data."""
+    if name in referenced:
+        return 0
+    if rank is None and (name in (TORCH_METADATA_NAME, TORCH_METADATA_NAME + ".tmp") or _RANK_METADATA.match(name)):
+        return 1
+    m = _TORCH_RANK_METADATA.match(name)
+    if m is not None:
+        return 1 if rank is None or int(m.group(1)) == rank else 0
+    m = _DATA_NAME.match(name) or _TORCH_DATA_NAME.match(name)
+    if m is not None:
+        return 2 if rank is None or int(m.group(1)) == rank else 0
+    return 0
+
+
 def _remove_unreferenced(ck: _CkDir, referenced: set[str], rank: int | None) -> None:
-    """Remove data files (and, for a coordinated save, per-rank metadata) the new checkpoint does not use.
+    """Remove data files (and, for a coordinated save, per-rank metadata) the new checkpoint does not use, and
+    the files of a checkpoint in DCP's own format it replaced (``.metadata``, ``__<rank>_<n>.distcp``).
 
     The directory is opened beneath the root once; its names are listed and removed relative to that
     descriptor."""
@@ -929,18 +973,12 @@ def _remove_unreferenced(ck: _CkDir, referenced: set[str], rank: int | None) -> 
             names = os.listdir(dirfd)
         except OSError:
             return
-        for name in names:
-            m = _DATA_NAME.match(name)
-            stale = False
-            if m is not None and name not in referenced:
-                stale = rank is None or int(m.group(1)) == rank
-            elif rank is None and _RANK_METADATA.match(name):
-                stale = True
-            if stale:
-                try:
-                    os.unlink(name, dir_fd=dirfd)
-                except OSError:
-                    pass  # clean-up is best effort: the next save tries again
+        order = sorted((kind, name) for name in names if (kind := _stale(name, referenced, rank)))
+        for _, name in order:
+            try:
+                os.unlink(name, dir_fd=dirfd)
+            except OSError:
+                pass  # clean-up is best effort: the next save tries again
     finally:
         os.close(dirfd)
     try:
@@ -1162,13 +1200,28 @@ class StorageReader(_DcpStorageReader):
         Raises
         ------
         sfstore.errors.PathNotFoundError
-            No checkpoint there.
+            No checkpoint there, or the one there was saved last in DCP's own format (``.metadata``: the
+            message says how to load it).
         sfstore.errors.CorruptCheckpointError
             The metadata is oversized, not JSON, or fails validation.
         """
         rank = kwargs.get("rank")
         ck = self._path()
         name = _metadata_name(None if rank is None else int(rank))
+        theirs = TORCH_METADATA_NAME if rank is None else f"__{int(rank)}{TORCH_METADATA_NAME}"
+        torch_format = _stat_in(ck, theirs, by_name=True)
+        ours = _stat_in(ck, name, by_name=True)
+        if torch_format is not None and (ours is None or torch_format.st_mtime_ns >= ours.st_mtime_ns):
+            # The id was last saved in DCP's own format (dcp.save(checkpoint_id=...) without this storage's
+            # writer): what ours says there, if anything, is older than what DCP's reader would give. A tie (one
+            # clock tick) is refused too: failing beats loading what may be the older of the two.
+            raise errors.PathNotFoundError(
+                errno.ENOENT,
+                f"the checkpoint at {self.url!r} was last saved in DCP's own format ({theirs}, pickled; what "
+                "dcp.save(checkpoint_id=...) without sfstore's StorageWriter writes), not sfstore's: load it with "
+                "dcp.load(state_dict, checkpoint_id=url) and no storage_reader (DCP's own reader unpickles it)",
+                ck.full(),
+            )
         try:
             # Opened without blocking and checked to be a regular file: a FIFO there is refused, not waited on.
             raw = _fs.read_regular(ck.fp, ck.name(name), limit=MAX_METADATA_BYTES, what=f"metadata of {self.url!r}:")
@@ -1441,3 +1494,102 @@ def _box_is_contiguous(sizes: Sequence[int], offsets: Sequence[int], lengths: Se
     dims = len(sizes)
     k = next((d for d in range(dims) if lengths[d] != 1), dims)
     return all(offsets[d] == 0 and lengths[d] == sizes[d] for d in range(k + 1, dims))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Torch's format
+
+
+class _Sink:
+    """The file object ``torch.save`` writes to: an :class:`~sfstore.paths.file.AtomicWriter`."""
+
+    def __init__(self, writer: AtomicWriter) -> None:
+        self._writer = writer
+
+    def write(self, data: Any) -> int:
+        return self._writer.write(data)
+
+    def flush(self) -> None:
+        """Nothing to do: the writer publishes on close."""
+
+
+def _torch_save_target(path: str | os.PathLike[str]) -> tuple[FilePath, str]:
+    """The file path and root-relative name a :func:`to_torch_save` output goes to."""
+    text = _url_text(path)
+    if text.startswith("sf://"):
+        kind, where = _fs.split_url(text)
+        return _root(kind), where
+    if "://" in text and not text.startswith("file://"):
+        raise errors.InvalidRequestError(f"torch.save target {text!r}: an sf:// url or a host path")
+    if text.startswith("file://"):
+        _, text = _fs.split_url(text)
+    full = os.path.abspath(text)  # as torch.save has it: relative to the working directory
+    parent, name = os.path.split(full)
+    return _fs._file_path(parent, True), name
+
+
+def to_torch_save(url: str | os.PathLike[str], torch_save_path: str | os.PathLike[str], *,
+                  verify: bool = True) -> str:
+    """Convert the DCP checkpoint of this storage at ``url`` into one ``torch.save`` file.
+
+    The whole state dict (every rank's shards put together, nesting restored) is read through
+    :class:`StorageReader` -- the way ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` reads DCP's
+    own format, with DCP's ``_EmptyStateDictLoadPlanner`` -- and written with ``torch.save``, published
+    atomically (a temporary name, fsync, rename): ``torch.load(path, weights_only=True)`` reads it.
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        The checkpoint (the forms of :class:`StorageWriter`).
+    torch_save_path : str or os.PathLike
+        The file to write: an ``sf://`` url, or a host path (relative ones from the working directory, as
+        ``torch.save`` has them). An existing file there is replaced.
+    verify : bool, optional
+        Check every item's ``xxh3_64`` as it is read (default True).
+
+    Returns
+    -------
+    str
+        The host path written.
+
+    Raises
+    ------
+    sfstore.errors.PathNotFoundError
+        No checkpoint of this storage at ``url`` (one saved in DCP's own format there: the message says so;
+        convert it with torch's ``dcp_to_torch_save`` on its host directory).
+    sfstore.errors.CorruptCheckpointError
+        As :meth:`StorageReader.read_metadata` and reads raise it.
+
+    Notes
+    -----
+    Memory: the whole state dict in host memory, once (run it on one rank, as torch's converter says), plus
+    what ``torch.save`` buffers.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    fp, name = _torch_save_target(torch_save_path)
+    reader = StorageReader(url, verify=verify)
+    try:
+        # Read here first: DCP turns a metadata read that fails into an untyped AssertionError.
+        reader.read_metadata()
+    except errors.PathNotFoundError as exc:
+        try:
+            reader.read_metadata(rank=0)  # saved without rank coordination, as DCP's loader falls back to
+        except errors.SfstoreError:
+            raise exc from None
+    state: dict[str, Any] = {}
+    try:
+        planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as exc:
+        # DCP wraps what each rank raised; one process ran here: its typed error is what the caller gets.
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, errors.SfstoreError):
+                raise inner from None
+        raise
+    with fp.open_writer(name, fsync=True) as writer:
+        torch.save(state, cast("IO[bytes]", _Sink(writer)))
+    return fp.full(name)

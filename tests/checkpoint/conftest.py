@@ -18,7 +18,8 @@ def _clean_settings() -> None:
 
 @pytest.fixture
 def ckroot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A checkpoint root for ``sf://`` urls (``SFSTORE_ROOT``; checkpoints under ``<root>/checkpoints``)."""
+    """The checkpoint root for bare names, ``<root>/checkpoints`` (``SFSTORE_ROOT=<root>``, what ``sf://``
+    names)."""
     monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "root"))
     monkeypatch.delenv("SFSTORE_CONFIG", raising=False)
     monkeypatch.chdir(tmp_path)

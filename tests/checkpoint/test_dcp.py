@@ -112,7 +112,7 @@ def _failure(exc: BaseException) -> BaseException:
     return exc
 
 
-def _load_error(sd: dict[str, Any], ckpt: Path) -> BaseException:
+def _load_error(sd: dict[str, Any], ckpt: Path | str) -> BaseException:
     with pytest.raises((CheckpointException, errors.SfstoreError)) as info:  # type: ignore[arg-type]
         dcp.load(sd, storage_reader=StorageReader(str(ckpt)))
     return _failure(info.value)
@@ -174,12 +174,17 @@ def test_round_trip_on_4k_sector_filesystem(dio_dir: Path) -> None:
 
 
 def test_checkpoint_id_and_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsspec
+
     monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "root"))
-    root = os.path.realpath(tmp_path / "root" / "checkpoints")
-    assert resolve_checkpoint_dir("sf://run/step-1") == root + "/run/step-1"
+    root = os.path.realpath(tmp_path / "root")
+    assert resolve_checkpoint_dir("sf://run/step-1") == root + "/run/step-1"  # what fsspec's sf:// names
+    assert resolve_checkpoint_dir("run/step-1") == root + "/checkpoints/run/step-1"  # bare: the checkpoint root
     assert resolve_checkpoint_dir("file:///x/y/z") == "/x/y/z"
     with pytest.raises(errors.PathEscapeError):
         resolve_checkpoint_dir("sf://../../etc")
+    with pytest.raises(errors.InvalidRequestError):
+        resolve_checkpoint_dir("sf://")
     assert StorageWriter.validate_checkpoint_id("sf://a") and StorageReader.validate_checkpoint_id("/a/b")
     assert not StorageWriter.validate_checkpoint_id("s3://bucket/x")
     sd = {"x": torch.arange(1000, dtype=torch.float32)}
@@ -187,6 +192,9 @@ def test_checkpoint_id_and_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyP
     dest = {"x": torch.zeros(1000)}
     dcp.load(dest, checkpoint_id="sf://run/step-1", storage_reader=StorageReader("sf://placeholder"))
     _assert_bit_exact(dest["x"], sd["x"], "x")
+    assert (tmp_path / "root" / "run" / "step-1" / METADATA_NAME).is_file()
+    assert fsspec.filesystem("sf").isfile(f"sf://run/step-1/{METADATA_NAME}")
+    dcp.save(sd, storage_writer=StorageWriter("run/step-1"))  # a bare name: <root>/checkpoints/run/step-1
     assert (tmp_path / "root" / "checkpoints" / "run" / "step-1" / METADATA_NAME).is_file()
 
 
@@ -195,14 +203,118 @@ def test_overwrite(tmp_path: Path) -> None:
     dcp.save({"x": torch.ones(100)}, storage_writer=StorageWriter(str(ckpt)))
     first = _data_files(ckpt)
     with pytest.raises((CheckpointException, errors.PathExistsError)) as info:  # type: ignore[arg-type]
-        dcp.save({"x": torch.full((100,), 2.0)}, storage_writer=StorageWriter(str(ckpt)))
+        dcp.save({"x": torch.full((100,), 2.0)}, storage_writer=StorageWriter(str(ckpt), overwrite=False))
     assert isinstance(_failure(info.value), errors.PathExistsError)
-    dcp.save({"x": torch.full((100,), 2.0)}, storage_writer=StorageWriter(str(ckpt), overwrite=True))
+    assert _data_files(ckpt) == first
+    # The default replaces it, as DCP's own FileSystemWriter does: new data files, the old ones removed after
+    # the commit.
+    dcp.save({"x": torch.full((100,), 2.0)}, storage_writer=StorageWriter(str(ckpt)))
     second = _data_files(ckpt)
-    assert len(second) == 1 and second != first  # new data file, the old one removed after the commit
+    assert len(second) == 1 and second != first
     dest = {"x": torch.zeros(100)}
     dcp.load(dest, storage_reader=StorageReader(str(ckpt)))
     assert torch.equal(dest["x"], torch.full((100,), 2.0))
+    dcp.save({"x": torch.full((100,), 3.0)}, checkpoint_id=str(ckpt), storage_writer=StorageWriter("sf://unused"))
+    dcp.load(dest, storage_reader=StorageReader(str(ckpt)))
+    assert torch.equal(dest["x"], torch.full((100,), 3.0)) and len(_data_files(ckpt)) == 1
+
+
+def test_overwrite_keeps_the_old_checkpoint_until_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A replacing save that fails before its metadata is written leaves the previous checkpoint loadable."""
+    from sfstore.checkpoint import dcp as sf_dcp
+
+    ckpt = tmp_path / "ck"
+    dcp.save({"x": torch.ones(100)}, storage_writer=StorageWriter(str(ckpt)))
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise errors.NoSpaceError(28, "no space left (injected)")
+
+    monkeypatch.setattr(sf_dcp, "encode_metadata", broken)
+    with pytest.raises((CheckpointException, errors.NoSpaceError)):  # type: ignore[arg-type]
+        dcp.save({"x": torch.full((100,), 2.0)}, storage_writer=StorageWriter(str(ckpt)))
+    monkeypatch.undo()
+    dest = {"x": torch.zeros(100)}
+    dcp.load(dest, storage_reader=StorageReader(str(ckpt)))
+    assert torch.equal(dest["x"], torch.ones(100))
+
+
+def test_dcp_own_writer_on_sf_urls_and_the_two_formats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dcp.save(checkpoint_id="sf://x")`` without sfstore's writer is DCP's FsspecWriter: DCP's own format in
+    ``<root>/x``. sfstore's reader says so instead of loading something else; sfstore's writer replaces it."""
+    import time
+
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    from torch.distributed.checkpoint._storage_utils import _storage_setup
+
+    from sfstore.checkpoint.dcp import TORCH_METADATA_NAME
+
+    monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "root"))
+    where = tmp_path / "root" / "x"
+    assert isinstance(_storage_setup(None, "sf://x"), FsspecWriter)  # what DCP picks for an sf:// id
+    one, two = {"w": torch.full((8,), 1.0)}, {"w": torch.full((8,), 2.0)}
+    dcp.save(one, checkpoint_id="sf://x", no_dist=True)
+    assert (where / TORCH_METADATA_NAME).is_file() and any(p.suffix == ".distcp" for p in where.iterdir())
+    dest = {"w": torch.zeros(8)}
+    dcp.load(dest, checkpoint_id="sf://x", no_dist=True)  # DCP's own reader, through the sf:// filesystem
+    assert torch.equal(dest["w"], one["w"])
+    with pytest.raises(errors.PathNotFoundError, match="DCP's own format"):
+        StorageReader("sf://x").read_metadata()
+    assert "DCP's own format" in str(_load_error({"w": torch.zeros(8)}, "sf://x"))  # DCP rewraps it
+    # sfstore's writer replaces it (default overwrite) and removes DCP's files once it has committed.
+    time.sleep(0.02)
+    dcp.save(two, storage_writer=StorageWriter("sf://x"), no_dist=True)
+    assert sorted(p.suffix for p in where.iterdir()) == [".json", ".sfdcp"]
+    dcp.load(dest, storage_reader=StorageReader("sf://x"), no_dist=True)
+    assert torch.equal(dest["w"], two["w"])
+    # DCP's own writer over it again: sfstore's reader refuses what is now the older checkpoint there.
+    time.sleep(0.02)
+    dcp.save(one, checkpoint_id="sf://x", no_dist=True)
+    with pytest.raises(errors.PathNotFoundError, match=r"dcp.load\(state_dict, checkpoint_id=url\)"):
+        StorageReader("sf://x").read_metadata()
+    with pytest.raises((CheckpointException, errors.PathExistsError)) as info:  # type: ignore[arg-type]
+        dcp.save(two, storage_writer=StorageWriter("sf://x", overwrite=False), no_dist=True)
+    assert isinstance(_failure(info.value), errors.PathExistsError)
+
+
+def test_to_torch_save_matches_torchs_converter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from sfstore.checkpoint.dcp import to_torch_save
+
+    monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "root"))
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    sd = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 9, "tags": ["a", ("b", 1)]}
+    dcp.save(sd, storage_writer=StorageWriter("sf://conv/ours"), no_dist=True)
+    dcp.save(sd, checkpoint_id="sf://conv/theirs", no_dist=True)  # DCP's own format, DCP's own converter
+    dcp_to_torch_save(tmp_path / "root" / "conv" / "theirs", tmp_path / "theirs.pt")
+    written = to_torch_save("sf://conv/ours", "sf://conv/ours.pt")
+    assert written == os.path.realpath(tmp_path / "root" / "conv" / "ours.pt")
+    monkeypatch.chdir(tmp_path)
+    assert to_torch_save("sf://conv/ours", "local.pt") == str(tmp_path / "local.pt")
+    theirs = torch.load(tmp_path / "theirs.pt", weights_only=True)
+    for path in (written, tmp_path / "local.pt"):
+        ours = torch.load(path, weights_only=True)
+        assert _same(ours, theirs)
+    assert torch.equal(theirs["model"]["weight"], model.weight.detach())
+    with pytest.raises(errors.PathNotFoundError, match="DCP's own format"):
+        to_torch_save("sf://conv/theirs", tmp_path / "x.pt")
+    with pytest.raises(errors.PathNotFoundError):
+        to_torch_save("sf://conv/missing", tmp_path / "x.pt")
+    assert not (tmp_path / "x.pt").exists()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b) and type(a) is type(b)
 
 
 def test_without_rank_coordination(tmp_path: Path) -> None:
@@ -214,6 +326,11 @@ def test_without_rank_coordination(tmp_path: Path) -> None:
     dcp.load(dest, storage_reader=StorageReader(str(ckpt)))  # falls back to rank 0's own metadata
     _assert_bit_exact(dest["x"], sd["x"], "x")
     assert dest["n"] == 3
+    from sfstore.checkpoint.dcp import to_torch_save
+
+    back = torch.load(to_torch_save(ckpt, tmp_path / "ck.pt"), weights_only=True)
+    _assert_bit_exact(back["x"], sd["x"], "x")
+    assert back["n"] == 3
 
 
 def test_metadata_json_round_trip(tmp_path: Path) -> None:

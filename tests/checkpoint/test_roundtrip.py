@@ -251,21 +251,38 @@ def test_overwrite_replaces_atomically_and_refuses_non_checkpoints(tmp_path: Pat
     assert sorted(os.listdir(tmp_path)) == ["ck", "precious"]  # no staging or old directories left
 
 
-def test_sf_urls_live_under_the_checkpoint_root(ckroot: Path) -> None:
-    checkpoint.save({"x": torch.ones(2)}, "sf://run1/step-1", metadata={"step": 1})
-    checkpoint.save({"x": torch.ones(3)}, "run1/step-2", metadata={"step": 2})
-    assert (ckroot / "run1" / "step-1" / MANIFEST_NAME).is_file()
-    listed = checkpoint.list("sf://run1")
+def test_sf_urls_name_what_fsspec_names_bare_names_the_checkpoint_root(ckroot: Path) -> None:
+    import fsspec
+
+    root = ckroot.parent  # the sf:// root; the checkpoint root is <root>/checkpoints
+    checkpoint.save({"x": torch.ones(2)}, "sf://ns/run1/step-1", metadata={"step": 1})
+    checkpoint.save({"x": torch.ones(3)}, "sf://ns/run1/step-2", metadata={"step": 2})
+    assert (root / "ns" / "run1" / "step-1" / MANIFEST_NAME).is_file() and not (ckroot / "ns").exists()
+    fs = fsspec.filesystem("sf")
+    assert fs.exists("sf://ns/run1/step-1") and fs.isfile(f"sf://ns/run1/step-1/{MANIFEST_NAME}")
+    listed = checkpoint.list("sf://ns/run1")
     assert [i.name for i in listed] == ["step-1", "step-2"] and [i.step for i in listed] == [1, 2]
-    assert listed[0].url == "sf://run1/step-1"
-    last = checkpoint.latest("run1")
+    assert listed[0].url == "sf://ns/run1/step-1"  # in the form the prefix was given
+    last = checkpoint.latest("sf:///ns/run1")  # a leading '/' is the sf:// root, as fsspec has it
     assert last is not None and last.step == 2 and checkpoint.load(last)["x"].shape == (3,)
-    assert checkpoint.load("sf://run1/step-1")["x"].shape == (2,)
+    assert checkpoint.load("sf://ns/run1/step-1")["x"].shape == (2,)
+    # Bare names: under the checkpoint root, as before; listed by bare names.
+    checkpoint.save({"x": torch.ones(4)}, "run1/step-3", metadata={"step": 3})
+    assert (ckroot / "run1" / "step-3" / MANIFEST_NAME).is_file()
+    assert [i.url for i in checkpoint.list("run1")] == ["run1/step-3"]
+    assert checkpoint.load(checkpoint.latest("run1"))["x"].shape == (4,)  # type: ignore[arg-type]
+    assert checkpoint.load("sf://checkpoints/run1/step-3")["x"].shape == (4,)  # the same directory
     assert [i.name for i in checkpoint.list()] == []  # run1 itself is not a checkpoint
     with pytest.raises(errors.PathEscapeError):
         checkpoint.save({}, "sf://../outside")
+    with pytest.raises(errors.PathEscapeError):
+        checkpoint.save({}, "../outside")
     with pytest.raises(errors.InvalidRequestError):
-        checkpoint.save({}, "sf://run1/.hidden")
+        checkpoint.save({}, "sf://ns/.hidden")
+    with pytest.raises(errors.InvalidRequestError, match="names no directory"):
+        checkpoint.save({}, "sf://")
+    with pytest.raises(errors.InvalidRequestError, match="sf://name"):
+        checkpoint.save({}, "s3://bucket/x")
 
 
 def test_list_and_latest(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 Guards issue #14, defect 2, for the faces that build on :class:`~sfstore.paths.file.FilePath`:
 :func:`sfstore.checkpoint.save` / ``save_async`` / ``load`` / ``load(into=)`` / ``list`` / ``latest``, the
-``torch.distributed.checkpoint`` StorageWriter and StorageReader (single process, ``sf://`` urls under the
+``torch.distributed.checkpoint`` StorageWriter and StorageReader (single process, bare names under the
 checkpoint root), :class:`~sfstore.kvcache.KVCacheStore` ``put`` / ``get_into`` / ``contains`` / ``evict`` on a
 shared directory under a file path, :class:`~sfstore.paths.device.DevicePath` in host mode, and the demo's cold
 cache drop of its dataset files. The swapper of ``test_symlink_races.py`` (``reliability_helpers``) exchanges
@@ -136,25 +136,25 @@ def scene(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, templates: tuple[Path
 
 
 def _load(s: Scene) -> Any:
-    return checkpoint.load("sf://top/d/ck")
+    return checkpoint.load("top/d/ck")
 
 
 def _load_into(s: Scene) -> Any:
     into = state(0.0)
-    checkpoint.load("sf://top/d/ck", into=into)
+    checkpoint.load("top/d/ck", into=into)
     return into
 
 
 def _save(s: Scene) -> Any:
-    return checkpoint.save(state(INSIDE), "sf://top/d/new", metadata={"where": "inside"})
+    return checkpoint.save(state(INSIDE), "top/d/new", metadata={"where": "inside"})
 
 
 def _save_over(s: Scene) -> Any:
-    return checkpoint.save(state(INSIDE), "sf://top/d/ck", overwrite=True, metadata={"where": "inside"})
+    return checkpoint.save(state(INSIDE), "top/d/ck", overwrite=True, metadata={"where": "inside"})
 
 
 def _save_async(s: Scene) -> Any:
-    return checkpoint.save_async(state(INSIDE), "sf://top/d/ck", overwrite=True, metadata={"where": "inside"}).get()
+    return checkpoint.save_async(state(INSIDE), "top/d/ck", overwrite=True, metadata={"where": "inside"}).get()
 
 
 def _infos(found: Any) -> list[str]:
@@ -163,11 +163,11 @@ def _infos(found: Any) -> list[str]:
 
 
 def _list(s: Scene) -> Any:
-    return _infos(checkpoint.list("sf://top/d"))
+    return _infos(checkpoint.list("top/d"))
 
 
 def _latest(s: Scene) -> Any:
-    found = checkpoint.latest("sf://top/d")
+    found = checkpoint.latest("top/d")
     if found is None:
         raise Miss
     return _infos(found)
@@ -196,18 +196,18 @@ def _dcp(call: Callable[[], Any], reader: Any = None) -> Any:
 
 
 def _dcp_save(s: Scene) -> Any:
-    writer = sf_dcp.StorageWriter("sf://top/d/dcp", overwrite=True)
+    writer = sf_dcp.StorageWriter("top/d/dcp", overwrite=True)
     _dcp(lambda: dcp.save({"w": torch.full((64, 16), INSIDE)}, storage_writer=writer, no_dist=True))
 
 
 def _dcp_save_new(s: Scene) -> Any:
-    writer = sf_dcp.StorageWriter("sf://top/d/dcp2")
+    writer = sf_dcp.StorageWriter("top/d/dcp2")
     _dcp(lambda: dcp.save({"w": torch.full((64, 16), INSIDE)}, storage_writer=writer, no_dist=True))
 
 
 def _dcp_load(s: Scene) -> Any:
     sd = {"w": torch.zeros(64, 16)}
-    reader = sf_dcp.StorageReader("sf://top/d/dcp")
+    reader = sf_dcp.StorageReader("top/d/dcp")
     _dcp(lambda: dcp.load(sd, storage_reader=reader, no_dist=True), reader)
     return sd
 
