@@ -761,6 +761,10 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._fetch_pool: ThreadPoolExecutor | None = None
         self._load_errors: set[int] = set()
         self._saved_keys: set[bytes] = set()
+        # CPU saves: the step's blocks gathered layer by layer (key -> row), the layers each request gave
+        self._save_rows: dict[bytes, int] | None = None
+        self._save_layers: dict[str, set[int]] = {}
+        self._save_buffer: torch.Tensor | None = None
         self._dropped_before = 0
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         self._events: list[Any] = []  # worker: KV events since the last get_kv_connector_kv_cache_events
@@ -1268,12 +1272,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _save_layer(self, kv_layer: torch.Tensor, layer: int, saves: list[BlockTransfer]) -> None:
         if not self._staged(kv_layer):
-            # one gather of the layer's pages into the store's layout; put_layer then copies contiguous slices
-            keys = [k for t in saves for k in t.keys]
-            idx = self._index([b for t in saves for b in t.block_ids], kv_layer.device, None)
-            pages = blocks_layer_view(kv_layer, self.layout).index_select(0, idx).contiguous()
-            self.store.put_layer(keys, layer, list(pages.unbind(0)))
-            self._saved_keys.update(keys)
+            self._gather_save(kv_layer, layer, saves)
             return
         block_ids = [b for t in saves for b in t.block_ids]
         keys = [k for t in saves for k in t.keys]
@@ -1300,6 +1299,52 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             pool.release(buf)
             raise
         self._saved_keys.update(keys)  # handed over: wait_for_save discards them if still partial at the end
+
+    def _gather_save(self, kv_layer: torch.Tensor, layer: int, saves: list[BlockTransfer]) -> None:
+        """A CPU cache: one gather copies the layer of every block to save into the step's save buffer (the store's
+        block layout); :meth:`wait_for_save` puts the blocks whose every layer arrived with one ``store.put_async``.
+        A step saving more than ``load_buffer_bytes`` puts each layer instead (``store.put_layer``)."""
+        keys = [k for t in saves for k in t.keys]
+        idx = self._index([b for t in saves for b in t.block_ids], kv_layer.device, None)
+        pages = blocks_layer_view(kv_layer, self.layout)[idx]
+        rows = self._save_rows
+        if rows is None:
+            meta = self._get_connector_metadata()
+            every = list(dict.fromkeys(k for t in meta.saves for k in t.keys))
+            g = self.layout.geometry
+            if len(every) * g.block_bytes <= self.load_buffer_bytes:
+                rows = self._save_rows = {k: i for i, k in enumerate(every)}
+                buf = self._save_buffer
+                if buf is None or buf.shape[0] < len(every):
+                    buf = self._save_buffer = torch.empty((len(every), *g.block_shape), dtype=getattr(torch, g.dtype))
+            else:
+                rows = self._save_rows = {}
+        if rows and all(k in rows for k in keys):
+            assert self._save_buffer is not None
+            at = torch.tensor([rows[k] for k in keys], dtype=torch.long)
+            self._save_buffer[at, layer] = pages
+            for t in saves:
+                self._save_layers.setdefault(t.req_id, set()).add(layer)
+        else:
+            self.store.put_layer(keys, layer, list(pages.unbind(0)))
+        self._saved_keys.update(keys)
+
+    def _put_gathered(self) -> None:
+        """End of a step on a CPU cache: put the gathered blocks of every request whose layers all arrived (a
+        request whose load failed, or a step that ended early, left some out: those blocks are not saved)."""
+        rows, self._save_rows = self._save_rows, None
+        layers, self._save_layers = self._save_layers, {}
+        if not rows or not self.has_connector_metadata():
+            return
+        assert self._save_buffer is not None
+        meta = self._get_connector_metadata()
+        want = self.layout.geometry.num_layers
+        keys = [k for t in meta.saves if len(layers.get(t.req_id, ())) == want for k in t.keys]
+        if keys:
+            try:
+                self.store.put_async(keys, [self._save_buffer[rows[k]] for k in keys])
+            except Exception:  # a cache: a failed save is a later miss, not a failed step
+                log.exception("SfstoreConnector: saving %d blocks failed", len(keys))
 
     def _put_staged(self, event: Any, pool: _StagingPool, buf: torch.Tensor, pages: torch.Tensor,
                     keys: list[bytes], layer: int) -> None:
@@ -1328,6 +1373,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for here: the device ordered them before the attention that reads them."""
         if self._saver is not None:
             self._saver.wait()
+        self._put_gathered()
         if self._saved_keys:
             # Every layer of this step has been through save_kv_layer: a block still partial was abandoned
             # (the step ended early); it must not linger in the pinned tier.

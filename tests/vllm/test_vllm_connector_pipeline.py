@@ -376,8 +376,12 @@ def test_staged_save_pool_bounds_the_buffers_in_flight(model_dir: Path) -> None:
         conn.clear_connector_metadata()
 
 
-def test_staged_saves_of_a_step_ended_early_are_discarded(model_dir: Path) -> None:
+@pytest.mark.parametrize("staged", [True, False])
+def test_saves_of_a_step_ended_early_are_discarded(model_dir: Path, staged: bool) -> None:
+    """Staged (put_layer per layer, partial blocks dropped) or gathered into the step's save buffer (a CPU cache:
+    nothing put unless every layer arrived)."""
     with worker(model_dir) as (conn, caches):
+        conn.stage_copies = staged
         store = conn.store
         keys = store.keys_for(list(range(400, 400 + 2 * BLOCK)), ())
         block_ids = [3, 12]
@@ -392,10 +396,12 @@ def test_staged_saves_of_a_step_ended_early_are_discarded(model_dir: Path) -> No
         assert conn.get_kv_connector_kv_cache_events() is None
 
 
-def test_staged_saves_stop_for_a_request_whose_load_failed(model_dir: Path) -> None:
+@pytest.mark.parametrize("staged", [True, False])
+def test_saves_stop_for_a_request_whose_load_failed(model_dir: Path, staged: bool) -> None:
     """A block of r1 could not be loaded: r1's blocks computed this step attended to it and are not saved; r2's
     are."""
     with worker(model_dir) as (conn, caches):
+        conn.stage_copies = staged
         store = conn.store
         missing = store.keys_for(list(range(500, 500 + BLOCK)), ())  # never stored
         keys1 = store.keys_for(list(range(600, 600 + 2 * BLOCK)), ())
@@ -414,6 +420,34 @@ def test_staged_saves_stop_for_a_request_whose_load_failed(model_dir: Path) -> N
         assert conn.get_block_ids_with_load_errors() == {9}
         assert not any(store.contains(k) for k in keys1)
         assert all(store.contains(k) for k in keys2)
+
+
+@pytest.mark.parametrize("layout,kv_layout", LAYOUTS)
+def test_cpu_saves_gathered_per_layer_are_put_once_bit_exact(model_dir: Path, layout: str, kv_layout: str) -> None:
+    """A CPU cache, unstaged: each layer is gathered into the step's save buffer; wait_for_save puts the blocks once
+    (bit-exact, with their KV events); a step that saves more than load_buffer_bytes puts layer by layer instead."""
+    with worker(model_dir, layout=layout, kv_layout=kv_layout) as (conn, caches):
+        conn.stage_copies = False
+        store = conn.store
+        for step, budget in enumerate((1 << 30, 1)):
+            conn.load_buffer_bytes = budget
+            keys = store.keys_for(list(range(900 + 100 * step, 900 + 100 * step + 3 * BLOCK)), ())
+            block_ids = [14, 2, 27]
+            blocks = random_blocks(conn, 3, seed=8 + step)
+            fill_pages(conn, caches, block_ids, blocks)
+            conn.bind_connector_metadata(step_meta(saves=[save_transfer("r1", keys[:1], block_ids[:1]),
+                                                          save_transfer("r2", keys[1:], block_ids[1:])]))
+            puts = store.counters.snapshot().get("puts", 0)
+            for name in layer_names():
+                conn.save_kv_layer(name, caches[name], None)
+                assert not any(k in store.pinned for k in keys) or budget == 1  # gathered, not yet put
+            conn.wait_for_save()
+            conn.clear_connector_metadata()
+            assert store.counters.snapshot().get("puts", 0) - puts == 3
+            for k, blk in zip(keys, blocks, strict=True):
+                assert torch.equal(bits(stored_block(store, k)), bits(blk)), (step, k.hex())
+            events = conn.get_kv_connector_kv_cache_events()
+            assert events is not None and len(events.get_all_events()) == 3
 
 
 def test_unregister_kv_caches_drains_the_saves_in_flight(model_dir: Path) -> None:
