@@ -41,6 +41,12 @@ fsync) so the get reads storage, not memory. Slab and baseline files are preallo
                            stream waiting on layer i's event): exposed load = t(c) - t(b), hidden = 1 - exposed /
                            t(a), the goal hidden >= 70% (on CUDA only; --device cpu runs it without streams,
                            time.sleep standing in for the compute, and reports the numbers without a goal);
+  vllm_offload_spec        vLLM builds sfstore's SfstoreOffloadingSpec (OffloadingSpecFactory) and its CPU offloading
+                           worker over 4 layers of CUDA KV pages; 8 blocks go GPU -> vLLM's CPU tier -> sfstore's
+                           shared tier (the tiering manager's cascade), then a second engine (its own, empty CPU tier)
+                           finds them there, promotes them and loads them into zeroed GPU blocks: bit-exact (vLLM's
+                           CPU platform cannot run this worker); SKIP where vLLM is not installed or lacks vLLM 0.33's
+                           offloading API, or without a GPU;
 with <lib> torch (CUDA tensors) and cupy (arrays). Each route reports put and get GiB/s, the ratio to its
 library's baseline and to fio, and whether the bytes came back bit-exact; a table is printed and ``--json``
 writes it all.
@@ -86,6 +92,7 @@ import platform
 import shlex
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -1142,6 +1149,220 @@ def _check_per_layer_overlap(run: Run) -> Outcome:
 # -- fio and the benches ---------------------------------------------------------------------------------------
 
 
+OFFLOAD_LAYERS, OFFLOAD_BLOCK, OFFLOAD_HEADS, OFFLOAD_DIM, OFFLOAD_GPU_BLOCKS = 4, 16, 8, 128, 64
+
+
+def _vllm_offload_modules() -> dict[str, Any]:
+    """vLLM's offloading classes this check drives (vLLM 0.33's API), or Skip saying what is missing."""
+    if importlib.util.find_spec("vllm") is None:
+        raise Skip("vLLM is not installed here: pip install vllm (a CUDA build; tools/vllm-env.sh makes a CPU one, "
+                   "where vLLM's CPU offloading worker does not run)")
+    names = {
+        "config": "vllm.config", "base": "vllm.v1.kv_offload.base", "cpu_common": "vllm.v1.kv_offload.cpu.common",
+        "factory": "vllm.v1.kv_offload.factory", "planning": "vllm.v1.core.kv_cache_planning",
+        "interface": "vllm.v1.kv_cache_interface", "parallel": "vllm.distributed.parallel_state",
+        "offload_config": "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config",
+        "sfstore": "sfstore.kvcache.vllm_offload",
+    }
+    mods: dict[str, Any] = {}
+    for key, name in names.items():
+        try:
+            mods[key] = importlib.import_module(name)
+        except Exception as exc:  # ImportError, or vLLM failing to load its CUDA extensions
+            import vllm
+
+            raise Skip(f"vLLM {getattr(vllm, '__version__', '?')} has no usable {name} ({type(exc).__name__}: "
+                       f"{exc}); this check follows vLLM 0.33's offloading API") from None
+    for key, attr in (("base", "CanonicalKVCaches"), ("base", "GPULoadStoreSpec"), ("base", "make_offload_key"),
+                      ("offload_config", "build_offloading_config")):
+        if not hasattr(mods[key], attr):
+            import vllm
+
+            raise Skip(f"vLLM {getattr(vllm, '__version__', '?')} has no {names[key]}.{attr}: this check follows "
+                       "vLLM 0.33's offloading API")
+    return mods
+
+
+def _offload_spec(m: dict[str, Any], torch: Any, model_dir: str, shared_dir: str,
+                  engine_id: str) -> tuple[Any, Any, int]:
+    """vLLM's config, the spec its OffloadingSpecFactory makes from ``spec_name: SfstoreOffloadingSpec`` and the
+    bytes of one block of one layer."""
+    extra = {"spec_name": "SfstoreOffloadingSpec", "spec_module_path": "sfstore.kvcache.vllm_offload",
+             "cpu_bytes_to_use": 64 * MiB, "shared_dir": shared_dir, "model_id": "gpu-check-offload"}
+    c = m["config"]
+    cfg = c.VllmConfig(
+        model_config=c.ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512),
+        cache_config=c.CacheConfig(block_size=OFFLOAD_BLOCK),
+        kv_transfer_config=c.KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                              engine_id=engine_id, kv_connector_extra_config=extra),
+    )
+    cfg.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves before planning (the worker here
+    # takes each layer as int8 pages, whatever the attention backend's layout)
+    attn = m["interface"].FullAttentionSpec(block_size=OFFLOAD_BLOCK, num_kv_heads=OFFLOAD_HEADS,
+                                            head_size=OFFLOAD_DIM, dtype=torch.bfloat16)
+    specs = {f"model.layers.{i}.self_attn.attn": attn for i in range(OFFLOAD_LAYERS)}
+    kcc = m["planning"].get_kv_cache_configs(
+        cfg, [specs], [OFFLOAD_GPU_BLOCKS * attn.page_size_bytes * OFFLOAD_LAYERS],
+        m["planning"].get_global_kv_cache_groups(cfg, [specs]))[0]
+    spec = m["factory"].OffloadingSpecFactory.create_spec(m["offload_config"].build_offloading_config(cfg, kcc))
+    if type(spec).__name__ != "SfstoreOffloadingSpec":
+        raise AssertionError(f"vLLM made a {type(spec).__name__}, not sfstore's SfstoreOffloadingSpec")
+    return cfg, spec, int(attn.page_size_bytes)
+
+
+def _canonical(m: dict[str, Any], caches: list[Any], page: int) -> Any:
+    """The caches as vLLM's OffloadingConnector hands them to its worker: one int8 (blocks, page) tensor per layer,
+    all layers in one KV cache group."""
+    b = m["base"]
+    return b.CanonicalKVCaches(tensors=[b.CanonicalKVCacheTensor(tensor=t, page_size_bytes=page) for t in caches],
+                               group_data_refs=[[b.CanonicalKVCacheRef(i, page) for i in range(len(caches))]])
+
+
+def _offload_settle(manager: Any, tier: Any, m: dict[str, Any], deadline_s: float = 60.0) -> None:
+    """End scheduler steps until the sfstore tier's jobs are done and the tiering manager took their results."""
+    end = time.monotonic() + deadline_s
+    ctx = getattr(m["base"], "ScheduleEndContext", None)
+    while True:
+        tier.drain_jobs()
+        with manager.lock:
+            if ctx is not None:
+                manager.on_schedule_end(ctx(new_req_ids=(), preempted_req_ids=()))
+            busy = manager.has_pending_work()
+        if not busy:
+            return
+        if time.monotonic() > end:
+            raise TimeoutError("vLLM's tiering manager kept pending work (cascade or promotion never finished)")
+        time.sleep(0.01)
+
+
+def _offload_wait(worker: Any, job_id: int, what: str, deadline_s: float = 60.0) -> None:
+    """Wait for one job of vLLM's CPU offloading worker; AssertionError when it failed."""
+    worker.wait({job_id})
+    end = time.monotonic() + deadline_s
+    while True:
+        done = {r.job_id: r for r in worker.get_finished()}
+        if job_id in done:
+            if not done[job_id].success:
+                raise AssertionError(f"vLLM's offloading worker reported the {what} job failed")
+            return
+        if time.monotonic() > end:
+            raise TimeoutError(f"vLLM's offloading worker never finished the {what} job")
+        time.sleep(0.005)
+
+
+def _check_vllm_offload(run: Run) -> Outcome:
+    """SfstoreOffloadingSpec on a GPU: vLLM builds the spec (OffloadingSpecFactory), its CPU offloading worker moves
+    GPU blocks to the CPU tier, the tiering manager cascades them to sfstore's shared tier; a second engine (its
+    own, empty CPU tier) finds them there, promotes them and its worker loads them into zeroed GPU blocks, which
+    must equal the first engine's bit for bit."""
+    torch = run.cuda_torch()
+    m = _vllm_offload_modules()
+    ps = m["parallel"]
+    base = run.workdir("vllm_offload")
+    model_dir = os.path.join(base, "model")
+    os.makedirs(model_dir, exist_ok=True)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
+                   "intermediate_size": 2048, "num_attention_heads": OFFLOAD_HEADS,
+                   "num_key_value_heads": OFFLOAD_HEADS, "head_dim": OFFLOAD_DIM,
+                   "num_hidden_layers": OFFLOAD_LAYERS, "vocab_size": 1000, "max_position_embeddings": 512,
+                   "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}, f)
+    shared = os.path.join(base, "shared")
+    tag = f"{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+    owned: list[Any] = []  # managers and workers to shut down
+    count = 8
+    src_ids, dst_ids = list(range(3, 3 + count)), [OFFLOAD_GPU_BLOCKS - 1 - i for i in range(count)]
+    keys = [m["base"].make_offload_key(bytes([i + 1]) * 32, 0) for i in range(count)]
+    started_dist = False
+    try:
+        cfg_a, spec_a, attn_page = _offload_spec(m, torch, model_dir, shared, f"sfstore-gpu-check-a-{tag}")
+        with m["config"].set_current_vllm_config(cfg_a):
+            if not ps.model_parallel_is_initialized():
+                with contextlib.closing(socket.socket()) as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    port = sock.getsockname()[1]
+                ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                distributed_init_method=f"tcp://127.0.0.1:{port}")
+                ps.ensure_model_parallel_initialized(1, 1)
+                started_dist = True
+            gen = torch.Generator(device="cuda").manual_seed(16)
+            caches_a = [torch.randint(-128, 128, (OFFLOAD_GPU_BLOCKS, attn_page), dtype=torch.int8, device="cuda",
+                                      generator=gen) for _ in range(OFFLOAD_LAYERS)]
+            worker_a = spec_a.get_worker(_canonical(m, caches_a, attn_page))
+            owned.append(worker_a)
+            manager_a = spec_a.get_manager()
+            owned.append(manager_a)
+            tier_a = manager_a.secondary_tiers[0]
+            t0 = time.monotonic()
+            with manager_a.lock:
+                ctx = m["base"].ReqContext(req_id="r1")
+                manager_a.on_new_request(ctx)
+                out = manager_a.prepare_store(keys, ctx)
+            if list(out.keys_to_store) != keys:
+                raise AssertionError(f"vLLM's manager stores {len(out.keys_to_store)} of the {count} blocks")
+            worker_a.submit_store(1, m["base"].GPULoadStoreSpec(src_ids, [count], [0]), out.store_spec)
+            _offload_wait(worker_a, 1, "GPU->CPU store")
+            with manager_a.lock:
+                manager_a.complete_store(keys, ctx)  # cascades to the secondary tier: sfstore
+                manager_a.on_request_finished(ctx)
+            _offload_settle(manager_a, tier_a, m)
+            t_store = time.monotonic() - t0
+            missing = [i for i, k in enumerate(keys) if not tier_a.store.contains(tier_a.key(k))]
+            if missing:
+                raise AssertionError(f"blocks {missing} did not reach sfstore's shared tier")
+
+            _cfg_b, spec_b, _page = _offload_spec(m, torch, model_dir, shared, f"sfstore-gpu-check-b-{tag}")
+            caches_b = [torch.zeros((OFFLOAD_GPU_BLOCKS, attn_page), dtype=torch.int8, device="cuda")
+                        for _ in range(OFFLOAD_LAYERS)]
+            worker_b = spec_b.get_worker(_canonical(m, caches_b, attn_page))
+            owned.append(worker_b)
+            manager_b = spec_b.get_manager()
+            owned.append(manager_b)
+            tier_b = manager_b.secondary_tiers[0]
+            t0 = time.monotonic()
+            with manager_b.lock:
+                ctx = m["base"].ReqContext(req_id="r2")
+                manager_b.on_new_request(ctx)
+                first = [str(manager_b.lookup(k, ctx)) for k in keys]
+            _offload_settle(manager_b, tier_b, m)
+            with manager_b.lock:
+                again = [str(manager_b.lookup(k, ctx)) for k in keys]
+                if not all(r.endswith("HIT") for r in again):
+                    raise AssertionError(f"after the promotion from sfstore vLLM's lookups say {again} "
+                                         f"(first {first})")
+                load_spec = manager_b.prepare_load(keys, ctx)
+            worker_b.submit_load(2, load_spec, m["base"].GPULoadStoreSpec(dst_ids, [count], [0]))
+            _offload_wait(worker_b, 2, "CPU->GPU load")
+            with manager_b.lock:
+                manager_b.complete_load(keys, ctx)
+                manager_b.on_request_finished(ctx)
+            torch.cuda.synchronize()
+            t_load = time.monotonic() - t0
+            bad = [(layer, i) for layer in range(OFFLOAD_LAYERS) for i in range(count)
+                   if not torch.equal(caches_b[layer][dst_ids[i]], caches_a[layer][src_ids[i]])]
+            stats = tier_b.store.stats()
+            nbytes = count * OFFLOAD_LAYERS * attn_page
+            metrics = {"blocks": count, "layers": OFFLOAD_LAYERS, "bytes": nbytes, "store_s": round(t_store, 4),
+                       "load_s": round(t_load, 4), "first_lookups": first,
+                       "hits_shared": stats.get("hits_shared"), "resident": stats.get("resident"),
+                       "spec": type(spec_a).__name__, "tier": type(tier_a).__name__}
+            ok = not bad
+            detail = (f"{count} GPU blocks x {OFFLOAD_LAYERS} layers ({nbytes / MiB:.1f} MiB): GPU -> vLLM's CPU tier "
+                      f"-> sfstore's shared tier ({t_store * 1e3:.0f} ms), then in a second engine sfstore -> CPU "
+                      f"tier -> zeroed GPU blocks ({t_load * 1e3:.0f} ms): "
+                      + ("bit-exact" if ok else f"NOT bit-exact ({len(bad)} block layers differ, first {bad[0]})"))
+            return Outcome(detail, ok=ok, metrics=metrics)
+    finally:
+        for obj in reversed(owned):
+            with contextlib.suppress(Exception):
+                obj.shutdown()
+        if started_dist:
+            with contextlib.suppress(Exception):
+                ps.destroy_model_parallel()
+            with contextlib.suppress(Exception):
+                ps.destroy_distributed_environment()
+
+
 def _tools_bench(module: str) -> Any:
     """``tools.bench.<module>`` from this checkout (its root put on ``sys.path`` when it is not there)."""
     if REPO not in sys.path:
@@ -1348,6 +1569,7 @@ CHECKS: list[tuple[str, bool, Callable[[Run], Outcome]]] = [
     ("kvcache_torch_device", True, _route_kvcache_device),
     ("kvcache_torch_device_pinned", True, _route_kvcache_device_pinned),
     ("per_layer_overlap", True, _check_per_layer_overlap),
+    ("vllm_offload_spec", True, _check_vllm_offload),
     ("checkpoint_cuda", True, _check_checkpoint),
     ("cupy_baseline", True, partial(_route_baseline, libname="cupy")),
     ("cupy_devicepath_gds", True, partial(_route_devicepath, libname="cupy", mode="gds")),

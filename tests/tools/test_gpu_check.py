@@ -22,7 +22,8 @@ SCRIPT = ROOT / "tools" / "gpu_check.py"
 CHECK_NAMES = [
     "probe", "cuda_registration", "read_into_cuda", "fio_odirect",
     "torch_baseline", "torch_devicepath_gds", "torch_devicepath_compat", "torch_devicepath_host",
-    "kvcache_torch", "kvcache_torch_device", "kvcache_torch_device_pinned", "per_layer_overlap", "checkpoint_cuda",
+    "kvcache_torch", "kvcache_torch_device", "kvcache_torch_device_pinned", "per_layer_overlap", "vllm_offload_spec",
+    "checkpoint_cuda",
     "cupy_baseline", "cupy_devicepath_gds", "cupy_devicepath_compat", "cupy_devicepath_host",
     "bench_checkpoint_save_async", "bench_kvcache_nixl",
 ]
