@@ -42,7 +42,7 @@ from sfstore.paths.base import Range
 from sfstore.paths.beneath import fold_parts
 from sfstore.paths.file import AtomicWriter, FilePath, OpenFile, _as_bytes, _bytes_for_filling
 
-__all__ = ["SFFileSystem", "SFFile"]
+__all__ = ["SFFileSystem", "SFFile", "local_path"]
 
 MiB = 1 << 20
 
@@ -105,6 +105,50 @@ _ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, err
 
 def _absent(exc: OSError) -> bool:
     return not isinstance(exc, errors.PathEscapeError) and exc.errno in _ABSENT_ERRNOS
+
+
+def local_path(url: str | os.PathLike[str], *, root: str | None = None, config: str | None = None) -> str:
+    """The host path the ``sf://`` url ``url`` names: for tools that take plain paths.
+
+    ``local_path("sf://runs/exp1")`` is ``<root>/runs/exp1`` (symlinks resolved), what
+    :class:`SFFileSystem` reads and writes as ``sf://runs/exp1``, so a tool that writes plain files -- Hugging
+    Face ``Trainer(output_dir=local_path("sf://runs/exp1"))``, ``accelerator.save_state(local_path(...))``,
+    ``torch.save`` -- writes where ``sf://`` (and ``sfstore.checkpoint``) find it.
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        An ``sf://`` url, or a root-relative name in any spelling :class:`SFFileSystem` takes (``a/b``,
+        ``/a/b``: a leading ``/`` is the root). The name need not exist.
+    root, config : str, optional
+        As for :class:`SFFileSystem` (default: the router's ``dataset`` path, which ``sf://`` uses).
+
+    Returns
+    -------
+    str
+        The absolute host path, beneath the root (the root itself for ``sf://``).
+
+    Raises
+    ------
+    sfstore.errors.PathEscapeError
+        ``..`` above the root, a NUL byte, or a symlink on the way that resolves outside the root.
+    sfstore.errors.InvalidRequestError
+        A url of another scheme (``s3://...``).
+
+    Notes
+    -----
+    The answer is a name, true when computed. What a tool then does with it goes through the host's
+    filesystem, not through sfstore: none of ``sf://``'s guarantees (atomic publication, names resolved
+    beneath the root at each use) cover those writes.
+    """
+    text = stringify_path(url)
+    if not isinstance(text, str):
+        raise errors.InvalidRequestError(f"an sf:// url must be text, not {type(text).__name__}")
+    if "://" in text and not text.startswith("sf://"):
+        raise errors.InvalidRequestError(f"local_path takes sf:// urls (or root-relative names), not {text!r}")
+    name = SFFileSystem._strip_protocol(text)
+    fp = FilePath(root) if root is not None else _default_file_path(config)
+    return fp.resolve(name)
 
 
 def writes_in_place(lpath: str) -> bool:

@@ -45,6 +45,7 @@ __all__ = [
     "staging_path",
     "publish",
     "cleanup",
+    "remove",
     "is_checkpoint_dir",
     "read_regular",
     "check_regular",
@@ -442,6 +443,50 @@ def publish(staging: str, loc: Location, *, overwrite: bool, exchange: bool | No
         raise _os_err(exc, f"cannot publish checkpoint {staging_full} as", final) from None
     _fsync(dirfd, loc.parent)
     rmtree_at(loc.fp, dirfd, old, os.path.join(loc.parent, old))
+
+
+def remove(loc: Location) -> bool:
+    """Remove the checkpoint at ``loc``, atomically for readers; ``False`` when nothing is there.
+
+    An sfstore checkpoint directory is first renamed to a fresh staging name (so ``list``/``latest``/``load``
+    never see it half removed, and a crash midway leaves only a staging directory that the next save in the
+    parent removes), the parent fsynced, then removed by descriptors. A regular file or a symlink at ``loc``
+    (a ``torch.save`` checkpoint file, a link to one) is unlinked, the link never followed. A directory that
+    is not an sfstore checkpoint raises :class:`~sfstore.errors.InvalidRequestError` and stays.
+    """
+    pfd = loc.open_parent()
+    try:
+        try:
+            st = os.stat(loc.name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise _os_err(exc, "cannot remove the checkpoint", loc.path) from None
+        if not stat.S_ISDIR(st.st_mode):
+            try:
+                os.unlink(loc.name, dir_fd=pfd)
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                raise _os_err(exc, "cannot remove the checkpoint", loc.path) from None
+            _fsync(pfd, loc.parent)
+            return True
+        if not is_checkpoint_dir(pfd, loc.name):
+            raise errors.InvalidRequestError(
+                f"refusing to remove {loc.path}: a directory that is not an sfstore checkpoint"
+            )
+        doomed = staging_name(loc)
+        try:
+            os.rename(loc.name, doomed, src_dir_fd=pfd, dst_dir_fd=pfd)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise _os_err(exc, "cannot remove the checkpoint", loc.path) from None
+        _fsync(pfd, loc.parent)
+        rmtree_at(loc.fp, pfd, doomed, os.path.join(loc.parent, doomed))
+        return True
+    finally:
+        os.close(pfd)
 
 
 # -- cleanup and recovery --------------------------------------------------------------------------------------

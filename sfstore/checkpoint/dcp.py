@@ -26,7 +26,7 @@ reader that reads it, and :class:`StorageWriter` removes DCP's own files once it
 Torch's format, for tools that want one ``torch.save`` file: :func:`to_torch_save` converts a checkpoint of this
 storage (what ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does for DCP's own format, which
 it reads with ``FileSystemReader`` and cannot read from here); for DCP's own format under ``sf://``,
-``dcp_to_torch_save("<root>/x", out)`` on its host directory. In the other direction,
+``dcp_to_torch_save(sfstore.fs.local_path("sf://x"), out)`` (its host directory). In the other direction,
 ``dcp.save(torch.load(path, weights_only=True), storage_writer=StorageWriter(url))``.
 
 Layout of a checkpoint directory:
@@ -1556,7 +1556,7 @@ def to_torch_save(url: str | os.PathLike[str], torch_save_path: str | os.PathLik
     ------
     sfstore.errors.PathNotFoundError
         No checkpoint of this storage at ``url`` (one saved in DCP's own format there: the message says so;
-        convert it with torch's ``dcp_to_torch_save`` on its host directory).
+        convert it with ``dcp_to_torch_save(sfstore.fs.local_path(url), ...)``).
     sfstore.errors.CorruptCheckpointError
         As :meth:`StorageReader.read_metadata` and reads raise it.
 

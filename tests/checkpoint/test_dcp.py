@@ -281,6 +281,7 @@ def test_to_torch_save_matches_torchs_converter(tmp_path: Path, monkeypatch: pyt
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from sfstore.checkpoint.dcp import to_torch_save
+    from sfstore.fs import local_path
 
     monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "root"))
     model = torch.nn.Linear(6, 3)
@@ -290,7 +291,7 @@ def test_to_torch_save_matches_torchs_converter(tmp_path: Path, monkeypatch: pyt
     sd = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 9, "tags": ["a", ("b", 1)]}
     dcp.save(sd, storage_writer=StorageWriter("sf://conv/ours"), no_dist=True)
     dcp.save(sd, checkpoint_id="sf://conv/theirs", no_dist=True)  # DCP's own format, DCP's own converter
-    dcp_to_torch_save(tmp_path / "root" / "conv" / "theirs", tmp_path / "theirs.pt")
+    dcp_to_torch_save(local_path("sf://conv/theirs"), tmp_path / "theirs.pt")
     written = to_torch_save("sf://conv/ours", "sf://conv/ours.pt")
     assert written == os.path.realpath(tmp_path / "root" / "conv" / "ours.pt")
     monkeypatch.chdir(tmp_path)
