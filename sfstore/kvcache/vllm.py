@@ -13,18 +13,19 @@ What it does, per engine step:
   :meth:`~SfstoreConnector.update_state_after_alloc` records the vLLM block ids those tokens go into, and
   :meth:`~SfstoreConnector.build_connector_meta` sends the worker, per request, the keys and block ids to load
   and those of the prompt blocks this step completes, to save (blocks the store already has are not saved again).
-* worker side: :meth:`~SfstoreConnector.start_load_kv` starts reading the blocks to load, whole and verified,
-  into one host buffer (``store.get_into``, on ``load_threads`` threads at once, so the files of a lower tier are
-  read in parallel, not one after the other; each block is promoted to the pinned tier on the way);
-  :meth:`~SfstoreConnector.wait_for_layer_load` waits for those reads at the first layer and copies one layer of
-  every block into vLLM's paged cache with one indexed copy just before that layer's attention runs, and
-  :meth:`~SfstoreConnector.save_kv_layer` gathers one layer of each block to save out of it right after
-  (``store.put_layer``; the store commits a block once all its layers are in and writes it to its lower tiers in
-  the background). Loads are synchronous for the scheduler (``load_kv_async`` False) and saves are copied out
-  before the step ends, so no request holds its blocks after it finishes. A block that cannot be loaded (evicted
-  between the lookup and the load, or failing verification in a lower tier, which removes it there) is reported
-  through ``get_block_ids_with_load_errors`` and logged; vLLM recomputes it, and the connector saves it again.
-  That needs vLLM's ``kv_load_failure_policy`` to be ``"recompute"``: vLLM's own default, ``"fail"``, ends the
+* worker side: :meth:`~SfstoreConnector.start_load_kv` starts reading the blocks to load, whole and verified, into one
+  host buffer (``store.get_into``, on ``load_threads`` threads at once, so the files of a lower tier are read in
+  parallel, not one after the other; each block is promoted to the pinned tier on the way);
+  :meth:`~SfstoreConnector.wait_for_layer_load` waits for those reads at the first layer and copies one layer of every
+  block into vLLM's paged cache with one indexed copy just before that layer's attention runs, and
+  :meth:`~SfstoreConnector.save_kv_layer` gathers one layer of each block to save out of it right after, into the
+  step's save buffer, and :meth:`~SfstoreConnector.wait_for_save` puts the blocks whose every layer arrived
+  (``store.put_async``: into the pinned tier, then to the lower tiers in the background; a GPU cache hands each layer
+  to ``store.put_layer`` instead, see below). Loads are synchronous for the scheduler (``load_kv_async`` False) and
+  saves are copied out before the step ends, so no request holds its blocks after it finishes. A block that cannot be
+  loaded (evicted between the lookup and the load, or failing verification in a lower tier, which removes it there) is
+  reported through ``get_block_ids_with_load_errors`` and logged; vLLM recomputes it, and the connector saves it
+  again. That needs vLLM's ``kv_load_failure_policy`` to be ``"recompute"``: vLLM's own default, ``"fail"``, ends the
   request with ``finish_reason="error"`` instead, so the connector sets ``"recompute"`` unless told otherwise
   (``kv_load_failure_policy`` below). A damaged block fails at most the loads already planned when it was found.
 
