@@ -53,6 +53,10 @@ def _default_data_dir() -> str:
     return os.path.join(base, "sfstore")
 
 
+def _default_namespace() -> str:
+    return ""  # a callable default: the table says "(see meaning)" rather than an empty code span
+
+
 @dataclass(frozen=True)
 class Setting:
     """One tunable: its name, type, default, allowed values and documentation."""
@@ -243,6 +247,14 @@ _SETTINGS_LIST = [
     Setting("kvcache_pinned_bytes", "size", 512 << 20,
             "Budget of a `KVCacheStore`'s pinned host tier (registered memory; least recently used blocks leave "
             "it first; 0: no pinned tier).", minimum=0, maximum=4 << 40),
+    Setting("kvcache_shared_bytes", "size", 0,
+            "Budget of a `KVCacheStore`'s shared tier, per cache namespace: every process and node that writes the "
+            "directory evicts its least recently read blocks beyond it (records in the directory, no server; "
+            "`sfstore kv gc` enforces it at once); 0: unbounded.", minimum=0, maximum=1 << 50),
+    Setting("kvcache_namespace", "str", _default_namespace,
+            "Cache namespace of a `KVCacheStore`'s shared tier (`cache_namespace`): its blocks live in "
+            "`ns/<name>/` of the shared directory, and never read or evict another namespace's; empty: the "
+            "default namespace (the directory itself; the default). 1 to 64 letters, digits, `.`, `_`, `-`."),
     Setting("block_max_key_bytes", "int", 256,
             "Longest key a `BlockStore` accepts (bytes, or a str's UTF-8 bytes); keys live in slot headers.",
             minimum=1, maximum=65536),

@@ -26,6 +26,7 @@ from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
 from sfstore.futures import ExecutorFuture
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
+from sfstore.kvcache.shared_budget import check_namespace
 from sfstore.kvcache.tiers import PinnedTier, SharedTier, Slot
 
 __all__ = ["KVCacheStore", "TIERS"]
@@ -78,6 +79,13 @@ class KVCacheStore:
     shared_on : FilePath, optional
         Makes ``shared_dir`` a directory under this file path (the router's ``kvcache`` path, so its counters
         include the shared tier's bytes).
+    shared_bytes : int, optional
+        Budget of the shared tier's namespace (default: the ``kvcache_shared_bytes`` setting; 0: unbounded),
+        kept by every process and node that writes the directory: least recently read blocks are evicted
+        beyond it (see :mod:`sfstore.kvcache.shared_budget`).
+    cache_namespace : str, optional
+        The shared tier's namespace (default: the ``kvcache_namespace`` setting; ``""``: the default one): its
+        blocks live in their own subdirectory and never read or evict another namespace's.
 
     Notes
     -----
@@ -106,6 +114,8 @@ class KVCacheStore:
         fsync_shared: bool = False,
         shared_on: Any = None,
         device: Any = None,
+        shared_bytes: int | None = None,
+        cache_namespace: str | None = None,
     ) -> None:
         if not isinstance(geometry, KVGeometry):
             raise errors.InvalidRequestError(
@@ -125,6 +135,15 @@ class KVCacheStore:
             namespace = model_id.encode() + b"\0" + geometry.fingerprint()
         except UnicodeEncodeError as exc:
             raise errors.InvalidRequestError(f"KVCacheStore: model_id must be valid unicode: {exc}") from None
+        if shared_bytes is None:
+            shared_budget = int(defaults.get("kvcache_shared_bytes"))
+        elif isinstance(shared_bytes, int) and not isinstance(shared_bytes, bool) and shared_bytes >= 0:
+            shared_budget = shared_bytes
+        else:
+            raise errors.InvalidRequestError(
+                f"KVCacheStore: shared_bytes must be an int >= 0 (0: unbounded), not {shared_bytes!r}"
+            )
+        cache_ns = check_namespace(defaults.get("kvcache_namespace") if cache_namespace is None else cache_namespace)
         if isinstance(block_store, str) or not (block_store is None or isinstance(block_store, BlockStore)):
             raise errors.ConfigError(f"block_store must be a BlockStore or None, not {block_store!r}")
         self.geometry = geometry
@@ -136,7 +155,9 @@ class KVCacheStore:
                 f"of {geometry.block_bytes} bytes; open it with size_classes including {geometry.block_bytes}"
             )
         self.block: BlockStore | None = block_store
-        self.shared = (SharedTier(geometry, shared_dir, fsync=fsync_shared, on=shared_on)
+        self.cache_namespace = cache_ns
+        self.shared = (SharedTier(geometry, shared_dir, fsync=fsync_shared, on=shared_on, namespace=cache_ns,
+                                  budget_bytes=shared_budget)
                        if shared_dir is not None else None)
         self.namespace = namespace
         self.counters = Counters(_COUNTERS)
@@ -938,6 +959,12 @@ class KVCacheStore:
             "shared": self.shared.count() if self.shared is not None else None,
         }
         out["pinned_capacity_blocks"] = self.pinned.capacity
+        # the shared tier's budget: blocks this process evicted to keep it, and the bytes its namespace holds
+        # as this process last estimated them (no I/O here; None before its first write or scan)
+        out["evictions_shared"] = self.shared.budget.evictions if self.shared is not None else 0
+        out["shared_bytes_held"] = self.shared.budget.held() if self.shared is not None else None
+        out["shared_budget_bytes"] = self.shared.budget.budget if self.shared is not None else None
+        out["cache_namespace"] = self.cache_namespace
         # bytes the lower tiers moved with O_DIRECT straight to/from memory vs through bounce buffers or the page
         # cache (their paths' counters: shared with other users of the same paths)
         direct = bounced = 0

@@ -22,6 +22,7 @@ from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.checksums import kvsum64, xxh3_64
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
+from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
 from sfstore.paths.base import Range
 from sfstore.paths.file import FilePath, set_blocking
 
@@ -188,19 +189,29 @@ class SharedTier:
     exactly a block's size is read. A read answers ``"hit"``, ``"missing"``, ``"corrupt"`` (a regular file that
     fails verification: wrong size, header or checksum; it is removed, so a later put publishes the block
     again) or ``"unreadable"`` (a directory, FIFO, socket, a symlink out, or a read that failed).
+
+    ``namespace`` (``cache_namespace``): blocks live under ``ns/<namespace>/`` in the directory (the default
+    namespace, ``""``, directly in it), and this tier neither reads nor evicts another namespace's.
+    ``budget_bytes`` bounds the bytes the namespace holds, kept by every process and node that writes it (see
+    :mod:`sfstore.kvcache.shared_budget`; 0: unbounded); ``budget_options`` go to
+    :class:`~sfstore.kvcache.shared_budget.SharedBudget`.
     """
 
     def __init__(
-        self, geom: KVGeometry, directory: str | os.PathLike[str], *, fsync: bool = False, on: FilePath | None = None
+        self, geom: KVGeometry, directory: str | os.PathLike[str], *, fsync: bool = False, on: FilePath | None = None,
+        namespace: str = "", budget_bytes: int = 0, budget_options: dict[str, Any] | None = None,
     ) -> None:
         self.geom = geom
+        ns = namespace_prefix(namespace)
         if on is None:
             self.fp = FilePath(directory)
-            self.prefix = ""
+            self.prefix = ns
         else:  # a directory under an existing file path (the router's): its counters show this tier's bytes
             self.fp = on
-            self.prefix = os.fspath(directory).strip("/") + "/"
+            self.prefix = os.fspath(directory).strip("/") + "/" + ns
             self.fp.full(self.prefix)  # refuses '..' above its root (symlinks are met beneath it, at each use)
+        self.namespace = namespace
+        self.budget = SharedBudget(self.fp, self.prefix, budget_bytes, namespace=namespace, **(budget_options or {}))
         self.fsync = fsync
         self.slot_bytes = -(-geom.block_bytes // 4096) * 4096
         self._dirfd: int | None = None
@@ -275,15 +286,17 @@ class SharedTier:
                 self._drop(sub, base, st)
                 return "corrupt", 0
             got = self._read_file(fd, views)
+            found = read_header(views[0][:HEADER], self.geom, key) if got == HEADER + n else None
+            whole = found is not None and block_sum(found[1], _block_bytes(views, n)) == found[0]
+            if whole:
+                self.budget.touch(fd, st)  # an access record for the shared LRU, while the file is open
         except OSError:
             self.fp.counters.add(errors=1)
             return "unreadable", 0
         finally:
             os.close(fd)
         self.fp.counters.add(files=1)
-        head = views[0][:HEADER]
-        found = read_header(head, self.geom, key) if got == HEADER + n else None
-        if found is None or block_sum(found[1], _block_bytes(views, n)) != found[0]:
+        if found is None or not whole:
             self._drop(sub, base, st)
             return "corrupt", 0
         if found[1] != SUM_XXH3:  # the tiers above keep xxh3-64 of host bytes
@@ -304,7 +317,9 @@ class SharedTier:
     def _drop(self, sub: str, base: str, st: os.stat_result) -> None:
         """Remove the corrupt file just read, if the name still holds that very file (a writer may have
         published a good one meanwhile: that one stays)."""
-        self._unlink_if(sub, base, lambda now: (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino))
+        gone = self._unlink_if(sub, base, lambda now: (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino))
+        if gone is not None and stat.S_ISREG(gone.st_mode):
+            self.budget.removed_bytes(gone.st_size)
 
     def _unlink_if(self, sub: str, base: str, remove: Callable[[os.stat_result], bool]) -> os.stat_result | None:
         """Unlink ``base`` in ``sub`` (relative to the directory's descriptor, never following a link) when
@@ -360,6 +375,7 @@ class SharedTier:
         if self.contains(key):
             return False
         self._clear(key)
+        self.budget.register()
         hview = memoryview(slot.header)
         hdr = encode_header(self.geom, key, slot.checksum)
         hview[:len(hdr)] = hdr
@@ -367,6 +383,7 @@ class SharedTier:
         with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:  # both parts straight from the slot
             w.write(hview[:HEADER])
             w.write(slot.data(self.geom.block_bytes))
+        self._published()
         return True
 
     def write_view(self, key: bytes, data: memoryview, checksum: int) -> bool:
@@ -374,6 +391,7 @@ class SharedTier:
         if self.contains(key):
             return False
         self._clear(key)
+        self.budget.register()
         hbuf = self._headers.acquire()
         try:
             hview = memoryview(hbuf)
@@ -386,7 +404,13 @@ class SharedTier:
             del hview
         finally:
             hbuf.release()
+        self._published()
         return True
+
+    def _published(self) -> None:
+        """Count a block file just published, and keep the namespace within its budget."""
+        self.budget.added_bytes(HEADER + self.geom.block_bytes)
+        self.budget.enforce()
 
     # -- GPU blocks through the device path ----------------------------------------------------------------------
     def write_device(self, key: bytes, block: Any, device: Any) -> bool:
@@ -396,6 +420,7 @@ class SharedTier:
         if self.contains(key):
             return False
         self._clear(key)
+        self.budget.register()
         n = self.geom.block_bytes
         checksum = device.runtime.checksum(block, 0, n)
         hbuf = self._headers.acquire()
@@ -410,6 +435,7 @@ class SharedTier:
             del hview
         finally:
             hbuf.release()
+        self._published()
         return True
 
     def read_device(self, key: bytes, dest: Any, device: Any, *, keep: bool = True) -> tuple[str, str]:
@@ -455,6 +481,7 @@ class SharedTier:
             if got != n or device.runtime.checksum(target, 0, n) != checksum:
                 self._drop(sub, base, st)
                 return "corrupt", ""
+            self.budget.touch(fd, st)
             if keep:
                 device.runtime.copy(dest, 0, target, 0, n)
             self.fp.counters.add(files=1)
@@ -482,6 +509,7 @@ class SharedTier:
                 del view
                 self._drop(sub, base, st)
                 return "corrupt", ""
+            self.budget.touch(fd, st)
             device.runtime.from_host(dest, 0, view[HEADER:HEADER + n])
             device.counters.add_for("kvcache.shared", bytes_staged=n)
             del view
@@ -494,7 +522,10 @@ class SharedTier:
         at the name is left alone."""
         sub, base = self._entry(key)
         gone = self._unlink_if(sub, base, lambda st: not stat.S_ISDIR(st.st_mode))
-        return gone is not None and stat.S_ISREG(gone.st_mode)
+        if gone is not None and stat.S_ISREG(gone.st_mode):
+            self.budget.removed_bytes(gone.st_size)
+            return True
+        return False
 
     def count(self) -> int:
         """Block files in the directory (its two-character subdirectories, read through descriptors)."""
@@ -505,12 +536,14 @@ class SharedTier:
         n = 0
         try:
             for sub in os.listdir(top):
+                if not _is_sub(sub):  # the accounting directory, other namespaces' roots
+                    continue
                 try:
                     fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top)
                 except OSError:
                     continue
-                try:
-                    n += sum(1 for f in os.listdir(fd) if f.endswith(".kvb") and not self.fp.is_temporary(f))
+                try:  # hidden names (temporary files, blocks being evicted) are not blocks
+                    n += sum(1 for f in os.listdir(fd) if f.endswith(".kvb") and not f.startswith("."))
                 finally:
                     os.close(fd)
         finally:
@@ -518,7 +551,12 @@ class SharedTier:
         return n
 
     def close(self) -> None:
-        """Release the directory descriptor and the scratch buffers."""
+        """Publish this process's usage record (evicting to the budget with everyone's latest counts), then
+        release the directory descriptor and the scratch buffers."""
+        try:
+            self.budget.settle()
+        except OSError:
+            pass  # the records are advisory: the next scan recounts from the files
         with self._dir_lock:
             fd, self._dirfd = self._dirfd, None
         if fd is not None:
@@ -540,6 +578,11 @@ def _native_beneath() -> Any:
 
 
 _beneath = _native_beneath()
+
+
+def _is_sub(name: str) -> bool:
+    """Whether ``name`` is one of the tier's 256 subdirectories (two lowercase hex digits)."""
+    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
 
 
 def _block_bytes(views: list[memoryview], n: int) -> memoryview:

@@ -1,0 +1,199 @@
+"""The shared tier's byte budget with real processes on one directory: several writers keep it (within a block
+per writer once they settle, exactly after gc), readers racing the evictors verify every byte they get, SIGKILL
+of a writer and of an evictor between its rename and its unlink leaves nothing that gc does not repair,
+namespaces isolate, a new process recounts from the files, and reads keep blocks in (LRU)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sfstore import errors
+from sfstore.kvcache.shared_budget import (
+    EVICTING,
+    META,
+    SharedBudget,
+    check_namespace,
+    list_namespaces,
+    namespace_prefix,
+)
+from sfstore.kvcache.tiers import SharedTier
+from tests.kvcache import shared_workers as w
+
+FILE = w.FILE_BYTES
+files_in, leftovers = w.files_in, w.leftovers
+
+
+def held(root: Path) -> int:
+    return sum(f.stat().st_size for f in files_in(root))
+
+
+def every_block_whole(root: Path) -> int:
+    """Read back every block file there through a store; each must verify and be its block's bytes."""
+    kv = w.open_store(str(root), 0)
+    try:
+        index = {w.key(kv, i): i for i in range(2000)}
+        dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
+        found = files_in(root)
+        for f in found:
+            k = bytes.fromhex(f.stem)
+            assert kv.get_into([k], [dest]) == ["shared"], f
+            assert np.array_equal(dest, w.block(index[k]))
+        return len(found)
+    finally:
+        kv.close()
+
+
+def start(target: Any, *args: Any) -> multiprocessing.process.BaseProcess:
+    p = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    p.start()
+    return p
+
+
+def test_several_writers_keep_the_budget_and_readers_never_get_a_wrong_block(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    budget = 12 * FILE
+    writers, per = 4, 60
+    out = multiprocessing.get_context("spawn").Queue()
+    procs = [start(w.writer, str(shared), budget, i * per, per, "", out) for i in range(writers)]
+    procs += [start(w.reader, str(shared), writers * per, 6.0, seed, out) for seed in range(2)]
+    results = [out.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    readers = [r for r in results if r[0] == "reader"]
+    assert sum(r[1] for r in readers) > 0, "the readers never found a block: the race was not run"
+    assert all(r[3] == 0 for r in readers), f"a reader got a wrong or partial block: {readers}"
+    assert sum(r[2] for r in results if r[0] == "writer") > 0  # the writers evicted, not only gc
+    # settled (every writer closed): within one block per writer, from the writers' own enforcement
+    assert held(shared) <= budget + writers * FILE, (held(shared), budget)
+    report = SharedBudget(SharedTier(w.GEOM, shared).fp, "", budget).gc()
+    assert report["bytes_after"] == held(shared) <= budget
+    assert not leftovers(shared)
+    assert every_block_whole(shared) == held(shared) // FILE > 0
+
+
+def test_sigkill_of_writers_and_of_an_evictor_leaves_what_gc_repairs(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    budget = 8 * FILE
+    for trial in range(4):  # writers that also evict, killed at any point
+        p = start(w.endless_writer, str(shared), budget, trial * 400)
+        deadline = time.time() + 60
+        while time.time() < deadline and not list((shared / META / "writers").glob(f"*-{p.pid}-*.json")):
+            time.sleep(0.01)  # until it wrote (its record comes before its first block)
+        time.sleep(0.1 + 0.07 * trial)
+        assert p.pid is not None
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+    p = start(w.killed_evictor, str(shared), budget, 1600, 200)
+    p.join(120)
+    assert p.exitcode == -signal.SIGKILL  # it died between the rename and the unlink
+    stuck = [f for f in leftovers(shared) if f.name.startswith(EVICTING)]
+    assert len(stuck) == 1
+    # what the dead evictor left is no block: its key misses cleanly, and the tier does not count it
+    victim = stuck[0].name.rsplit("-", 1)[1]
+    kv = w.open_store(str(shared), 0)
+    try:
+        dest = np.full(w.GEOM.block_bytes, 7, dtype=np.uint8)
+        assert kv.get_into([bytes.fromhex(victim[:-4])], [dest]) == [None] and (dest == 7).all()
+        assert kv.stats()["resident"]["shared"] == len(files_in(shared))
+    finally:
+        kv.close()
+    records = list((shared / META / "writers").glob("*.json"))
+    assert len(records) == 5  # one per killed process
+    every_block_whole(shared)  # before gc too: nothing partial is visible
+    report = SharedBudget(SharedTier(w.GEOM, shared).fp, "", budget).gc()
+    assert report["evicting_removed"] == 1 and report["records_removed"] == 5
+    assert not leftovers(shared), leftovers(shared)  # the killed writers' temporary files are gone too
+    assert held(shared) <= budget
+    assert every_block_whole(shared) > 0
+    assert SharedBudget(SharedTier(w.GEOM, shared).fp, "").du()["estimate"] == held(shared)
+
+
+def test_namespaces_isolate(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    out = multiprocessing.get_context("spawn").Queue()
+    keep = [start(w.writer, str(shared), 0, 0, 20, ns, out) for ns in ("", "b")]
+    for p in keep:
+        p.join(120)
+        assert p.exitcode == 0
+    flood = [start(w.writer, str(shared), 4 * FILE, 1000 + i * 50, 50, "a", out) for i in range(2)]
+    for p in flood:
+        p.join(120)
+        assert p.exitcode == 0
+    assert len(files_in(shared)) == 20  # the default namespace: untouched
+    assert len(files_in(shared / "ns" / "b")) == 20
+    assert len(files_in(shared / "ns" / "a")) <= 4 + 2
+    for ns in ("b", "a"):
+        kv = w.open_store(str(shared), 0, ns)
+        try:  # a namespace never reads another's blocks, the default's included
+            dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
+            assert kv.get_into([w.key(kv, 0)], [dest]) == (["shared"] if ns == "b" else [None])
+            assert kv.stats()["resident"]["shared"] == len(files_in(shared / "ns" / ns))
+        finally:
+            kv.close()
+    # gc of one namespace leaves the others alone; with no namespace named, each keeps its own budget
+    SharedBudget(SharedTier(w.GEOM, shared, namespace="a").fp, "ns/a/", 0, namespace="a").gc(budget=FILE)
+    assert len(files_in(shared / "ns" / "a")) == 1 and len(files_in(shared / "ns" / "b")) == 20
+    fp = SharedTier(w.GEOM, shared).fp
+    for ns in list_namespaces(fp):
+        SharedBudget(fp, namespace_prefix(ns), 10 * FILE, namespace=ns).gc()
+    assert [len(files_in(d)) for d in (shared, shared / "ns" / "a", shared / "ns" / "b")] == [10, 1, 10]
+    with pytest.raises(errors.ConfigError):
+        check_namespace("../x")
+    with pytest.raises(errors.ConfigError):
+        w.open_store(str(shared), 0, ".sfkv")
+
+
+def test_a_new_process_recounts_from_the_files_and_torn_records_are_ignored(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    kv = w.open_store(str(shared), 0)  # unbounded: 20 blocks
+    for i in range(20):
+        kv.put([w.key(kv, i)], [w.block(i)])
+    kv.close()
+    for f in (shared / META).rglob("*"):  # the state is lost (or never existed: an older writer's directory)
+        if f.is_file():
+            f.unlink()
+    (shared / META / "writers" / "torn.json").write_bytes(b'{"v": 1, "id": "x", "added": 99999')
+    kv = w.open_store(str(shared), 6 * FILE)
+    try:
+        kv.put([w.key(kv, 100)], [w.block(100)])
+        assert held(shared) <= 6 * FILE
+        s = kv.stats()
+        assert s["evictions_shared"] >= 15 and s["shared_bytes_held"] == held(shared)
+        assert s["shared_budget_bytes"] == 6 * FILE and s["cache_namespace"] == ""
+    finally:
+        kv.close()
+
+
+def test_recently_read_blocks_stay(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    tier_opts = {"touch_s": 0.0}
+    from sfstore.kvcache.tiers import SharedTier as Tier
+
+    kv = w.open_store(str(shared), 0)
+    keys = [w.key(kv, i) for i in range(15)]
+    for i in range(10):
+        kv.put([keys[i]], [w.block(i)])
+    assert kv.shared is not None
+    kv.shared.close()
+    kv.shared = Tier(w.GEOM, shared, budget_bytes=10 * FILE, budget_options=tier_opts)
+    dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
+    time.sleep(0.01)
+    for i in range(5):  # read: their access times are newer than every other block's
+        assert kv.get_into([keys[i]], [dest]) == ["shared"]
+    time.sleep(0.01)
+    for i in range(10, 15):
+        kv.put([keys[i]], [w.block(i)])
+    try:
+        present = [kv.contains(k) for k in keys]
+        assert present == [True] * 5 + [False] * 5 + [True] * 5
+    finally:
+        kv.close()
