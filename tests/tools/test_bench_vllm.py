@@ -127,3 +127,49 @@ def test_write_report_renders_a_document_of_the_older_shape(tmp_path: Path) -> N
     report.write_report(str(tmp_path / "bench"), [doc], readme=str(readme))
     assert (tmp_path / "bench" / "vllm.txt").read_text().startswith("TTFT (ms)")
     assert f"| `ttft-512` | 21.0 ms (20.0{DASH}22.0) |" in (tmp_path / "bench" / "index.md").read_text()
+
+
+FAKE_ENGINE = '''
+import json, sys
+spec = json.load(open(sys.argv[2]))
+print("INFO vLLM says hello")  # an engine's own output on stdout, ignored by the suite
+if spec.get("fail"):
+    print("@@error " + json.dumps({"error": "ValueError: no such connector"}), flush=True)
+    sys.exit(0)
+print("@@ready {}", flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd.get("quit"):
+        break
+    n = int(cmd.get("repeat", 1))
+    print("some log line", flush=True)
+    print("@@reply " + json.dumps({"ttft_s": [len(cmd["prompt"]) / 1e3] * n, "cached": [7] * n}), flush=True)
+'''
+
+
+def _fake_python(tmp_path: Path) -> str:
+    """An "engine venv's python" that runs the fake engine above instead of vllm_ttft.py (its first argument)."""
+    import sys
+
+    (tmp_path / "fake_engine.py").write_text(FAKE_ENGINE)
+    exe = tmp_path / "python"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {tmp_path / 'fake_engine.py'} \"$@\"\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_engine_process_protocol(tmp_path: Path) -> None:
+    """The suite keeps each side's engine process alive and asks it one prompt at a time over stdin/stdout, skipping
+    the engine's own output; a process that cannot start makes every answer its error."""
+    python = _fake_python(tmp_path)
+    engine = suite._Engine(python, tmp_path, "side", {"model": "m", "connector": "none"})
+    try:
+        assert engine.error is None
+        assert engine.ask([1, 2, 3], repeat=2) == {"ttft_s": [0.003, 0.003], "cached": [7, 7]}
+        assert engine.ask([1] * 10) == {"ttft_s": [0.01], "cached": [7]}
+    finally:
+        engine.close()
+    assert "INFO vLLM says hello" in (tmp_path / "side.log").read_text()
+    broken = suite._Engine(python, tmp_path, "broken", {"model": "m", "connector": "none", "fail": True})
+    assert broken.error == "ValueError: no such connector"
+    assert broken.ask([1]) == {"error": "ValueError: no such connector"}

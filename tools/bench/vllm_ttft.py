@@ -1,12 +1,17 @@
 """One engine process of the ``vllm`` bench suite, run with the engine venv's Python (``.venv-vllm-engine``).
 
-``python vllm_ttft.py SPEC.json OUT.json``. ``SPEC``: ``model``, ``connector`` (``none``, ``sfstore`` or
-``example``: vLLM's ExampleConnector, which stores each request's KV as safetensors files in a directory),
-``extra`` (the connector's extra config), ``prompts`` (token ids), ``repeat_same`` (time each prompt twice in this
-process: the second is a hit from the pinned tier) and ``eager`` (vLLM's ``enforce_eager``; default off: the
-model compiled, as vLLM runs it by default). Each prompt is one
-``LLM.generate`` with ``max_tokens=1`` after a warm-up prompt: its wall time is the time to first token. ``OUT``:
-``{"ttft_s": [...], "again_s": [...], "cached": [...], "cached_again": [...], "error": None}``.
+``python vllm_ttft.py SPEC.json``. ``SPEC``: ``model``, ``connector`` (``none``, ``sfstore`` or ``example``: vLLM's
+ExampleConnector, which stores each request's KV as safetensors files in a directory), ``extra`` (the connector's
+extra config) and ``eager`` (vLLM's ``enforce_eager``; default off: the model compiled, as vLLM runs it by default).
+
+The process builds its engine, runs a warm-up prompt, prints ``@@ready {}`` and then serves the suite, which keeps
+every side's process alive and interleaves them prompt by prompt (so a change of load on the machine hits every side
+alike): each line on stdin is a JSON command, ``{"prompt": [token ids], "repeat": 1 or 2, "wait_puts": bool}``;
+each prompt is one ``LLM.generate`` with ``max_tokens=1`` (its wall time is the time to first token), ``repeat`` 2
+times it again at once (a hit from the pinned tier), ``wait_puts`` waits after the first pass until sfstore's
+blocks reached the shared tier (outside the timings). The answer is one line ``@@reply {"ttft_s": [...],
+"cached": [...]}`` (``cached``: vLLM's ``num_cached_tokens`` of each pass), or ``@@error {"error": ...}``;
+``{"quit": true}`` ends the process. Lines without the ``@@`` prefix are vLLM's own output.
 """
 
 from __future__ import annotations
@@ -17,8 +22,16 @@ import sys
 import time
 from typing import Any
 
+PREFIX = "@@"
 
-def main(spec: dict[str, Any]) -> dict[str, Any]:
+
+def _say(kind: str, body: dict[str, Any]) -> None:
+    sys.stdout.write(f"{PREFIX}{kind} {json.dumps(body)}\n")
+    sys.stdout.flush()
+
+
+def build(spec: dict[str, Any]) -> Any:
+    """The engine of ``spec``, after one warm-up prompt."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -27,7 +40,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         model=spec["model"], skip_tokenizer_init=True, dtype="float32", block_size=32, enable_prefix_caching=False,
         max_model_len=8192, seed=0, max_num_batched_tokens=8192, max_num_seqs=4,
         enforce_eager=bool(spec.get("eager", False)),
-        kv_cache_memory_bytes=1 << 30,
+        kv_cache_memory_bytes=int(spec.get("kv_cache_bytes", 256 << 20)),
     )
     conn = spec["connector"]
     if conn == "sfstore":
@@ -40,27 +53,41 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=[(i * 7919) % 8192 for i in range(64)])], params, use_tqdm=False)
-    out: dict[str, Any] = {"ttft_s": [], "again_s": [], "cached": [], "cached_again": [], "error": None}
-    for p in spec["prompts"]:
-        for field, cached in (("ttft_s", "cached"), ("again_s", "cached_again"))[:2 if spec.get("repeat_same") else 1]:
-            t0 = time.perf_counter()
-            res = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
-            out[field].append(time.perf_counter() - t0)
-            out[cached].append(res[0].num_cached_tokens)
-            if conn == "sfstore" and field == "ttft_s" and spec.get("repeat_same"):
-                from sfstore.kvcache import vllm as sfvllm
+    return llm, params, TokensPrompt
 
-                for entry in list(sfvllm._stores.values()):
-                    entry[0].wait_for_puts()  # the shared files are complete before anything times them
-    return out
+
+def serve(spec: dict[str, Any]) -> None:
+    """Build the engine, then answer commands from stdin until ``quit`` or end of input."""
+    try:
+        llm, params, tokens_prompt = build(spec)
+    except Exception as exc:  # the bench reports why a side could not run
+        _say("error", {"error": f"{type(exc).__name__}: {exc}"})
+        return
+    _say("ready", {})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            return
+        try:
+            out: dict[str, Any] = {"ttft_s": [], "cached": []}
+            for i in range(int(cmd.get("repeat", 1))):
+                t0 = time.perf_counter()
+                res = llm.generate([tokens_prompt(prompt_token_ids=cmd["prompt"])], params, use_tqdm=False)
+                out["ttft_s"].append(time.perf_counter() - t0)
+                out["cached"].append(res[0].num_cached_tokens)
+                if i == 0 and cmd.get("wait_puts") and spec["connector"] == "sfstore":
+                    from sfstore.kvcache import vllm as sfvllm
+
+                    for entry in list(sfvllm._stores.values()):
+                        entry[0].wait_for_puts()  # the shared files are complete before anything times them
+        except Exception as exc:
+            _say("error", {"error": f"{type(exc).__name__}: {exc}"})
+            continue
+        _say("reply", out)
 
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        spec_ = json.load(f)
-    try:
-        result = main(spec_)
-    except Exception as exc:  # the bench reports why a side could not run
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    with open(sys.argv[2], "w") as f:
-        json.dump(result, f)
+        serve(json.load(f))

@@ -2,17 +2,18 @@
 against vLLM's own filesystem connector (``ExampleConnector``), in one run.
 
 Runs vLLM 0.32.0's CPU build from ``.venv-vllm-engine`` (``tools/vllm-engine-env.sh``; ``--engine-python``) on a
-tiny random Llama (4 layers, hidden 256, 2 KV heads, float32) built in the bench directory, each side in its own
-engine process (``tools/bench/vllm_ttft.py``), ``--repeat`` distinct prompts per length (``--lengths``, default
-512, 1536 and 4096 tokens). TTFT is the wall time of ``LLM.generate(max_tokens=1)`` for one prompt after a
-warm-up prompt. Sides:
+tiny random Llama (4 layers, hidden 256, 2 KV heads, float32) built in the bench directory, ``--repeat`` distinct
+prompts per length (``--lengths``, default 512, 1536 and 4096 tokens). Each side has its own engine process
+(``tools/bench/vllm_ttft.py``), all started first and kept alive, then interleaved: every side times prompt ``i``
+before any times prompt ``i + 1``, so a change of load on the machine falls on every side alike. TTFT is the wall
+time of ``LLM.generate(max_tokens=1)`` for one prompt (after a warm-up prompt at start-up). Sides:
 
 * ``none``: no connector (vLLM's prefix cache is off everywhere, so every hit is the connector's);
-* ``sfstore-pinned``: the same prompt again in the process that saved it (hits from the pinned tier);
-* ``sfstore-shared-cold``: a new process on the same ``shared_dir``, its files evicted from the page cache first
-  (fsync, ``posix_fadvise(DONTNEED)``);
-* ``example-cold``: vLLM's ``ExampleConnector`` (safetensors files per request in a directory), a new process
-  after the saving one, its files evicted the same way;
+* ``sfstore-pinned``: the same prompt again in the process that just saved it (hits from the pinned tier);
+* ``sfstore-shared-cold``: another process on the same ``shared_dir`` (prompts it has never seen), the files
+  evicted from the page cache first (fsync, ``posix_fadvise(DONTNEED)``);
+* ``example-cold``: vLLM's ``ExampleConnector`` (safetensors files per request in a directory) in another process
+  than the one that saved the prompt, its files evicted the same way;
 * ``sfstore-miss``: the process that saved the blocks, timing the first pass (a miss that saves every block), for
   what saving costs.
 
@@ -31,6 +32,7 @@ over ours, the median of the per-prompt ratios, so > 1 means sfstore is faster) 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -51,6 +53,7 @@ from tools.bench.common import (
     utc_now,
 )
 from tools.bench.registry import Suite, register
+from tools.bench.vllm_ttft import PREFIX
 
 ROOT = Path(__file__).resolve().parents[3]
 CHILD = Path(__file__).resolve().parents[1] / "vllm_ttft.py"
@@ -58,6 +61,8 @@ CHILD = Path(__file__).resolve().parents[1] / "vllm_ttft.py"
 PAIRS = (("sfstore-shared-cold", "none", 0.5), ("sfstore-pinned", "none", 0.2),
          ("sfstore-shared-cold", "example-cold", 1 / 1.5), ("sfstore-miss", "none", None))
 GOAL_TOKENS = 1536
+SIDES = ("none", "sfstore-pinned", "sfstore-shared-cold", "example-cold", "sfstore-miss")
+HIT_SIDES = ("sfstore-pinned", "sfstore-shared-cold", "example-cold")
 REFERENCE_TOOLS = {"none": "vLLM, no connector", "example-cold": "vLLM ExampleConnector"}
 EAGER = [False]  # --eager, for every engine process of the run
 MODEL_SCRIPT = """
@@ -86,27 +91,78 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prompt lengths in tokens (default 512,1536,4096; --quick: 1536)")
 
 
-def _child(python: str, work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    spec_file, out_file = work / f"{name}.spec.json", work / f"{name}.out.json"
-    spec_file.write_text(json.dumps({**spec, "eager": EAGER[0]}))
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([python, str(CHILD), str(spec_file), str(out_file)], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if not out_file.exists():
-        return {"error": f"engine process exited {proc.returncode}: {proc.stderr[-400:]}"}
-    out: dict[str, Any] = json.loads(out_file.read_text())
-    return out
+class _Engine:
+    """One side's engine process (``vllm_ttft.py``), kept alive for the whole run and asked one prompt at a time."""
+
+    def __init__(self, python: str, work: Path, name: str, spec: dict[str, Any]) -> None:
+        self.name = name
+        self.error: str | None = None
+        spec_file = work / f"{name}.spec.json"
+        spec_file.write_text(json.dumps({**spec, "eager": EAGER[0]}))
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", TOKENIZERS_PARALLELISM="false")
+        self._log = open(work / f"{name}.log", "w")  # closed in close()
+        self._proc = subprocess.Popen([python, str(CHILD), str(spec_file)], cwd=work, env=env, text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
+        kind, body = self._read()
+        if kind != "ready":
+            self.error = str(body.get("error") or f"engine process {name} did not start")
+            self.close()
+
+    def _read(self) -> tuple[str, dict[str, Any]]:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.startswith(PREFIX):
+                kind, _, body = line[len(PREFIX):].partition(" ")
+                return kind, json.loads(body)
+            self._log.write(line)
+        code = self._proc.wait()
+        self._log.flush()
+        tail = Path(self._log.name).read_text()[-400:]
+        return "error", {"error": f"engine process {self.name} exited {code}: {tail}"}
+
+    def ask(self, prompt: list[int], repeat: int = 1, wait_puts: bool = False) -> dict[str, Any]:
+        """Time ``prompt`` (``repeat`` passes): ``{"ttft_s": [...], "cached": [...]}`` or ``{"error": ...}``."""
+        if self.error is not None:
+            return {"error": self.error}
+        assert self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(json.dumps({"prompt": prompt, "repeat": repeat, "wait_puts": wait_puts}) + "\n")
+            self._proc.stdin.flush()
+        except OSError as exc:
+            self.error = f"engine process {self.name}: {exc}"
+            return {"error": self.error}
+        kind, body = self._read()
+        if kind != "reply":
+            if self._proc.poll() is not None:
+                self.error = str(body.get("error"))
+            return {"error": str(body.get("error"))}
+        return body
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self._proc.stdin is not None
+                self._proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                self._proc.stdin.close()
+            try:
+                self._proc.wait(120)  # the engine's shutdown drains sfstore's background writes
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._log.close()
 
 
-def _evict(directory: Path) -> dict[str, Any]:
-    """Evict every file under ``directory`` from the page cache; its files, bytes and what stayed resident."""
-    files = [p for p in directory.rglob("*") if p.is_file()]
+def _evict(directory: Path, check: bool = False) -> dict[str, Any]:
+    """Evict every file under ``directory`` from the page cache; its files, bytes and (``check``) what stayed
+    resident (``fincore``; None where it cannot tell)."""
+    files = [p for p in directory.rglob("*") if p.is_file()] if directory.is_dir() else []
     for path in files:
         drop_cache(path)
-    resident = [resident_bytes(p) for p in files]
-    return {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
-            "resident_bytes_after_evict": None if None in resident else sum(r or 0 for r in resident)}
+    out: dict[str, Any] = {"files": len(files), "bytes": sum(p.stat().st_size for p in files)}
+    if check:
+        resident = [resident_bytes(p) for p in files]
+        out["resident_bytes_after_evict"] = None if None in resident else sum(r or 0 for r in resident)
+    return out
 
 
 def _summary(samples: list[float]) -> dict[str, Any]:
@@ -190,34 +246,63 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(8192) for _ in range(n)] for n in lengths for _ in range(args.repeat)]
     shared, example = work / "shared", work / "example"
+    m = str(model)
+    ours, theirs = {"shared_dir": str(shared)}, {"shared_storage_path": str(example)}
+    specs: dict[str, dict[str, Any]] = {
+        "none": {"model": m, "connector": "none"},
+        "sfstore-save": {"model": m, "connector": "sfstore", "extra": ours},
+        "sfstore-cold": {"model": m, "connector": "sfstore", "extra": ours},
+        "example-save": {"model": m, "connector": "example", "extra": theirs},
+        "example-cold": {"model": m, "connector": "example", "extra": theirs},
+    }
+    engines: dict[str, _Engine] = {}
+    results: dict[str, dict[str, list[Any]]] = {s: {"ttft_s": [], "cached": []} for s in SIDES}
+    errors: dict[str, str] = {}
+    files: dict[str, Any] = {}
+
+    def note(side: str, got: dict[str, Any], index: int = 0) -> None:
+        if got.get("error"):
+            errors.setdefault(side, str(got["error"]))
+            return
+        results[side]["ttft_s"].append(got["ttft_s"][index])
+        results[side]["cached"].append(got["cached"][index])
+
+    try:
+        for name, spec in specs.items():  # one after the other: each start compiles the model
+            engines[name] = _Engine(python, work, name, spec)
+        # Interleaved: every side times prompt i before any side times prompt i + 1 (BENCHMARKING.md, rule 4)
+        order = [li * args.repeat + r for r in range(args.repeat) for li in range(len(lengths))]
+        for i in order:
+            p = prompts[i]
+            note("none", engines["none"].ask(p))
+            saved = engines["sfstore-save"].ask(p, repeat=2, wait_puts=True)
+            note("sfstore-miss", saved, 0)
+            note("sfstore-pinned", saved, 1)
+            files["sfstore-shared"] = _evict(shared, check=i == order[-1])
+            note("sfstore-shared-cold", engines["sfstore-cold"].ask(p))
+            engines["example-save"].ask(p)
+            files["example"] = _evict(example, check=i == order[-1])
+            note("example-cold", engines["example-cold"].ask(p))
+    finally:
+        for engine in engines.values():
+            engine.close()
     sides: dict[str, dict[str, Any]] = {}
-    sides["none"] = _child(python, work, "none", {"model": str(model), "connector": "none", "prompts": prompts})
-    saved = _child(python, work, "sfstore-save", {"model": str(model), "connector": "sfstore", "repeat_same": True,
-                                                  "extra": {"shared_dir": str(shared)}, "prompts": prompts})
-    sides["sfstore-pinned"] = {"ttft_s": saved.get("again_s"), "cached": saved.get("cached_again"),
-                               "error": saved.get("error")}
-    files: dict[str, Any] = {"sfstore-shared": _evict(shared) if shared.is_dir() else None}
-    sides["sfstore-shared-cold"] = _child(python, work, "sfstore-cold", {
-        "model": str(model), "connector": "sfstore", "extra": {"shared_dir": str(shared)}, "prompts": prompts})
-    esaved = _child(python, work, "example-save", {"model": str(model), "connector": "example",
-                                                   "extra": {"shared_storage_path": str(example)}, "prompts": prompts})
-    if esaved.get("error"):
-        sides["example-cold"] = {"error": esaved["error"]}
-    else:
-        files["example"] = _evict(example) if example.is_dir() else None
-        sides["example-cold"] = _child(python, work, "example-cold", {
-            "model": str(model), "connector": "example", "extra": {"shared_storage_path": str(example)},
-            "prompts": prompts})
-    sides["sfstore-miss"] = {"ttft_s": saved.get("ttft_s"), "cached": saved.get("cached"), "error": saved.get("error")}
+    for side in SIDES:
+        back = sorted(range(len(results[side]["ttft_s"])), key=lambda j: order[j])  # back in prompt order
+        sides[side] = {"ttft_s": [results[side]["ttft_s"][j] for j in back],
+                       "cached": [results[side]["cached"][j] for j in back], "error": errors.get(side)}
     ttft = []
     for li, n in enumerate(lengths):
         rows = slice(li * args.repeat, (li + 1) * args.repeat)
         entry: dict[str, Any] = {"name": f"ttft-{n}", "params": {"prompt_tokens": n}, "sides": {}}
         for side, res in sides.items():
-            if res.get("error") or not res.get("ttft_s"):
+            if res.get("error") or len(res.get("ttft_s") or []) != len(prompts):
                 entry["sides"][side] = {"error": res.get("error") or "no samples"}
                 continue
             entry["sides"][side] = {**_summary(res["ttft_s"][rows]), "cached_tokens": res["cached"][rows]}
+            if side in HIT_SIDES and not all(res["cached"][rows]):
+                print(f"warning: {side} missed on some {n}-token prompts (cached tokens {res['cached'][rows]}): "
+                      "its TTFT is not a hit's", flush=True)
         ttft.append(entry)
     cases, acceptance = pair_cases(ttft)
     print(render_ttft_table(ttft), flush=True)
