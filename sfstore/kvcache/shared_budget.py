@@ -191,6 +191,7 @@ class SharedBudget:
         self.started = time.time()
         self.evictions = 0  # blocks this process evicted to keep the budget
         self.bytes_evicted = 0
+        self.errors = 0  # accounting that failed (records, scans): the tier went on without it
         self._lock = threading.Lock()  # the counters and cached state below
         self._enforcing = threading.Lock()
         self._dirty = False
@@ -484,7 +485,7 @@ class SharedBudget:
             try:
                 self.rescan()
             except OSError:
-                pass  # the next enforcement tries again
+                self.errors += 1  # the next enforcement tries again
             finally:
                 with self._lock:
                     self._scanning = False

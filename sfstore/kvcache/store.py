@@ -10,10 +10,11 @@ from the highest tier that has it and promotes it to the tiers above.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,6 +26,7 @@ from sfstore.buffers import RegisteredBufferPool, as_buffer, is_device_buffer
 from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
 from sfstore.futures import ExecutorFuture
+from sfstore.kvcache.deadline import OK, TIMEOUT, TierGuard
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
 from sfstore.kvcache.shared_budget import check_namespace
 from sfstore.kvcache.tiers import PinnedTier, SharedTier, Slot
@@ -35,6 +37,7 @@ TIERS = ("pinned", "block", "shared")
 _COUNTERS = (
     "puts", "gets", "misses", "hits_pinned", "hits_block", "hits_shared", "promotions", "evictions",
     "bytes_put", "bytes_got", "bytes_device_staged", "corrupt_dropped", "unreadable", "lower_tier_errors",
+    "puts_dropped",
 )
 _LATENCY_SAMPLES = 4096
 _STAGE_WAVE = 16  # GPU blocks staged through host memory at a time (bounds the staging buffers held)
@@ -48,6 +51,11 @@ _ARRAY_DTYPES = {
     "float8_e5m2": ("float8_e5m2", "uint8"),
 }
 
+
+
+def _release_all(buffers: Sequence[Any]) -> None:
+    for b in buffers:
+        b.release()
 
 
 def _percentile(samples: Sequence[float], q: float) -> float | None:
@@ -86,6 +94,14 @@ class KVCacheStore:
     cache_namespace : str, optional
         The shared tier's namespace (default: the ``kvcache_namespace`` setting; ``""``: the default one): its
         blocks live in their own subdirectory and never read or evict another namespace's.
+    io_timeout_ms : int, optional
+        Deadline of every block-store and shared-tier operation (default: the ``kvcache_io_timeout_ms``
+        setting; 0: none). Past it a get is a miss and a put is dropped (``deadline_misses``, ``puts_dropped``),
+        and the tier is quarantined: answered at once without I/O for a back-off (``quarantine_ms``, default
+        the ``kvcache_quarantine_ms`` setting, doubling while it keeps missing, at most 64 times that), then
+        probed. The caller never waits longer than the deadline: the I/O runs on the tier's own worker
+        threads, and one stuck in a stalled mount is abandoned (see :mod:`sfstore.kvcache.deadline`).
+        ``stats()["quarantine"]`` and :meth:`describe` report each tier's state.
 
     Notes
     -----
@@ -116,6 +132,8 @@ class KVCacheStore:
         device: Any = None,
         shared_bytes: int | None = None,
         cache_namespace: str | None = None,
+        io_timeout_ms: int | None = None,
+        quarantine_ms: int | None = None,
     ) -> None:
         if not isinstance(geometry, KVGeometry):
             raise errors.InvalidRequestError(
@@ -144,6 +162,10 @@ class KVCacheStore:
                 f"KVCacheStore: shared_bytes must be an int >= 0 (0: unbounded), not {shared_bytes!r}"
             )
         cache_ns = check_namespace(defaults.get("kvcache_namespace") if cache_namespace is None else cache_namespace)
+        timeout_ms = int(defaults.get("kvcache_io_timeout_ms") if io_timeout_ms is None else
+                         defaults.SETTINGS["kvcache_io_timeout_ms"].parse(io_timeout_ms, "KVCacheStore(io_timeout_ms)"))
+        backoff_ms = int(defaults.get("kvcache_quarantine_ms") if quarantine_ms is None else
+                         defaults.SETTINGS["kvcache_quarantine_ms"].parse(quarantine_ms, "KVCacheStore(quarantine_ms)"))
         if isinstance(block_store, str) or not (block_store is None or isinstance(block_store, BlockStore)):
             raise errors.ConfigError(f"block_store must be a BlockStore or None, not {block_store!r}")
         self.geometry = geometry
@@ -157,8 +179,11 @@ class KVCacheStore:
         self.block: BlockStore | None = block_store
         self.cache_namespace = cache_ns
         self.shared = (SharedTier(geometry, shared_dir, fsync=fsync_shared, on=shared_on, namespace=cache_ns,
-                                  budget_bytes=shared_budget)
+                                  budget_bytes=shared_budget, timeout_s=timeout_ms / 1000,
+                                  quarantine_s=backoff_ms / 1000)
                        if shared_dir is not None else None)
+        # the block store's calls run under a deadline of their own (its I/O may stall on a fabric too)
+        self._block_guard = TierGuard("block", timeout_ms / 1000, backoff_ms / 1000, workers=4, max_abandoned=8)
         self.namespace = namespace
         self.counters = Counters(_COUNTERS)
         self._lat: dict[str, deque[float]] = {op: deque(maxlen=_LATENCY_SAMPLES) for op in ("put", "get")}
@@ -387,11 +412,13 @@ class KVCacheStore:
         n = self.geometry.block_bytes
         try:
             if self.block is not None:
-                self.block.put_many(list(zip(ks, views, strict=True)))
+                self.counters.add(puts_dropped=self._block_put_views(list(zip(ks, views, strict=True))))
             if self.shared is not None:
+                dropped = 0
                 for k, v in zip(ks, views, strict=True):
                     known = self.block.checksum(k) if self.block is not None else None
-                    self.shared.write_view(k, v, known if known is not None else xxh3_64(v))
+                    dropped += self.shared.write_view(k, v, known if known is not None else xxh3_64(v)) is None
+                self.counters.add(puts_dropped=dropped)
         except BaseException:
             self.counters.add(lower_tier_errors=1)
             raise
@@ -470,13 +497,18 @@ class KVCacheStore:
         n = self.geometry.block_bytes
         try:
             if self.block is not None:
-                self.block.put_many([(k, s.data(n)) for k, s in slots])
+                status, _ = self._block_run(self.block.put_many, [(k, s.data(n)) for k, s in slots],
+                                            slots=[s for _k, s in slots], what="a put")
+                self.counters.add(puts_dropped=len(slots) if status != OK else 0)
             if self.shared is not None:
+                dropped = 0
                 for k, s in slots:
                     # the block store checksummed the value already; hash again only without one
                     known = self.block.checksum(k) if self.block is not None else None
                     s.checksum = known if known is not None else xxh3_64(s.data(n))
-                    self.shared.write(k, s)
+                    done = self.shared.write(k, s, release=self._pin([s]))
+                    dropped += done is None
+                self.counters.add(puts_dropped=dropped)
         except BaseException:
             self.counters.add(lower_tier_errors=1)
             raise
@@ -644,7 +676,7 @@ class KVCacheStore:
         tiers: list[str | None] = [None] * len(keys)
         corrupt = unreadable = 0
         if self.block is not None:
-            got, corrupt = self.block._get_into(keys, views, keep_on_miss=keep)
+            got, corrupt = self._block_get_views(keys, views, keep)
             tiers = ["block" if g == n else None for g in got]
         if self.shared is not None:
             found = []
@@ -657,9 +689,8 @@ class KVCacheStore:
                     found.append((keys[i], views[i]))
                 corrupt += status == "corrupt"
                 unreadable += status == "unreadable"
-            if found and self.block is not None:
-                self.block.put_many(found)  # promotion: the next get finds them in the block store
-                self.counters.add(promotions=len(found))
+            if found and self.block is not None:  # promotion: the next get finds them in the block store
+                self.counters.add(promotions=len(found) - self._block_put_views(found))
         self.counters.add(gets=len(keys), misses=tiers.count(None), hits_block=tiers.count("block"),
                           hits_shared=tiers.count("shared"), bytes_got=n * (len(keys) - tiers.count(None)),
                           corrupt_dropped=corrupt, unreadable=unreadable)
@@ -694,14 +725,15 @@ class KVCacheStore:
             present = [i for i in missing if self.block.contains(keys[i])]
             if present:
                 fresh = [self.pinned.take() for _ in present]
-                try:
-                    got, corrupt = self.block._get_into([keys[i] for i in present], [s.data(n) for s in fresh],
-                                                        keep_on_miss=False)  # into slots, not the caller's
+                try:  # into slots, not the caller's memory
+                    status, out = self._block_run(self._get_slots, [keys[i] for i in present], fresh,
+                                                  slots=fresh, what="get")
                 except BaseException:
                     for s in fresh:
                         self.pinned.drop(s)
                     self._unpin_all(slots)
                     raise
+                got, corrupt = out if status == OK else ([None] * len(present), 0)
                 for i, s, length in zip(present, fresh, got, strict=True):
                     if length == n:  # verified by the block store against the checksum it holds
                         self.pinned.insert(keys[i], s, self.block.checksum(keys[i]) or 0)
@@ -714,7 +746,7 @@ class KVCacheStore:
             for i in missing:
                 s = self.pinned.take()
                 try:
-                    status = self.shared.read_into(keys[i], s)
+                    status = self.shared.read_into(keys[i], s, release=self._pin([s]))
                 except BaseException:
                     self.pinned.drop(s)
                     self._unpin_all(slots)
@@ -739,6 +771,133 @@ class KVCacheStore:
             )
         return slots, tiers
 
+    # -- deadlines ------------------------------------------------------------------------------------------------
+    def _pin(self, slots: Sequence[Slot]) -> Callable[[], None]:
+        """Pin ``slots`` once more for an operation that reads or fills them; the function returned unpins them
+        (once): the operation's end, which for one abandoned past its deadline comes when its worker returns."""
+        with self.pinned.lock:
+            for sl in slots:
+                sl.readers += 1
+        done = threading.Event()
+
+        def release() -> None:
+            if not done.is_set():
+                done.set()
+                for sl in slots:
+                    self.pinned.unpin(sl)
+
+        return release
+
+    def _block_run(self, fn: Callable[..., Any], *args: Any, slots: Sequence[Slot] = (),
+                   buffers: Sequence[Any] = (), what: str) -> tuple[str, Any]:
+        """A block-store call within the block tier's deadline: ``(status, result)`` as
+        :meth:`TierGuard.run <sfstore.kvcache.deadline.TierGuard.run>`. ``slots`` and ``buffers`` (registered
+        staging buffers) are what the call reads or fills: kept from reuse until it is done with them."""
+        release_slots = self._pin(slots)
+
+        def release() -> None:
+            release_slots()
+            for b in buffers:
+                b.release()
+
+        try:
+            status, out = self._block_guard.run(fn, *args, on_late=release, what=f"a block-store {what}")
+        except BaseException:
+            release()
+            raise
+        if status != TIMEOUT:
+            release()
+        return status, out
+
+    def _staged_block(self, count: int) -> list[Any]:
+        return [self._host_stage.acquire() for _ in range(count)]
+
+    def _block_put_views(self, items: list[tuple[bytes, memoryview]]) -> int:
+        """Put blocks from the caller's memory in the block store; how many were dropped (deadline, quarantine).
+
+        Under a deadline they are copied into staging buffers first, on this thread: a put abandoned past its
+        deadline must not read memory the caller has got back (it would store those bytes, checksummed, as the
+        block)."""
+        assert self.block is not None
+        if not self._block_guard.enabled:
+            self.block.put_many(items)
+            return 0
+        dropped = 0
+        n = self.geometry.block_bytes
+        for wave in self._staged_waves(len(items)):
+            bufs = self._staged_block(len(wave))
+            for b, i in zip(bufs, wave, strict=True):
+                with memoryview(b) as mv:
+                    mv[:n] = items[i][1]
+            status, _ = self._block_run(self._put_buffers, [items[i][0] for i in wave], bufs, buffers=bufs,
+                                        what="put")
+            dropped += len(wave) if status != OK else 0
+        return dropped
+
+    def _put_buffers(self, keys: list[bytes], bufs: list[Any]) -> None:
+        n = self.geometry.block_bytes
+        views = [memoryview(b)[:n] for b in bufs]
+        try:
+            assert self.block is not None
+            self.block.put_many(list(zip(keys, views, strict=True)))
+        finally:
+            for v in views:
+                v.release()
+
+    def _block_get_views(self, keys: list[bytes], views: list[memoryview], keep: bool) -> tuple[list[int | None], int]:
+        """The block store's ``_get_into`` of ``keys`` into the caller's ``views``: ``(lengths, corrupt)``, a
+        length ``None`` for a miss (past the deadline, or quarantined, too).
+
+        Under a deadline the values land in staging buffers and are copied into ``views`` on this thread, once
+        in time: an abandoned read never writes the caller's memory."""
+        assert self.block is not None
+        if not self._block_guard.enabled:
+            return self.block._get_into(keys, views, keep_on_miss=keep)
+        n = self.geometry.block_bytes
+        got: list[int | None] = [None] * len(keys)
+        corrupt = 0
+        for wave in self._staged_waves(len(keys)):
+            idx = [i for i in wave if self.block.contains(keys[i])]
+            if not idx:
+                continue
+            bufs = self._staged_block(len(idx))
+            try:
+                status, out = self._block_guard.run(self._get_buffers, [keys[i] for i in idx], bufs,
+                                                    on_late=functools.partial(_release_all, bufs),
+                                                    what="a block-store get")
+            except BaseException:
+                _release_all(bufs)
+                raise
+            if status == TIMEOUT:
+                continue  # the buffers are the abandoned worker's until it returns
+            try:
+                if status == OK:
+                    lengths, bad = out
+                    corrupt += bad
+                    for i, b, length in zip(idx, bufs, lengths, strict=True):
+                        if length == n:
+                            with memoryview(b) as mv:
+                                views[i][:n] = mv[:n]
+                            got[i] = length
+            finally:
+                _release_all(bufs)
+        return got, corrupt
+
+    def _get_slots(self, keys: list[bytes], slots: list[Slot]) -> tuple[list[int | None], int]:
+        assert self.block is not None
+        n = self.geometry.block_bytes
+        return self.block._get_into(keys, [s.data(n) for s in slots], keep_on_miss=False)
+
+    def _get_buffers(self, keys: list[bytes], bufs: list[Any]) -> tuple[list[int | None], int]:
+        n = self.geometry.block_bytes
+        views = [memoryview(b)[:n] for b in bufs]
+        try:
+            assert self.block is not None
+            return self.block._get_into(keys, views, keep_on_miss=False)
+        finally:
+            for v in views:
+                v.release()
+
     def _unpin_all(self, slots: list[Slot | None]) -> None:
         for s in slots:
             if s is not None:
@@ -748,8 +907,9 @@ class KVCacheStore:
         n = self.geometry.block_bytes
         try:
             assert self.block is not None
-            self.block.put_many([(k, s.data(n)) for k, s in items])
-            self.counters.add(promotions=len(items))
+            status, _ = self._block_run(self.block.put_many, [(k, s.data(n)) for k, s in items],
+                                        slots=[s for _k, s in items], what="promotion")
+            self.counters.add(promotions=len(items) if status == OK else 0)
         except Exception:
             self.counters.add(lower_tier_errors=1)
         finally:
@@ -810,11 +970,11 @@ class KVCacheStore:
         n = self.geometry.block_bytes
         dp = self._device_path()
         try:
-            if self.block is not None:
-                self._put_device_block_only(ks, blocks, dp)
+            dropped = self._put_device_block_only(ks, blocks, dp) if self.block is not None else 0
             if self.shared is not None:
                 for k, b in zip(ks, blocks, strict=True):
-                    self.shared.write_device(k, b, dp)
+                    dropped += self.shared.write_device(k, b, dp) is None
+            self.counters.add(puts_dropped=dropped)
         except BaseException:
             self.counters.add(lower_tier_errors=1)
             raise
@@ -832,8 +992,11 @@ class KVCacheStore:
             present = [i for i, k in enumerate(ks) if self.block.contains(k)]
             gpu_written = [i for i in present if self.block.sum_kind(ks[i]) == SUM_KV64]
             if gpu_written:  # written GPU-direct: read the same way, verified on the GPU
-                got_d = self.block.get_into_device([ks[i] for i in gpu_written], [dests[i] for i in gpu_written], dp,
-                                                   keep_on_miss=keep, data_class="kvcache.block")
+                status, got_d = self._block_run(
+                    functools.partial(self.block.get_into_device, keep_on_miss=keep, data_class="kvcache.block"),
+                    [ks[i] for i in gpu_written], [dests[i] for i in gpu_written], dp, what="get")
+                if status != OK:
+                    got_d = [None] * len(gpu_written)
                 for i, length in zip(gpu_written, got_d, strict=True):
                     if length == n:
                         tiers[i] = "block"
@@ -842,15 +1005,28 @@ class KVCacheStore:
                 present = [i for i in present if i not in set(gpu_written)]
             for wave in self._staged_waves(len(present)):
                 idx = [present[j] for j in wave]
-                with self._staging(len(idx)) as views:
-                    got, bad = self.block._get_into([ks[i] for i in idx], views, keep_on_miss=False)
+                bufs = self._staged_block(len(idx))
+                try:
+                    status, out = self._block_guard.run(self._get_buffers, [ks[i] for i in idx], bufs,
+                                                        on_late=functools.partial(_release_all, bufs),
+                                                        what="a block-store get")
+                except BaseException:
+                    _release_all(bufs)
+                    raise
+                if status == TIMEOUT:
+                    continue  # the buffers are the abandoned worker's until it returns
+                hits = 0
+                try:
+                    got, bad = out if status == OK else ([None] * len(idx), 0)
                     corrupt += bad
-                    hits = 0
-                    for i, v, length in zip(idx, views, got, strict=True):
+                    for i, b, length in zip(idx, bufs, got, strict=True):
                         if length == n:  # verified by the block store: only then does it reach the caller
-                            dp.runtime.from_host(dests[i], 0, v)
+                            with memoryview(b) as mv:
+                                dp.runtime.from_host(dests[i], 0, mv[:n])
                             tiers[i] = "block"
                             hits += 1
+                finally:
+                    _release_all(bufs)
                 dp.counters.add_for("kvcache.block", bytes_staged=n * hits)
         if self.shared is not None:
             found = []
@@ -872,8 +1048,7 @@ class KVCacheStore:
 
     def _promote_device(self, ks: list[bytes], blocks: list[Any], dp: Any) -> None:
         try:
-            self._put_device_block_only(ks, blocks, dp)
-            self.counters.add(promotions=len(ks))
+            self.counters.add(promotions=len(ks) - self._put_device_block_only(ks, blocks, dp))
         except errors.SfstoreError:
             self.counters.add(lower_tier_errors=1)
 
@@ -883,18 +1058,30 @@ class KVCacheStore:
         assert self.block is not None
         return bool(dp.route_for(self.block.path.fd, self.block.path.device)[0] == "gds")
 
-    def _put_device_block_only(self, ks: list[bytes], blocks: list[Any], dp: Any) -> None:
+    def _put_device_block_only(self, ks: list[bytes], blocks: list[Any], dp: Any) -> int:
+        """Put GPU blocks in the block store; how many were dropped (past the deadline, or quarantined). The
+        staged route copies them to host memory on this thread, so a put abandoned past its deadline never
+        reads GPU memory the caller has got back; a GPU-direct one (cuFile) may (sfstore cannot recall it)."""
         n = self.geometry.block_bytes
         assert self.block is not None
         if self._block_gpu_direct(dp):
-            self.block.put_many_device(list(zip(ks, blocks, strict=True)), dp, data_class="kvcache.block")
-            return
+            status, _ = self._block_run(functools.partial(self.block.put_many_device, data_class="kvcache.block"),
+                                        list(zip(ks, blocks, strict=True)), dp, what="put")
+            return 0 if status == OK else len(ks)
+        dropped = 0
         for wave in self._staged_waves(len(ks)):
-            with self._staging(len(wave)) as views:
-                for i, v in zip(wave, views, strict=True):
-                    dp.runtime.to_host(blocks[i], 0, v)
-                self.block.put_many([(ks[i], v) for i, v in zip(wave, views, strict=True)])
+            bufs = self._staged_block(len(wave))
+            try:
+                for i, b in zip(wave, bufs, strict=True):
+                    with memoryview(b) as mv:
+                        dp.runtime.to_host(blocks[i], 0, mv[:n])
+            except BaseException:
+                _release_all(bufs)
+                raise
+            status, _ = self._block_run(self._put_buffers, [ks[i] for i in wave], bufs, buffers=bufs, what="put")
+            dropped += 0 if status == OK else len(wave)
             dp.counters.add_for("kvcache.block", bytes_staged=n * len(wave))
+        return dropped
 
     def describe(self) -> dict[str, Any]:
         """How GPU blocks move to and from each tier, and why (the device path's routes), and the device path.
@@ -903,7 +1090,8 @@ class KVCacheStore:
         tier names its route: ``gds`` / ``compat`` / ``staged`` for the shared tier (decided from its
         directory's filesystem), ``staged`` for the block store (with what cuFile would make of its target).
         """
-        out: dict[str, Any] = {"tiers": self.stats()["tiers"], "pinned_capacity_blocks": self.pinned.capacity}
+        out: dict[str, Any] = {"tiers": self.stats()["tiers"], "pinned_capacity_blocks": self.pinned.capacity,
+                               "quarantine": {tier: g.describe() for tier, g in self._guards().items()}}
         gpu: dict[str, Any] = {}
         if self.pinned.capacity > 0:
             why = ("a pinned tier is on: GPU blocks are copied into its slots and the lower tiers are written from "
@@ -943,7 +1131,8 @@ class KVCacheStore:
             if "pinned" in chosen:
                 removed += self.pinned.remove(k)
             if "block" in chosen and self.block is not None:
-                removed += self.block.delete(k)
+                status, gone = self._block_run(self.block.delete, k, what="delete")
+                removed += status == OK and bool(gone)
             if "shared" in chosen and self.shared is not None:
                 removed += self.shared.remove(k)
         self.counters.add(evictions=removed)
@@ -964,7 +1153,12 @@ class KVCacheStore:
         out["evictions_shared"] = self.shared.budget.evictions if self.shared is not None else 0
         out["shared_bytes_held"] = self.shared.budget.held() if self.shared is not None else None
         out["shared_budget_bytes"] = self.shared.budget.budget if self.shared is not None else None
+        out["shared_budget_errors"] = self.shared.budget.errors if self.shared is not None else 0
         out["cache_namespace"] = self.cache_namespace
+        # deadlines: operations past theirs (gets were misses, puts dropped), and each tier's quarantine
+        guards = self._guards()
+        out["deadline_misses"] = sum(g.counters.snapshot()["deadline_misses"] for g in guards.values())
+        out["quarantine"] = {tier: g.describe() for tier, g in guards.items()}
         # bytes the lower tiers moved with O_DIRECT straight to/from memory vs through bounce buffers or the page
         # cache (their paths' counters: shared with other users of the same paths)
         direct = bounced = 0
@@ -987,6 +1181,12 @@ class KVCacheStore:
                                           strict=True) if on]
         return out
 
+    def _guards(self) -> dict[str, TierGuard]:
+        out = {"block": self._block_guard} if self.block is not None else {}
+        if self.shared is not None:
+            out["shared"] = self.shared.guard
+        return out
+
     def _check_open(self) -> None:
         if self._closed:
             raise errors.InvalidRequestError("the KV-cache store is closed")
@@ -1004,6 +1204,7 @@ class KVCacheStore:
                 partial, self._partial = list(self._partial.values()), {}
             for slot, _layers in partial:
                 self.pinned.drop(slot)
+            self._block_guard.close()
             self.pinned.close()
             self._host_stage.close()
             if self.shared is not None:

@@ -21,6 +21,7 @@ from typing import Any
 from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.checksums import kvsum64, xxh3_64
+from sfstore.kvcache.deadline import OK, TIMEOUT, TierGuard, late
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
 from sfstore.paths.base import Range
@@ -195,11 +196,18 @@ class SharedTier:
     ``budget_bytes`` bounds the bytes the namespace holds, kept by every process and node that writes it (see
     :mod:`sfstore.kvcache.shared_budget`; 0: unbounded); ``budget_options`` go to
     :class:`~sfstore.kvcache.shared_budget.SharedBudget`.
+
+    ``timeout_s`` is the deadline of each operation (0: none), run on the tier's own worker threads (see
+    :mod:`sfstore.kvcache.deadline`): past it a read answers ``"timeout"`` (a miss), a write ``None`` (dropped),
+    and the tier is quarantined (``"quarantined"``, ``None``, at once and without I/O) for a back-off that
+    starts at ``quarantine_s``. A read reaches the caller's memory only from the caller's thread, once verified
+    and in time; a write that missed its deadline is not published if it has not been yet.
     """
 
     def __init__(
         self, geom: KVGeometry, directory: str | os.PathLike[str], *, fsync: bool = False, on: FilePath | None = None,
         namespace: str = "", budget_bytes: int = 0, budget_options: dict[str, Any] | None = None,
+        timeout_s: float = 0.0, quarantine_s: float = 1.0,
     ) -> None:
         self.geom = geom
         ns = namespace_prefix(namespace)
@@ -212,6 +220,7 @@ class SharedTier:
             self.fp.full(self.prefix)  # refuses '..' above its root (symlinks are met beneath it, at each use)
         self.namespace = namespace
         self.budget = SharedBudget(self.fp, self.prefix, budget_bytes, namespace=namespace, **(budget_options or {}))
+        self.guard = TierGuard("shared", timeout_s, quarantine_s, workers=8, max_abandoned=16)
         self.fsync = fsync
         self.slot_bytes = -(-geom.block_bytes // 4096) * 4096
         self._dirfd: int | None = None
@@ -257,7 +266,12 @@ class SharedTier:
 
     # -- reads ------------------------------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
-        """Whether a regular file (not yet verified) is at the key's name inside the directory."""
+        """Whether a regular file (not yet verified) is at the key's name inside the directory (``False`` past
+        the deadline or while quarantined)."""
+        status, found = self.guard.run(self._contains, key, what="a lookup")
+        return status == OK and bool(found)
+
+    def _contains(self, key: bytes) -> bool:
         sub, base = self._entry(key)
         try:
             fd = self._open(f"{sub}/{base}", _O_PATH)
@@ -342,24 +356,54 @@ class SharedTier:
 
     def read_view(self, key: bytes, data: memoryview) -> str:
         """Read the block of ``key`` into ``data`` (caller's memory) through a scratch buffer: ``data`` is
-        written only on a ``"hit"`` (verified), and left as it is otherwise."""
+        written only on a ``"hit"`` (verified, in time, on the caller's thread), and left as it is otherwise
+        (``"timeout"`` and ``"quarantined"`` too)."""
         n = self.geom.block_bytes
         buf = self._scratch.acquire()
         try:
-            view = memoryview(buf)
-            status, _ = self._read(key, [view])
-            if status == "hit":
-                data[:n] = view[HEADER:HEADER + n]
-            del view
+            status, got = self.guard.run(self._read_scratch, key, buf, on_late=buf.release, what="a read")
+        except BaseException:
+            buf.release()
+            raise
+        if status == TIMEOUT:
+            return TIMEOUT  # the scratch buffer is the abandoned worker's until it returns
+        try:
+            if status == OK and got == "hit":
+                with memoryview(buf) as view:
+                    data[:n] = view[HEADER:HEADER + n]
         finally:
             buf.release()
-        return status
+        return str(got) if status == OK else status
 
-    def read_into(self, key: bytes, slot: Slot) -> str:
-        """Read the block into ``slot`` (the tier's own memory); on a ``"hit"`` its checksum is set."""
+    def _read_scratch(self, key: bytes, buf: Any) -> str:
+        with memoryview(buf) as view:
+            return self._read(key, [view])[0]
+
+    def read_into(self, key: bytes, slot: Slot, release: Callable[[], None] | None = None) -> str:
+        """Read the block into ``slot`` (the tier's own memory); on a ``"hit"`` its checksum is set.
+        ``release`` is called once this tier is done with the slot: before this returns, or, past the deadline
+        (``"timeout"``), when the abandoned worker returns."""
+        status, got = self._run_holding(release, self._read_slot, key, slot, what="a read")
+        return str(got) if status == OK else status
+
+    def _run_holding(self, release: Callable[[], None] | None, fn: Callable[..., Any], *args: Any,
+                     what: str) -> tuple[str, Any]:
+        """``guard.run`` of an operation on memory the caller lends (a slot): ``release`` runs once, when the
+        operation is done with it."""
+        try:
+            status, out = self.guard.run(fn, *args, on_late=release, what=what)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if status != TIMEOUT and release is not None:
+            release()
+        return status, out
+
+    def _read_slot(self, key: bytes, slot: Slot) -> str:
         status, checksum = self._read(key, [memoryview(slot.header)[:HEADER],
                                             memoryview(slot.buffer)[:self.slot_bytes]])
-        if status == "hit":
+        if status == "hit" and not late():
             slot.checksum = checksum
         return status
 
@@ -370,12 +414,17 @@ class SharedTier:
         sub, base = self._entry(key)
         self._unlink_if(sub, base, lambda st: not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)))
 
-    def write(self, key: bytes, slot: Slot) -> bool:
-        """Publish the block in ``slot`` (its header is filled here); ``False`` when it is already there."""
-        if self.contains(key):
+    def write(self, key: bytes, slot: Slot, release: Callable[[], None] | None = None) -> bool | None:
+        """Publish the block in ``slot`` (its header is filled here); ``False`` when it is already there, ``None``
+        when dropped (past the deadline, or quarantined). ``release`` is as for :meth:`read_into`."""
+        status, done = self._run_holding(release, self._write, key, slot, what="a write")
+        return bool(done) if status == OK else None
+
+    def _write(self, key: bytes, slot: Slot) -> bool:
+        if self._contains(key):
             return False
         self._clear(key)
-        self.budget.register()
+        self._register()
         hview = memoryview(slot.header)
         hdr = encode_header(self.geom, key, slot.checksum)
         hview[:len(hdr)] = hdr
@@ -383,15 +432,22 @@ class SharedTier:
         with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:  # both parts straight from the slot
             w.write(hview[:HEADER])
             w.write(slot.data(self.geom.block_bytes))
+            _not_late()
         self._published()
         return True
 
-    def write_view(self, key: bytes, data: memoryview, checksum: int) -> bool:
-        """Publish ``data`` (a block in the caller's memory) under ``key``; ``False`` when it is already there."""
-        if self.contains(key):
+    def write_view(self, key: bytes, data: memoryview, checksum: int) -> bool | None:
+        """Publish ``data`` (a block in the caller's memory) under ``key``; ``False`` when it is already there,
+        ``None`` when dropped (past the deadline or quarantined). A write past its deadline is published only if
+        it had read all of ``data`` by then (its bytes were in the file before the caller got its memory back)."""
+        status, done = self.guard.run(self._write_view, key, data, checksum, what="a write")
+        return bool(done) if status == OK else None
+
+    def _write_view(self, key: bytes, data: memoryview, checksum: int) -> bool:
+        if self._contains(key):
             return False
         self._clear(key)
-        self.budget.register()
+        self._register()
         hbuf = self._headers.acquire()
         try:
             hview = memoryview(hbuf)
@@ -401,28 +457,46 @@ class SharedTier:
             with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:
                 w.write(hview)
                 w.write(data)
+                _not_late()
             del hview
         finally:
             hbuf.release()
         self._published()
         return True
 
+    def _register(self) -> None:
+        try:
+            self.budget.register()
+        except OSError:
+            self.budget.errors += 1  # accounting is advisory: the write goes on (gc recounts from the files)
+
     def _published(self) -> None:
-        """Count a block file just published, and keep the namespace within its budget."""
-        self.budget.added_bytes(HEADER + self.geom.block_bytes)
-        self.budget.enforce()
+        """Count a block file just published, and keep the namespace within its budget (best effort: the
+        block is published whatever the accounting meets; the next scan recounts)."""
+        try:
+            self.budget.added_bytes(HEADER + self.geom.block_bytes)
+            self.budget.enforce()
+        except OSError:
+            self.budget.errors += 1
 
     # -- GPU blocks through the device path ----------------------------------------------------------------------
-    def write_device(self, key: bytes, block: Any, device: Any) -> bool:
+    def write_device(self, key: bytes, block: Any, device: Any) -> bool | None:
         """Publish the GPU ``block`` under ``key`` through ``device`` (a :class:`~sfstore.paths.device.DevicePath`):
         its kvsum64 is computed on the GPU, the 4096-byte header is written from host memory, the block's bytes
-        take the device path's route for this file (GPU-direct with cuFile). ``False`` when already there."""
-        if self.contains(key):
+        take the device path's route for this file (GPU-direct with cuFile). ``False`` when already there,
+        ``None`` when dropped (past the deadline or quarantined)."""
+        # the checksum is taken here, on the caller's thread: a write that outlives its deadline then reads
+        # bytes the caller may have changed, and its file fails verification rather than holding them as valid
+        checksum = device.runtime.checksum(block, 0, self.geom.block_bytes)
+        status, done = self.guard.run(self._write_device, key, block, device, checksum, what="a write")
+        return bool(done) if status == OK else None
+
+    def _write_device(self, key: bytes, block: Any, device: Any, checksum: int) -> bool:
+        if self._contains(key):
             return False
         self._clear(key)
-        self.budget.register()
+        self._register()
         n = self.geom.block_bytes
-        checksum = device.runtime.checksum(block, 0, n)
         hbuf = self._headers.acquire()
         try:
             hview = memoryview(hbuf)
@@ -432,6 +506,7 @@ class SharedTier:
             with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:
                 w.write(hview)
                 w.write_through(device, block, n, data_class="kvcache.shared")
+                _not_late()
             del hview
         finally:
             hbuf.release()
@@ -445,7 +520,14 @@ class SharedTier:
         route and verified on the GPU (``how``: the route); with ``keep`` it lands in a GPU scratch buffer first
         and reaches ``dest`` only once verified. A block a host put wrote (xxh3-64, which a GPU does not compute)
         is read and verified in host memory and copied up (``how``: ``"staged"``).
+
+        Past the deadline (``"timeout"``) a read is abandoned: it copies nothing into ``dest`` from then on, but
+        with ``keep=False`` a read already under way into ``dest`` (a DMA) may still land there.
         """
+        status, got = self.guard.run(self._read_device, key, dest, device, keep, what="a read")
+        return got if status == OK else (status, "")
+
+    def _read_device(self, key: bytes, dest: Any, device: Any, keep: bool) -> tuple[str, str]:
         n = self.geom.block_bytes
         sub, base = self._entry(key)
         try:
@@ -482,6 +564,8 @@ class SharedTier:
                 self._drop(sub, base, st)
                 return "corrupt", ""
             self.budget.touch(fd, st)
+            if late():
+                return TIMEOUT, ""
             if keep:
                 device.runtime.copy(dest, 0, target, 0, n)
             self.fp.counters.add(files=1)
@@ -510,6 +594,9 @@ class SharedTier:
                 self._drop(sub, base, st)
                 return "corrupt", ""
             self.budget.touch(fd, st)
+            if late():
+                del view
+                return TIMEOUT, ""
             device.runtime.from_host(dest, 0, view[HEADER:HEADER + n])
             device.counters.add_for("kvcache.shared", bytes_staged=n)
             del view
@@ -518,8 +605,12 @@ class SharedTier:
         return "hit", "staged"
 
     def remove(self, key: bytes) -> bool:
-        """Remove the key's file (beneath the directory); ``True`` when a block file was removed. A directory
-        at the name is left alone."""
+        """Remove the key's file (beneath the directory); ``True`` when a block file was removed (``False`` past
+        the deadline or quarantined too). A directory at the name is left alone."""
+        status, gone = self.guard.run(self._remove, key, what="a removal")
+        return status == OK and bool(gone)
+
+    def _remove(self, key: bytes) -> bool:
         sub, base = self._entry(key)
         gone = self._unlink_if(sub, base, lambda st: not stat.S_ISDIR(st.st_mode))
         if gone is not None and stat.S_ISREG(gone.st_mode):
@@ -527,8 +618,13 @@ class SharedTier:
             return True
         return False
 
-    def count(self) -> int:
-        """Block files in the directory (its two-character subdirectories, read through descriptors)."""
+    def count(self) -> int | None:
+        """Block files in the directory (its two-character subdirectories, read through descriptors); ``None``
+        past the deadline or while quarantined."""
+        status, n = self.guard.run(self._count, what="a listing")
+        return int(n) if status == OK else None
+
+    def _count(self) -> int:
         try:
             top = self.fp.beneath.open_dir(self.prefix.rstrip("/") or ".")
         except OSError:
@@ -554,9 +650,10 @@ class SharedTier:
         """Publish this process's usage record (evicting to the budget with everyone's latest counts), then
         release the directory descriptor and the scratch buffers."""
         try:
-            self.budget.settle()
+            self.guard.run(self.budget.settle, what="the usage record")
         except OSError:
             pass  # the records are advisory: the next scan recounts from the files
+        self.guard.close()
         with self._dir_lock:
             fd, self._dirfd = self._dirfd, None
         if fd is not None:
@@ -578,6 +675,16 @@ def _native_beneath() -> Any:
 
 
 _beneath = _native_beneath()
+
+
+class _Late(Exception):
+    """A write whose caller gave up on it (its deadline passed): discarded, not published."""
+
+
+def _not_late() -> None:
+    """Raise :class:`_Late` in a write that was abandoned, so that its temporary file is discarded."""
+    if late():
+        raise _Late
 
 
 def _is_sub(name: str) -> bool:

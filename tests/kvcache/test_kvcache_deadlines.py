@@ -1,0 +1,252 @@
+"""Deadlines and quarantine of the KV cache's lower tiers, against a stall simulated on the host.
+
+The stall (``_simulated_stall``) makes every open beneath the tier's directory first open a FIFO for reading
+that no one writes: the thread waits in the kernel, in a syscall nothing in the process can cancel, as one in a
+hard NFS mount whose server is gone does. Ending the stall opens the FIFO for writing, which lets every waiting
+thread through, as the server's return would. The block tier's stall waits on such a FIFO inside the block
+store's read or write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sfstore.blocks import BlockStore
+from sfstore.kvcache import KVCacheStore
+from sfstore.kvcache.deadline import TierGuard
+from tests.kvcache import shared_workers as w
+
+DEADLINE_MS = 100
+SLACK_S = 0.050  # the acceptance bound: a miss within the deadline + 50 ms
+
+
+class _Stall:
+    """A FIFO that threads wait on until :meth:`end`."""
+
+    def __init__(self, where: Path) -> None:
+        self.path = where / f"stall-{time.monotonic_ns()}.fifo"
+        os.mkfifo(self.path)
+        self._writer: int | None = None
+
+    def wait(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY)  # blocks in the kernel until a writer opens the FIFO
+        os.close(fd)
+
+    def end(self) -> None:
+        if self._writer is None:
+            self._writer = os.open(self.path, os.O_RDWR)  # never blocks; wakes every waiting reader
+
+    def close(self) -> None:
+        self.end()
+        assert self._writer is not None
+        os.close(self._writer)
+
+
+@contextlib.contextmanager
+def _simulated_stall(obj: Any, attr: str, where: Path) -> Iterator[_Stall]:
+    """Every call of ``obj.attr`` first waits on a :class:`_Stall` (ended by the caller, or on leaving)."""
+    stall = _Stall(where)
+    real: Callable[..., Any] = getattr(obj, attr)
+
+    def stalled(*args: Any, **kwargs: Any) -> Any:
+        stall.wait()
+        return real(*args, **kwargs)
+
+    setattr(obj, attr, stalled)
+    try:
+        yield stall
+    finally:
+        stall.close()
+        setattr(obj, attr, real)
+
+
+def wait_for(cond: Callable[[], bool], seconds: float = 10.0) -> None:
+    end = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.002)
+
+
+def store(tmp_path: Path, **kwargs: Any) -> KVCacheStore:
+    kwargs.setdefault("pinned_bytes", 0)
+    return KVCacheStore(w.GEOM, model_id="deadline-test", shared_dir=tmp_path / "shared", io_timeout_ms=DEADLINE_MS,
+                        quarantine_ms=1, **kwargs)
+
+
+def test_a_stalled_shared_tier_misses_within_the_deadline_and_recovers(tmp_path: Path) -> None:
+    kv = store(tmp_path)
+    try:
+        assert kv.shared is not None
+        keys = [w.key(kv, i) for i in range(2)]
+        kv.put(keys, [w.block(0), w.block(1)])
+        guard = kv.shared.guard
+        dest = np.full(w.GEOM.block_bytes, 7, dtype=np.uint8)
+        late: list[float] = []
+        for trial in range(100):
+            with _simulated_stall(kv.shared, "_open", tmp_path) as stall:
+                t0 = time.monotonic()
+                got = kv.get_into([keys[0]], [dest])
+                took = time.monotonic() - t0
+                late.append(took)
+                assert got == [None] and (dest == 7).all(), trial  # a miss; the destination as it was
+                assert guard.quarantined() and kv.stats()["quarantine"]["shared"]["quarantined"]
+                assert kv.get_into([keys[1]], [dest]) == [None]  # quarantined: answered at once
+                stall.end()  # the server is back: the stuck worker returns, and its late read is discarded
+                wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+            time.sleep(0.003)  # past the back-off: the next get probes the tier
+            assert kv.get_into([keys[trial % 2]], [dest]) == ["shared"], trial
+            assert np.array_equal(dest, w.block(trial % 2)) and not guard.quarantined()
+            dest[:] = 7
+        assert max(late) <= DEADLINE_MS / 1000 + SLACK_S, sorted(late)[-5:]
+        q = kv.stats()["quarantine"]["shared"]
+        assert q["deadline_misses"] == 100 and q["recoveries"] == 100 and q["late_returns"] == 100
+        assert kv.stats()["deadline_misses"] == 100 and kv.stats()["misses"] >= 200
+    finally:
+        kv.close()
+
+
+def test_abandoned_workers_are_bounded_and_the_tier_says_so(tmp_path: Path) -> None:
+    kv = store(tmp_path)
+    try:
+        assert kv.shared is not None
+        key = w.key(kv, 0)
+        kv.put([key], [w.block(0)])
+        guard = kv.shared.guard
+        dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
+        with _simulated_stall(kv.shared, "_open", tmp_path) as stall:
+            for _ in range(guard.max_abandoned):
+                wait_for(lambda: not guard.quarantined(), 5.0)  # each probe abandons one more worker
+                t0 = time.monotonic()
+                assert kv.get_into([key], [dest]) == [None]
+                assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
+            d = kv.describe()["quarantine"]["shared"]
+            assert d["abandoned_now"] == guard.max_abandoned and d["quarantined"]
+            assert "stuck" in d["reason"]
+            time.sleep(0.2)  # far past any back-off: still quarantined, no more workers risked
+            t0 = time.monotonic()
+            assert kv.get_into([key], [dest]) == [None] and time.monotonic() - t0 < 0.02
+            assert kv.stats()["quarantine"]["shared"]["abandoned_now"] == guard.max_abandoned
+            assert not kv.contains(key) and kv.stats()["resident"]["shared"] is None
+            stall.end()
+            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+        wait_for(lambda: kv.get_into([key], [dest]) == ["shared"])
+        assert np.array_equal(dest, w.block(0)) and kv.contains(key)
+    finally:
+        kv.close()
+
+
+def test_a_put_past_its_deadline_is_dropped_and_never_published_late(tmp_path: Path) -> None:
+    kv = store(tmp_path)
+    try:
+        assert kv.shared is not None
+        key = w.key(kv, 5)
+        guard = kv.shared.guard
+        with _simulated_stall(kv.shared, "_open", tmp_path) as stall:
+            t0 = time.monotonic()
+            kv.put([key], [w.block(5)])
+            assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
+            assert kv.stats()["puts_dropped"] == 1
+            kv.put([w.key(kv, 6)], [w.block(6)])  # quarantined: dropped at once
+            assert kv.stats()["puts_dropped"] == 2
+            stall.end()
+            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+        assert not list((tmp_path / "shared").rglob("*.kvb"))  # the late write saw it was abandoned
+        assert not [f for f in (tmp_path / "shared").rglob("*") if f.is_file() and "tmp" in f.name]
+        time.sleep(0.01)
+        kv.put([key], [w.block(5)])
+        assert kv.contains(key) and kv.stats()["puts_dropped"] == 2
+    finally:
+        kv.close()
+
+
+def test_a_stalled_read_into_a_pinned_slot_never_lands_in_a_reused_slot(tmp_path: Path) -> None:
+    writer = store(tmp_path)
+    keys = [w.key(writer, i) for i in range(40)]
+    writer.put(keys[:1], [w.block(0)])
+    writer.close()
+    kv = store(tmp_path, pinned_bytes=4 * (w.GEOM.block_bytes + 4096))
+    try:
+        assert kv.shared is not None
+        guard = kv.shared.guard
+        dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
+        with _simulated_stall(kv.shared, "_open", tmp_path) as stall:
+            assert kv.get_into(keys[:1], [dest]) == [None]  # its slot is the stuck worker's
+            for i in range(1, 40):  # churn the pinned tier: every free slot is reused
+                kv.put([keys[i]], [w.block(i)])
+            stall.end()
+            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+            kv.wait_for_puts()
+        resident = [keys.index(k) for k in list(kv.pinned.entries)]
+        assert len(resident) == kv.pinned.capacity and 0 not in resident
+        for i in resident:  # each resident block is its own bytes, never block 0's late read
+            assert kv.get_into([keys[i]], [dest]) == ["pinned"]
+            assert np.array_equal(dest, w.block(i)), i
+    finally:
+        kv.close()
+
+
+def test_a_stalled_block_store_misses_within_the_deadline(tmp_path: Path) -> None:
+    bs = BlockStore({"kind": "image", "path": str(tmp_path / "hot.img"), "size": 16 << 20},
+                    size_classes=(w.GEOM.block_bytes,))
+    kv = KVCacheStore(w.GEOM, model_id="deadline-test", pinned_bytes=0, block_store=bs, io_timeout_ms=DEADLINE_MS,
+                      quarantine_ms=1)
+    try:
+        keys = [w.key(kv, i) for i in range(3)]
+        kv.put(keys[:2], [w.block(0), w.block(1)])
+        dest = np.full(w.GEOM.block_bytes, 7, dtype=np.uint8)
+        guard = kv._block_guard
+        with _simulated_stall(bs, "_read_entries", tmp_path) as stall:
+            for keep in (True, False):
+                wait_for(lambda: not guard.quarantined(), 5.0)
+                t0 = time.monotonic()
+                assert kv.get_into(keys[:1], [dest], keep_on_miss=keep) == [None]
+                assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
+                assert (dest == 7).all()
+            stall.end()
+            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+            time.sleep(0.05)
+            assert (dest == 7).all()  # the late reads landed in staging buffers, never in the caller's memory
+        with _simulated_stall(bs, "_write_slots", tmp_path) as stall:
+            wait_for(lambda: not guard.quarantined(), 5.0)
+            t0 = time.monotonic()
+            kv.put(keys[2:], [w.block(2)])
+            assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
+            assert kv.stats()["puts_dropped"] == 1 and kv.stats()["quarantine"]["block"]["quarantined"]
+            stall.end()
+            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+        wait_for(lambda: kv.get_into(keys[:1], [dest]) == ["block"])
+        assert np.array_equal(dest, w.block(0))
+        assert kv.stats()["quarantine"]["block"]["deadline_misses"] == 3
+    finally:
+        kv.close()
+        bs.close()
+
+
+def test_the_guard_backs_off_exponentially_and_runs_inline_without_a_deadline() -> None:
+    inline = TierGuard("t", 0, 1)
+    assert inline.run(threading.get_ident) == ("ok", threading.get_ident())  # the caller's own thread
+    g = TierGuard("t", 0.02, 0.01, workers=1, max_abandoned=4)
+    release = threading.Event()
+    try:
+        backoffs = []
+        for _ in range(3):
+            wait_for(lambda: not g.quarantined(), 5.0)
+            assert g.run(release.wait) == ("timeout", None)
+            backoffs.append(g.describe()["backoff_ms"])
+        assert backoffs == [10, 20, 40]
+        with pytest.raises(ZeroDivisionError):  # an error in time is the caller's (and lifts the quarantine)
+            wait_for(lambda: not g.quarantined(), 5.0)
+            g.run(lambda: 1 // 0)
+        assert not g.quarantined() and g.describe()["backoff_ms"] == 0
+    finally:
+        release.set()
+        g.close()
