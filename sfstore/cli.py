@@ -15,6 +15,8 @@ Subcommands are added by ``_add_<name>(subparsers)`` functions listed in :data:`
     sfstore nvme discover -t rdma -a ADDR [-s PORT] [-n NQN] [--hostnqn NQN] [--json]
     sfstore nvme connect -t rdma -a ADDR [-s PORT] -n NQN [--hostnqn NQN] [--json]
     sfstore nvme disconnect (NAME | -n NQN [-t T -a ADDR -s PORT])
+    sfstore kv du [DIR] [--namespace N] [--budget BYTES] [--json]   (the shared KV tier: bytes per namespace)
+    sfstore kv gc [DIR] [--namespace N] [--budget BYTES] [--grace S] [--json]
 """
 
 from __future__ import annotations
@@ -661,7 +663,100 @@ def _add_nvme(sub: Subparsers) -> None:
     q.set_defaults(func=_cmd_nvme_disconnect)
 
 
-SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_probe, _add_demo, _add_ls, _add_cp, _add_cat, _add_nvme]
+def _kv_budgets(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """One :class:`~sfstore.kvcache.shared_budget.SharedBudget` per namespace the command names (all that are
+    there without ``--namespace``) of the shared directory ``DIR`` (default: the router's, as
+    ``KVCacheStore.from_router`` uses it), with that directory relative to the budget's file path."""
+    from sfstore import defaults
+    from sfstore.kvcache.shared_budget import SharedBudget, check_namespace, list_namespaces, namespace_prefix
+    from sfstore.paths.file import FilePath
+
+    budget = (defaults.SETTINGS["kvcache_shared_bytes"].parse(args.budget, "--budget") if args.budget is not None
+              else int(defaults.get("kvcache_shared_bytes")))
+    if args.dir is not None:
+        if not os.path.isdir(args.dir):
+            raise errors.os_error(errno.ENOENT, "no shared KV directory", os.path.abspath(args.dir))
+        fp: Any = FilePath(args.dir, create=False)
+        top = ""
+    else:
+        kv_path = sfstore.open(args.config).path("kvcache")
+        fp, top = getattr(kv_path, "fp", None) or kv_path, "shared/"
+    names = [check_namespace(args.namespace)] if args.namespace is not None else list_namespaces(fp, top)
+    return [(top, SharedBudget(fp, top + namespace_prefix(n), budget, namespace=n)) for n in names]
+
+
+def _kv_each(args: argparse.Namespace, call: Callable[[str, Any], dict[str, Any]]) -> list[dict[str, Any]]:
+    """``call(top, budget)`` for each namespace, with a failed system call as a typed error (naming the path)."""
+    try:
+        return [call(top, b) for top, b in _kv_budgets(args)]
+    except SfstoreError:
+        raise
+    except OSError as exc:
+        raise errors.os_error(exc.errno or errno.EIO, exc.strerror or "shared KV directory",
+                              str(exc.filename or args.dir or "")) from None
+
+
+def _cmd_kv_du(args: argparse.Namespace) -> int:
+    from sfstore.probe import _grid
+
+    rows = _kv_each(args, lambda top, b: {**b.du(), "directory": os.path.join(b.fp.root, top)})
+    if args.json:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"shared KV directory {rows[0]['directory']}")
+    for line in _grid(["NAMESPACE", "BYTES", "FILES", "ESTIMATE", "BUDGET", "WRITERS", "LEFTOVERS"], [
+            [r["namespace"] or "(default)", _human(r["bytes"]), r["files"], _human(r["estimate"]),
+             _human(r["budget"]) if r["budget"] else "unbounded", r["writers"], r["evicting"] + r["temporaries"]]
+            for r in rows], indent=""):
+        print(line)
+    over = [r for r in rows if r["budget"] and r["bytes"] > r["budget"]]
+    if over:
+        print(f"over budget: {', '.join(r['namespace'] or '(default)' for r in over)} (sfstore kv gc enforces it)")
+    return 0
+
+
+def _cmd_kv_gc(args: argparse.Namespace) -> int:
+    from sfstore.probe import _grid
+
+    rows = _kv_each(args, lambda _top, b: b.gc(grace_s=args.grace))
+    if args.json:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    for line in _grid(["NAMESPACE", "BEFORE", "AFTER", "EVICTED", "BUDGET", "LEFTOVERS REMOVED", "RECORDS REMOVED"], [
+            [r["namespace"] or "(default)", _human(r["bytes_before"]), _human(r["bytes_after"]), r["evicted"],
+             _human(r["budget"]) if r["budget"] else "unbounded", r["evicting_removed"] + r["temporaries_removed"],
+             r["records_removed"]] for r in rows], indent=""):
+        print(line)
+    return 0
+
+
+def _add_kv(sub: Subparsers) -> None:
+    p = sub.add_parser("kv", help="the KV cache's shared directory: bytes held per namespace, and its budget",
+                       description="The shared tier of KVCacheStore: du shows the bytes each cache namespace holds "
+                                   "and its budget; gc repairs (leftovers of killed writers and evictors, stale "
+                                   "records) and evicts least recently read blocks down to the budget now.")
+    ksub = p.add_subparsers(dest="kv_command", metavar="ACTION", required=True)
+    for name, func, text in (("du", _cmd_kv_du, "bytes and files held per namespace, the estimate writers keep, "
+                                                 "the budget"),
+                             ("gc", _cmd_kv_gc, "remove leftovers and evict down to the budget now")):
+        q = ksub.add_parser(name, help=text)
+        q.add_argument("dir", nargs="?", metavar="DIR", default=None,
+                       help="the shared directory (default: the kvcache class's, as KVCacheStore.from_router uses)")
+        q.add_argument("--namespace", "-n", metavar="N", default=None, help="only this cache namespace")
+        q.add_argument("--budget", metavar="BYTES", default=None,
+                       help="bytes per namespace, e.g. 64g (default: kvcache_shared_bytes; 0: unbounded)")
+        q.add_argument("--config", metavar="FILE", default=None, help="sfstore config file (without DIR)")
+        q.add_argument("--json", action="store_true", help="print JSON")
+        if name == "gc":
+            q.add_argument("--grace", type=float, default=600.0, metavar="SECONDS",
+                           help="remove temporary files older than this whatever their writer (default 600)")
+        q.set_defaults(func=func)
+
+
+SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_probe, _add_demo, _add_ls, _add_cp, _add_cat, _add_nvme,
+                                                   _add_kv]
 
 
 def build_parser() -> argparse.ArgumentParser:
