@@ -13,19 +13,17 @@ What it does, per engine step:
   :meth:`~SfstoreConnector.update_state_after_alloc` records the vLLM block ids those tokens go into, and
   :meth:`~SfstoreConnector.build_connector_meta` sends the worker, per request, the keys and block ids to load
   and those of the prompt blocks this step completes, to save (blocks the store already has are not saved again).
-* worker side: :meth:`~SfstoreConnector.start_load_kv` starts reading the blocks to load, whole and verified, into one
-  host buffer (``store.get_into``, on ``load_threads`` threads at once, so the files of a lower tier are read in
-  parallel, not one after the other; each block is promoted to the pinned tier on the way);
-  :meth:`~SfstoreConnector.wait_for_layer_load` waits for those reads at the first layer and copies one layer of every
-  block into vLLM's paged cache with one indexed copy just before that layer's attention runs, and
-  :meth:`~SfstoreConnector.save_kv_layer` gathers one layer of each block to save out of it right after, into the
-  step's save buffer, and :meth:`~SfstoreConnector.wait_for_save` puts the blocks whose every layer arrived
-  (``store.put_async``: into the pinned tier, then to the lower tiers in the background; a GPU cache hands each layer
-  to ``store.put_layer`` instead, see below). Loads are synchronous for the scheduler (``load_kv_async`` False) and
-  saves are copied out before the step ends, so no request holds its blocks after it finishes. A block that cannot be
-  loaded (evicted between the lookup and the load, or failing verification in a lower tier, which removes it there) is
-  reported through ``get_block_ids_with_load_errors`` and logged; vLLM recomputes it, and the connector saves it
-  again. That needs vLLM's ``kv_load_failure_policy`` to be ``"recompute"``: vLLM's own default, ``"fail"``, ends the
+* worker side: :meth:`~SfstoreConnector.start_load_kv` starts ``store.prefetch`` of the blocks to load (in
+  ``prefetch_chunks`` parts at once, so a lower tier's files are read two at a time, not one after the other);
+  :meth:`~SfstoreConnector.wait_for_layer_load` copies one layer of each into vLLM's paged cache
+  (``store.get_layer_into``) just before that layer's attention runs, and
+  :meth:`~SfstoreConnector.save_kv_layer` copies one layer of each block to save out of it right after
+  (``store.put_layer``; the store commits a block once all its layers are in and writes it to its lower tiers in
+  the background). Loads are synchronous for the scheduler (``load_kv_async`` False) and saves are copied out
+  before the step ends, so no request holds its blocks after it finishes. A block that cannot be loaded (evicted
+  between the lookup and the load, or failing verification in a lower tier, which removes it there) is reported
+  through ``get_block_ids_with_load_errors`` and logged; vLLM recomputes it, and the connector saves it again.
+  That needs vLLM's ``kv_load_failure_policy`` to be ``"recompute"``: vLLM's own default, ``"fail"``, ends the
   request with ``finish_reason="error"`` instead, so the connector sets ``"recompute"`` unless told otherwise
   (``kv_load_failure_policy`` below). A damaged block fails at most the loads already planned when it was found.
 
@@ -34,12 +32,12 @@ and the copies overlap the forward pass instead of stopping the engine's thread 
 
 * loads: ``wait_for_layer_load`` of layer ``i`` finds layer ``i``'s copy already issued (by the call for layer
   ``i - 1``), issues layer ``i + 1``'s (``load_ahead`` layers) and makes the current stream wait for layer ``i``'s
-  event: the kernels enqueued after the call wait for the copy, the CPU does not. Issuing a layer means one copy
-  of that layer of every block from the host buffer into a staging buffer on the engine's thread, then one copy
-  to the device and one scatter into the pages are enqueued on the connector's load stream, which
+  event: the kernels enqueued after the call wait for the copy, the CPU does not. Issuing a layer means the store
+  copies each block's slice from its pinned slot into a staging buffer on the engine's thread (``get_layer_into``),
+  then one copy to the device and one scatter into the pages are enqueued on the connector's load stream, which
   first waits for what the engine had enqueued when ``start_load_kv`` ran (vLLM zeroing the new blocks, an
   earlier step's kernels), not for the forward pass enqueued after it. Layer 0's copy is issued at the first
-  ``wait_for_layer_load``, not in ``start_load_kv``: the reads from the lower tiers then run while the engine
+  ``wait_for_layer_load``, not in ``start_load_kv``: the prefetch from the lower tiers then runs while the engine
   enqueues the work before the first attention, instead of holding the engine's thread before it.
 * saves: ``save_kv_layer`` enqueues, on the connector's save stream after the work enqueued so far (so after the
   layer's attention wrote its pages), a gather of the pages and one copy into a pinned staging buffer, and hands
@@ -82,9 +80,6 @@ On a CPU cache the streams and events are ``None``: the same steps run with sync
     always use ``"opaque"``.
 ``save_decode_tokens``
     Also save blocks of generated tokens (default: only prompt blocks).
-``load_buffer_bytes``
-    Most bytes of the host buffer that one step's loads are read into (default 1 GiB; at most half the pinned
-    tier's blocks either way). A step that loads more is loaded in chunks of that size before its forward pass.
 ``wait_for_lower_tiers``
     End each step only once the step's saved blocks reached every lower tier (default False: they are written in
     the background; blocks in the pinned tier are already loadable by this process).
@@ -110,7 +105,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -134,8 +128,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["SfstoreConnector", "SfstoreConnectorMetadata", "BlockTransfer", "layout_for", "block_layer_view",
-           "blocks_layer_view"]
+__all__ = ["SfstoreConnector", "SfstoreConnectorMetadata", "BlockTransfer", "layout_for", "block_layer_view"]
 
 log = logging.getLogger(__name__)
 
@@ -242,26 +235,6 @@ def block_layer_view(layer_cache: torch.Tensor, block_id: int, layout: _Layout) 
         view = page.view(h, 2, n, c // 2).permute(1, 2, 0, 3)
     else:  # opaque: (1, N, H, C)
         view = page.permute(1, 0, 2).unsqueeze(0)
-    return view
-
-
-def blocks_layer_view(layer_cache: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    """Every block of one layer's ``[B, H, N, C]`` cache with the store's layer shape, ``(B, kv, tokens, heads,
-    dim)`` (strided, no copy): :func:`block_layer_view` of all blocks at once, so one indexed copy moves a layer of
-    many blocks."""
-    if tuple(layer_cache.shape[1:]) != layout.page_shape:
-        raise errors.InvalidRequestError(
-            f"a vLLM KV page is {tuple(layer_cache.shape[1:])}, but the KV cache config says {layout.page_shape}"
-        )
-    b = layer_cache.shape[0]
-    h, n, c = layout.page_shape
-    view: torch.Tensor
-    if layout.mode == "split":
-        view = layer_cache.view(b, h, n, 2, c // 2).permute(0, 3, 2, 1, 4)
-    elif layout.mode == "cpu":
-        view = layer_cache.view(b, h, 2, n, c // 2).permute(0, 2, 3, 1, 4)
-    else:
-        view = layer_cache.permute(0, 2, 1, 3).unsqueeze(1)
     return view
 
 
@@ -693,6 +666,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         Copy through host staging buffers (the path of a GPU cache); ``None``: when the cache is not on the CPU.
     load_ahead : int
         How many layers past the one it waits for :meth:`wait_for_layer_load` issues the copies of.
+    prefetch_chunks, blocks_per_prefetch : int
+        A step's loads are prefetched in up to ``prefetch_chunks`` parts of at least ``blocks_per_prefetch``
+        blocks, run at once.
     staging_buffers : int
         Most staging buffers per direction, read when the pools are first used.
     load_log : list of (str, int)
@@ -714,8 +690,10 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """
 
     load_ahead = 1  # staged loads: how many layers' copies wait_for_layer_load issues past the one it waits for
-    load_threads = 4  # threads reading one step's blocks from the store at once (a lower tier's files in parallel)
-    blocks_per_load_thread = 4  # fewest blocks a load thread is given (fewer: not worth a thread)
+    # Prefetches of one step's loads run at once (the store reads a lower tier's files one by one per call, on its
+    # two background threads: more parts than two only queue), each of at least blocks_per_prefetch blocks.
+    prefetch_chunks = 2
+    blocks_per_prefetch = 4
     staging_buffers = 8  # staged copies: most staging buffers per direction (bounds the pinned memory they take)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -738,10 +716,6 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         self.model_id = str(model_id) if tp == 1 else f"{model_id}#tp{self._tp_rank(role)}/{tp}"
         self.save_decode_tokens = bool(extra.get("save_decode_tokens", False))
-        self.load_buffer_bytes = int(extra.get("load_buffer_bytes", 1 << 30))
-        if self.load_buffer_bytes < 1:
-            raise errors.ConfigError(f"kv_connector_extra_config load_buffer_bytes must be >= 1, "
-                                     f"not {self.load_buffer_bytes}")
         self.wait_for_lower_tiers = bool(extra.get("wait_for_lower_tiers", False))
         self.store, key = _acquire_store(self.layout, self.model_id, extra)
         self._store_key: tuple[Any, ...] | None = key
@@ -754,18 +728,10 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._asleep: dict[str, torch.Tensor] = {}  # the caches while vLLM sleeps (unregister_kv_caches)
         self._layer_index = self.layout.layer_index
         self._loads: list[BlockTransfer] = []
+        self._load_future: list[tuple[int, Any]] | None = None  # the step's prefetches: (blocks, future) each
         self._load_ok: tuple[list[bytes], list[int]] = ([], [])
-        # the step's blocks as read from the store: (blocks, future of their tiers) per thread, their keys and ids
-        self._fetch_parts: list[tuple[int, Future[list[str | None]]]] | None = None
-        self._fetch_keys: tuple[list[bytes], list[int]] = ([], [])
-        self._fetched: torch.Tensor | None = None  # host buffer, (blocks, *block_shape), reused by every step
-        self._fetch_pool: ThreadPoolExecutor | None = None
         self._load_errors: set[int] = set()
         self._saved_keys: set[bytes] = set()
-        # CPU saves: the step's blocks gathered layer by layer (key -> row), the layers each request gave
-        self._save_rows: dict[bytes, int] | None = None
-        self._save_layers: dict[str, set[int]] = {}
-        self._save_buffer: torch.Tensor | None = None
         self._dropped_before = 0
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         self._events: list[Any] = []  # worker: KV events since the last get_kv_connector_kv_cache_events
@@ -774,6 +740,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._stats_base: dict[str, int] = self.store.counters.snapshot()
         self._load_req: dict[int, str] = {}  # block id -> request, of this step's loads
         self._failed_reqs: set[str] = set()  # requests with a block not loaded this step
+        self._loads_chunk: tuple[list[bytes], list[int]] | None = None
         # None: stage through the host when the cache is not on the CPU; True/False force it (tests)
         self.stage_copies: bool | None = None
         # staged copies: per-device streams, the staging pools, the save thread, this step's issued loads
@@ -970,8 +937,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert isinstance(meta, SfstoreConnectorMetadata)
         # No reset of the step's saved keys here: vLLM calls this after the forward pass (and so after
         # save_kv_layer) on a step without loads; wait_for_save, which ends every step, resets them.
-        self._finish_fetch()  # a step that ended before its loads were used: its reads must not fill the buffer now
         self._loads = [t for t in meta.loads if t.keys]
+        self._load_future = None
         self._load_req = {b: t.req_id for t in self._loads for b in t.block_ids}
         self._failed_reqs = set()
         self._issued, self._load_ordered, self._dst_index = {}, set(), {}
@@ -982,14 +949,13 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             devices = {str(c.device): c.device for c in self._kv_caches.values() if self._staged(c)}
             self._step_start = {key: _record(_current_stream(dev)) for key, dev in devices.items()}
             keys = [k for t in self._loads for k in t.keys]
-            block_ids = [b for t in self._loads for b in t.block_ids]
             self._dropped_before = self._dropped()
-            if len(keys) > self._fetch_limit():
+            if len(keys) > self.store.pinned.capacity // 2:
                 self._load_all_layers_now()
             else:
-                # Layer 0's copy is made at the first wait_for_layer_load, not here: waiting for the reads now
-                # would hold the engine's thread before it enqueued the forward pass's first kernels.
-                self._start_fetch(keys, block_ids)
+                # Layer 0's copy is issued at the first wait_for_layer_load, not here: resolving the prefetch
+                # now would hold the engine's thread before it enqueued the forward pass's first kernels.
+                self._load_future = self._prefetch(keys)
 
     def _dropped(self) -> int:
         c = self.store.counters.snapshot()
@@ -1001,31 +967,35 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         is pinned, before the forward pass (the loads are synchronous for the scheduler either way)."""
         keys = [k for t in self._loads for k in t.keys]
         block_ids = [b for t in self._loads for b in t.block_ids]
-        chunk = self._fetch_limit()
+        chunk = max(1, self.store.pinned.capacity // 2)
         failed: set[int] = set()
         devices: dict[str, torch.device] = {}
         for i in range(0, len(keys), chunk):
-            self._start_fetch(keys[i:i + chunk], block_ids[i:i + chunk])
-            _ks, bs = self._resolve_loads()
+            ks, bs = keys[i:i + chunk], block_ids[i:i + chunk]
+            self._load_future = self._prefetch(ks)
+            self._loads_chunk = (ks, bs)
+            ks, bs = self._resolve_loads()
             for name in self.layout.layer_names:
                 cache = self._kv_caches.get(name)
                 layer = self._layer_of(name)
-                if cache is None or layer is None or not bs:
+                if cache is None or layer is None:
                     continue
                 try:
                     if self._staged(cache):
-                        self._issue_load(cache, layer, bs)
+                        tiers, _event = self._issue_load(cache, layer, ks, bs)
                         devices[str(cache.device)] = cache.device
                     else:
-                        self._load_layer(cache, layer, bs)
+                        tiers = self._load_layer(cache, layer, ks, bs)
                 except Exception:  # recomputed instead (get_block_ids_with_load_errors)
-                    log.exception("SfstoreConnector: loading layer %s of %d blocks failed", name, len(bs))
-                    failed.update(bs)
+                    log.exception("SfstoreConnector: loading layer %s of %d blocks failed", name, len(ks))
+                    tiers = [None] * len(ks)
+                failed.update(b for b, tier in zip(bs, tiers, strict=True) if tier is None)
         for device in devices.values():  # the forward pass runs after every copy (on the device, no CPU wait)
             _wait_stream(_current_stream(device), self._stream("load", device))
         for b in failed:
             self._load_failed(b)
         self._loads = []  # done: wait_for_layer_load has nothing left to copy
+        self._loads_chunk = None
 
     def _load_failed(self, block_id: int) -> None:
         """Report a block not loaded; its request's saves stop for this step: the blocks it computes now attend
@@ -1035,70 +1005,38 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if req is not None:
             self._failed_reqs.add(req)
 
-    def _fetch_limit(self) -> int:
-        """Most blocks one fetch reads: half the pinned tier (each is promoted there while it is read) and what the
-        host buffer may hold (``load_buffer_bytes``)."""
-        budget = max(1, self.load_buffer_bytes // self.layout.geometry.block_bytes)
-        return max(1, min(self.store.pinned.capacity // 2, budget))
-
-    def _fetch_buffer(self, count: int) -> torch.Tensor:
-        """``count`` blocks of host memory (the store's block shape and dtype), reused from step to step."""
-        g = self.layout.geometry
-        buf = self._fetched
-        if buf is None or buf.shape[0] < count:
-            size = count if buf is None else max(count, min(2 * buf.shape[0], self._fetch_limit()))
-            buf = self._fetched = torch.empty((size, *g.block_shape), dtype=getattr(torch, g.dtype))
-        return buf[:count]
-
-    def _start_fetch(self, keys: list[bytes], block_ids: list[int]) -> None:
-        """Read the blocks into the host buffer in the background: whole blocks, verified, each from the highest
-        tier that has it (``store.get_into``), split over up to ``load_threads`` threads, so a lower tier's files
-        are read in parallel rather than one after the other."""
-        buf = self._fetch_buffer(len(keys))
-        if self._fetch_pool is None:
-            self._fetch_pool = ThreadPoolExecutor(max_workers=max(1, self.load_threads),
-                                                  thread_name_prefix="sfstore-vllm-load")
-        n = len(keys)
-        if all(k in self.store.pinned for k in keys):
-            per = n  # memory copies only: one thread does them without the others' locking
-        else:
-            per = max(self.blocks_per_load_thread, -(-n // max(1, self.load_threads)))
-        self._fetch_keys = (keys, block_ids)
-        self._fetch_parts = [(len(keys[i:i + per]), self._fetch_pool.submit(self.store.get_into, keys[i:i + per],
-                                                                              list(buf[i:i + per].unbind(0))))
-                             for i in range(0, n, per)]
-
-    def _finish_fetch(self) -> None:
-        """Wait for every read still filling the host buffer (their results are not used)."""
-        parts, self._fetch_parts = self._fetch_parts, None
-        for _count, fut in parts or ():
-            with contextlib.suppress(Exception):
-                fut.result()
+    def _prefetch(self, keys: list[bytes]) -> list[tuple[int, Any]]:
+        """``store.prefetch`` of ``keys`` in up to ``prefetch_chunks`` parts (at least ``blocks_per_prefetch``
+        blocks each), run at once by the store's background threads: the files of a lower tier are read that
+        many at a time. Each block is counted once (``gets``, ``hits_*``) by the tier it came from."""
+        per = max(self.blocks_per_prefetch, -(-len(keys) // max(1, self.prefetch_chunks)))
+        return [(len(keys[i:i + per]), self.store.prefetch(keys[i:i + per], count=True))
+                for i in range(0, len(keys), per)]
 
     def _resolve_loads(self) -> tuple[list[bytes], list[int]]:
-        """Once per fetch: wait for the reads, drop what they could not find (reported as load errors) and pack
-        the blocks read to the front of the host buffer, in the order of the keys that remain."""
-        if self._fetch_parts is None:
+        """Once per step: wait for the prefetch, drop what it could not find (reported as load errors)."""
+        if self._load_future is None:
             return self._load_ok
-        parts, self._fetch_parts = self._fetch_parts, None
-        keys, block_ids = self._fetch_keys
+        if self._loads_chunk is not None:
+            keys, block_ids = self._loads_chunk
+        else:
+            keys = [k for t in self._loads for k in t.keys]
+            block_ids = [b for t in self._loads for b in t.block_ids]
         tiers: list[str | None] = []
-        for count, fut in parts:
+        for count, fut in self._load_future:
             try:
-                tiers.extend(fut.result())
-            except Exception:  # the blocks are recomputed: vLLM hears of them through get_block_ids_with_load_errors
-                log.exception("SfstoreConnector: reading %d blocks to load failed", count)
+                tiers.extend(fut.get())
+            except Exception:  # recomputed: vLLM hears of them through get_block_ids_with_load_errors
+                log.exception("SfstoreConnector: prefetching %d blocks failed", count)
                 tiers.extend([None] * count)
-        ok_keys, ok_ids, rows = [], [], []
-        for i, (k, b, tier) in enumerate(zip(keys, block_ids, tiers, strict=True)):
+        self._load_future = None
+        ok_keys, ok_ids = [], []
+        for k, b, tier in zip(keys, block_ids, tiers, strict=True):
             if tier is None:
                 self._load_failed(b)
             else:
                 ok_keys.append(k)
                 ok_ids.append(b)
-                rows.append(i)
-        if len(rows) < len(keys) and rows and self._fetched is not None:
-            self._fetched[:len(rows)] = self._fetched[rows]
         self._load_ok = (ok_keys, ok_ids)
         failed = len(keys) - len(ok_keys)
         self._record_failed_loads([k for k, tier in zip(keys, tiers, strict=True) if tier is None])
@@ -1131,14 +1069,15 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise errors.InvalidRequestError(f"layer {layer_name} has no registered KV cache (register_kv_caches)")
         if not self._staged(cache):
             try:
-                self._load_layer(cache, layer, block_ids)
+                tiers = self._load_layer(cache, layer, keys, block_ids)
             except Exception:  # recomputed instead (get_block_ids_with_load_errors)
                 log.exception("SfstoreConnector: loading layer %s of %d blocks failed", layer_name, len(keys))
-                self._note_failed(block_ids)
+                tiers = [None] * len(keys)
+            self._note_failed(block_ids, tiers)
             return
-        event = self._ensure_issued(layer, cache, block_ids)
+        event = self._ensure_issued(layer, cache, keys, block_ids)
         for ahead in self._layers_after(layer):
-            self._ensure_issued(ahead, self._kv_caches[self.layout.layer_names[ahead]], block_ids)
+            self._ensure_issued(ahead, self._kv_caches[self.layout.layer_names[ahead]], keys, block_ids)
         self.load_log.append(("wait", layer))
         _wait_event(_current_stream(cache.device), event)
 
@@ -1153,34 +1092,29 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 out.append(j)
         return out
 
-    def _ensure_issued(self, layer: int, cache: torch.Tensor, block_ids: list[int]) -> Any:
+    def _ensure_issued(self, layer: int, cache: torch.Tensor, keys: list[bytes], block_ids: list[int]) -> Any:
         """The event of layer ``layer``'s load copy, issuing it first if this step has not (once per layer)."""
         if layer in self._issued:
             return self._issued[layer]
-        event = None
         try:
-            event = self._issue_load(cache, layer, block_ids)
+            tiers, event = self._issue_load(cache, layer, keys, block_ids)
         except Exception:  # recomputed instead (get_block_ids_with_load_errors)
             log.exception("SfstoreConnector: loading layer %s of %d blocks failed",
-                          self.layout.layer_names[layer], len(block_ids))
-            self._note_failed(block_ids)
+                          self.layout.layer_names[layer], len(keys))
+            tiers, event = [None] * len(keys), None
         self._issued[layer] = event
         self.load_log.append(("issue", layer))
+        self._note_failed(block_ids, tiers)
         return event
 
-    def _note_failed(self, block_ids: list[int]) -> None:
-        for b in block_ids:
-            self._load_failed(b)
+    def _note_failed(self, block_ids: list[int], tiers: list[str | None]) -> None:
+        for b, tier in zip(block_ids, tiers, strict=True):
+            if tier is None:  # evicted since the prefetch, or the copy failed
+                self._load_failed(b)
 
-    def _fetched_layer(self, layer: int, count: int) -> torch.Tensor:
-        """Layer ``layer`` of the first ``count`` fetched blocks, ``(count, kv, tokens, heads, dim)`` (a view)."""
-        assert self._fetched is not None
-        return self._fetched[:count, layer]
-
-    def _load_layer(self, cache: torch.Tensor, layer: int, block_ids: list[int]) -> None:
-        """A CPU cache, unstaged: one indexed copy moves the layer of every fetched block into its page."""
-        dst = blocks_layer_view(cache, self.layout)
-        dst[self._index(block_ids, cache.device, None)] = self._fetched_layer(layer, len(block_ids))
+    def _load_layer(self, cache: torch.Tensor, layer: int, keys: list[bytes], block_ids: list[int]) -> list[str | None]:
+        """A CPU cache, unstaged: the store copies each block's layer straight into its page."""
+        return self.store.get_layer_into(keys, layer, [block_layer_view(cache, b, self.layout) for b in block_ids])
 
     def _pool(self, kind: str, device: torch.device) -> _StagingPool:
         pool = self._pools.get(kind)
@@ -1216,11 +1150,12 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._dst_index[key] = idx
         return idx
 
-    def _issue_load(self, cache: torch.Tensor, layer: int, block_ids: list[int]) -> Any:
-        """Issue one layer's load into a staged cache: one copy (on this thread) puts the layer of every fetched
-        block into a staging buffer in the pages' layout, then one host-to-device copy and one scatter into the
-        pages are enqueued on the load stream. Returns the event after the scatter (``None`` on the CPU, where
-        both copies are done on return)."""
+    def _issue_load(self, cache: torch.Tensor, layer: int, keys: list[bytes],
+                    block_ids: list[int]) -> tuple[list[str | None], Any]:
+        """Issue one layer's load into a staged cache: the store copies each block's slice from its pinned slot
+        into one staging buffer (on this thread), then one host-to-device copy and one scatter into the pages are
+        enqueued on the load stream. Returns each block's tier and the event after the scatter (``None`` on the
+        CPU, where both copies are done on return)."""
         n = len(block_ids)
         pool = self._pool("load", cache.device)
         buf = pool.acquire(n * self._page_bytes(cache.dtype))
@@ -1228,26 +1163,33 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         event = None
         try:
             staging = self._pages(buf, n, cache.dtype)
-            blocks_layer_view(staging, self.layout).copy_(self._fetched_layer(layer, n))
-            device = str(cache.device)
-            if device not in self._load_ordered:  # once per step: after the work before start_load_kv
-                start = self._step_start.get(device)
-                if start is not None:
-                    _wait_event(stream, start)
-                else:
-                    _wait_stream(stream, _current_stream(cache.device))
-                self._load_ordered.add(device)
-            with _on(stream):
-                dst = self._index(block_ids, cache.device, stream)
-                cache[dst] = staging.to(cache.device, non_blocking=True)
-            event = _record(stream)
+            tiers = self.store.get_layer_into(
+                keys, layer, [block_layer_view(staging, i, self.layout) for i in range(n)]
+            )
+            rows = [i for i, tier in enumerate(tiers) if tier is not None]
+            if rows:
+                if len(rows) < n:  # a block left the pinned tier since the prefetch: pack the others first
+                    staging[:len(rows)] = staging[rows]
+                src = staging[:len(rows)]
+                device = str(cache.device)
+                if device not in self._load_ordered:  # once per step: after the work before start_load_kv
+                    start = self._step_start.get(device)
+                    if start is not None:
+                        _wait_event(stream, start)
+                    else:
+                        _wait_stream(stream, _current_stream(cache.device))
+                    self._load_ordered.add(device)
+                with _on(stream):
+                    dst = self._index([block_ids[i] for i in rows], cache.device, stream)
+                    cache[dst] = src.to(cache.device, non_blocking=True)
+                event = _record(stream)
         except BaseException:
             if stream is not None:
                 stream.synchronize()  # a copy enqueued before the error may still read the buffer
             raise
         finally:
             pool.release(buf, event)  # reused once the host-to-device copy that reads it completed
-        return event
+        return tiers, event
 
     def _staged(self, cache: torch.Tensor) -> bool:
         """Whether copies go through one host staging tensor per layer (a GPU cache: one device-host copy per
@@ -1273,7 +1215,10 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _save_layer(self, kv_layer: torch.Tensor, layer: int, saves: list[BlockTransfer]) -> None:
         if not self._staged(kv_layer):
-            self._gather_save(kv_layer, layer, saves)
+            for save in saves:
+                self.store.put_layer(save.keys, layer, [block_layer_view(kv_layer, b, self.layout)
+                                                         for b in save.block_ids])
+                self._saved_keys.update(save.keys)
             return
         block_ids = [b for t in saves for b in t.block_ids]
         keys = [k for t in saves for k in t.keys]
@@ -1301,52 +1246,6 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise
         self._saved_keys.update(keys)  # handed over: wait_for_save discards them if still partial at the end
 
-    def _gather_save(self, kv_layer: torch.Tensor, layer: int, saves: list[BlockTransfer]) -> None:
-        """A CPU cache: one gather copies the layer of every block to save into the step's save buffer (the store's
-        block layout); :meth:`wait_for_save` puts the blocks whose every layer arrived with one ``store.put_async``.
-        A step saving more than ``load_buffer_bytes`` puts each layer instead (``store.put_layer``)."""
-        keys = [k for t in saves for k in t.keys]
-        idx = self._index([b for t in saves for b in t.block_ids], kv_layer.device, None)
-        pages = blocks_layer_view(kv_layer, self.layout)[idx]
-        rows = self._save_rows
-        if rows is None:
-            meta = self._get_connector_metadata()
-            every = list(dict.fromkeys(k for t in meta.saves for k in t.keys))
-            g = self.layout.geometry
-            if len(every) * g.block_bytes <= self.load_buffer_bytes:
-                rows = self._save_rows = {k: i for i, k in enumerate(every)}
-                buf = self._save_buffer
-                if buf is None or buf.shape[0] < len(every):
-                    buf = self._save_buffer = torch.empty((len(every), *g.block_shape), dtype=getattr(torch, g.dtype))
-            else:
-                rows = self._save_rows = {}
-        if rows and all(k in rows for k in keys):
-            assert self._save_buffer is not None
-            at = torch.tensor([rows[k] for k in keys], dtype=torch.long)
-            self._save_buffer[at, layer] = pages
-            for t in saves:
-                self._save_layers.setdefault(t.req_id, set()).add(layer)
-        else:
-            self.store.put_layer(keys, layer, list(pages.unbind(0)))
-        self._saved_keys.update(keys)
-
-    def _put_gathered(self) -> None:
-        """End of a step on a CPU cache: put the gathered blocks of every request whose layers all arrived (a
-        request whose load failed, or a step that ended early, left some out: those blocks are not saved)."""
-        rows, self._save_rows = self._save_rows, None
-        layers, self._save_layers = self._save_layers, {}
-        if not rows or not self.has_connector_metadata():
-            return
-        assert self._save_buffer is not None
-        meta = self._get_connector_metadata()
-        want = self.layout.geometry.num_layers
-        keys = [k for t in meta.saves if len(layers.get(t.req_id, ())) == want for k in t.keys]
-        if keys:
-            try:
-                self.store.put_async(keys, [self._save_buffer[rows[k]] for k in keys])
-            except Exception:  # a cache: a failed save is a later miss, not a failed step
-                log.exception("SfstoreConnector: saving %d blocks failed", len(keys))
-
     def _put_staged(self, event: Any, pool: _StagingPool, buf: torch.Tensor, pages: torch.Tensor,
                     keys: list[bytes], layer: int) -> None:
         """On the save worker: once the device-to-host copy completed, the store copies each block's slice out of
@@ -1361,7 +1260,6 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _drain(self) -> None:
         """Wait for every copy the connector issued: the saves handed over, the loads still in flight."""
-        self._finish_fetch()
         if self._saver is not None:
             self._saver.wait()
         for pool in self._pools.values():
@@ -1374,7 +1272,6 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for here: the device ordered them before the attention that reads them."""
         if self._saver is not None:
             self._saver.wait()
-        self._put_gathered()
         if self._saved_keys:
             # Every layer of this step has been through save_kv_layer: a block still partial was abandoned
             # (the step ended early); it must not linger in the pinned tier.
@@ -1480,10 +1377,6 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return out
 
     def shutdown(self) -> None:
-        self._finish_fetch()
-        fetchers, self._fetch_pool = self._fetch_pool, None
-        if fetchers is not None:
-            fetchers.shutdown(wait=True)
         saver, self._saver = self._saver, None
         if saver is not None:
             saver.close()
