@@ -1002,7 +1002,8 @@ class KVCacheStore:
                         tiers[i] = "block"
                     else:
                         corrupt += self.block.sum_kind(ks[i]) is None  # dropped as it failed verification
-                present = [i for i in present if i not in set(gpu_written)]
+                done = set(gpu_written)
+                present = [i for i in present if i not in done]
             for wave in self._staged_waves(len(present)):
                 idx = [present[j] for j in wave]
                 bufs = self._staged_block(len(idx))
