@@ -92,10 +92,12 @@ def test_sigkill_of_writers_and_of_an_evictor_leaves_what_gc_repairs(tmp_path: P
         assert p.pid is not None
         os.kill(p.pid, signal.SIGKILL)
         p.join()
+    # A writer killed between its own rename and unlink leaves one too: those are counted before the evictor runs.
+    before = {f.name for f in leftovers(shared) if f.name.startswith(EVICTING)}
     p = start(w.killed_evictor, str(shared), budget, 1600, 200)
     p.join(120)
     assert p.exitcode == -signal.SIGKILL  # it died between the rename and the unlink
-    stuck = [f for f in leftovers(shared) if f.name.startswith(EVICTING)]
+    stuck = [f for f in leftovers(shared) if f.name.startswith(EVICTING) and f.name not in before]
     assert len(stuck) == 1
     # what the dead evictor left is no block: its key misses cleanly, and the tier does not count it
     victim = stuck[0].name.rsplit("-", 1)[1]
@@ -110,7 +112,7 @@ def test_sigkill_of_writers_and_of_an_evictor_leaves_what_gc_repairs(tmp_path: P
     assert len(records) == 5  # one per killed process
     every_block_whole(shared)  # before gc too: nothing partial is visible
     report = SharedBudget(SharedTier(w.GEOM, shared).fp, "", budget).gc()
-    assert report["evicting_removed"] == 1 and report["records_removed"] == 5
+    assert report["evicting_removed"] == 1 + len(before) and report["records_removed"] == 5
     assert not leftovers(shared), leftovers(shared)  # the killed writers' temporary files are gone too
     assert held(shared) <= budget
     assert every_block_whole(shared) > 0
