@@ -70,6 +70,8 @@ case "$cmd" in
     "$VENV/bin/ruff" check sfstore tests tools
     say "mypy"
     "$VENV/bin/mypy"
+    # pytest's temporary directories: the block images, checkpoints and demo data the tests write (~3.5 GiB)
+    check_disk "${TMPDIR:-/tmp}" 4 "pytest"
     say "pytest (about 4-6 minutes on 2 cores; a dot per test)"
     start=$SECONDS
     if "$VENV/bin/python" -m pytest "$@"; then rc=0; else rc=$?; fi

@@ -20,6 +20,17 @@ progress() {  # progress WHAT CMD...: run CMD, saying every 15 s that WHAT is st
   return $rc
 }
 
+check_disk() {  # check_disk DIR GIB WHAT: say how much DIR has free; warn, naming WHAT, when it is under GIB
+  local dir=$1 need=$2 what=$3 free
+  free=$(df -Pk "$dir" 2>/dev/null | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }')
+  [ -n "$free" ] || return 0
+  if awk -v f="$free" -v n="$need" 'BEGIN { exit !(f < n) }'; then
+    say "WARNING: $dir has only $free GiB free; $what needs about $need GiB (tests that write images will fail with ENOSPC)"
+  else
+    say "$dir: $free GiB free ($what needs about $need GiB)"
+  fi
+}
+
 retry() {  # retry a download-dependent command: registries are far away and sometimes flaky
   local n=1
   until "$@"; do
