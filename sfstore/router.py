@@ -1,8 +1,8 @@
 """The router: one ``sfstore.open()`` that maps each data class to its direct path, and says why.
 
 Data classes: ``dataset`` and ``checkpoint`` (file path: NFS over RDMA on a cluster), ``hot`` (block path:
-NVMe over RDMA) and ``kvcache`` (device path: GPU-direct storage). Paths not built yet are reported as
-such by :meth:`Router.describe`; asking for them raises :class:`~sfstore.errors.NotSupportedOnHostError`.
+NVMe over RDMA) and ``kvcache`` (device path: GPU-direct storage). Where a path's hardware is absent, the path
+takes the best that exists and :meth:`Router.describe` says so (``fallbacks``).
 
 Configuration, first found wins for each value: the ``config`` argument, ``SFSTORE_*`` variables, the config
 file, the defaults. The config file is ``config`` when it is a path, else ``$SFSTORE_CONFIG``, else
@@ -14,7 +14,7 @@ file, the defaults. The config file is ``config`` when it is a path, else ``$SFS
     queue_depth = 64                   # (a SFSTORE_* variable that is set still wins)
 
     [classes.dataset]
-    path = "file"                      # the only path for dataset/checkpoint until more land
+    path = "file"                      # datasets and checkpoints are files (NFS over RDMA on a cluster)
     root = "/mnt/nfs-rdma/datasets"    # optional: overrides `root` for this class
 
     [classes.checkpoint]
@@ -60,8 +60,6 @@ DATA_CLASSES = ("dataset", "checkpoint", "hot", "kvcache")
 _DEFAULT_PATH = {"dataset": "file", "checkpoint": "file", "hot": "block", "kvcache": "device"}
 _ALLOWED = {"dataset": ("file",), "checkpoint": ("file",), "hot": ("block", "file"), "kvcache": ("device", "file")}
 _DEFAULT_SUBDIR = {"dataset": "", "checkpoint": "checkpoints", "hot": "hot", "kvcache": "kvcache"}
-_BUILT = {"file", "block", "device"}  # paths that exist in this version
-_PENDING: dict[str, str] = {}  # path kind -> why it is not available in this version
 _TOP_KEYS = {"root", "data_dir", "settings", "classes"}
 _CLASS_KEYS = {"path", "root", "subdir", "target"}
 IMAGE_NAME = os.path.join("hot", "blocks.img")  # the block path's embedded default, under data_dir
@@ -244,16 +242,14 @@ class Router:
         if chosen:
             defaults.set(**chosen)
 
-    def _plan(self, data_class: str) -> tuple[str, str | None, list[str]]:
-        """(path kind, file root or None, reasons) for a data class."""
+    def _plan(self, data_class: str) -> tuple[str, str, list[str]]:
+        """(path kind, root or block image, reasons) for a data class."""
         if data_class not in DATA_CLASSES:
             raise errors.ConfigError(f"unknown data class {data_class!r}; expected one of {', '.join(DATA_CLASSES)}")
         table = self._classes.get(data_class, {})
         wanted = table.get("path", _DEFAULT_PATH[data_class])
         reasons: list[str] = []
         kind = wanted
-        if wanted not in _BUILT:
-            return wanted, None, [_PENDING[wanted]]
         if wanted == "block":
             if "target" in table:
                 t = table["target"]
@@ -276,8 +272,6 @@ class Router:
             if got is not None:
                 return got
             kind, root, reasons = self._plan(data_class)
-            if root is None:
-                raise errors.NotSupportedOnHostError(f"data class {data_class!r}: {reasons[0]}")
             made: StoragePath
             table = self._classes.get(data_class, {})
             if kind != "block":
@@ -318,7 +312,7 @@ class Router:
         """
         with self._lock:
             got = self._attached.get(key)
-            if got is not None and not getattr(got, "_closed", False):
+            if got is not None and not got.closed:
                 return got
         made = make()
         with self._lock:
@@ -339,8 +333,8 @@ class Router:
     def file_path(self, data_class: str = "dataset") -> FilePath:
         """The :class:`FilePath` serving ``data_class`` (``dataset`` by default)."""
         p = self.path(data_class)
-        if not isinstance(p, FilePath):  # pragma: no cover - only file paths exist so far
-            raise errors.ConfigError(f"data class {data_class!r} is not served by the file path")
+        if not isinstance(p, FilePath):
+            raise errors.ConfigError(f"data class {data_class!r} is served by the {p.kind} path, not the file path")
         return p
 
     def describe(self) -> dict[str, Any]:
@@ -348,9 +342,6 @@ class Router:
         out: dict[str, Any] = {"config_file": self.config_file, "root": self.root, "classes": {}}
         for name in DATA_CLASSES:
             kind, root, reasons = self._plan(name)
-            if root is None:
-                out["classes"][name] = {"path": kind, "available": False, "why": reasons}
-                continue
             with self._lock:
                 made = name in self._paths
             if kind == "block" and not made:
@@ -390,9 +381,6 @@ class Router:
         d = self.describe()
         lines = [f"config: {d['config_file'] or '(none: defaults and SFSTORE_* variables)'}", f"root:   {d['root']}"]
         for name, c in d["classes"].items():
-            if not c["available"]:
-                lines.append(f"{name:<11} {c['path']:<6} unavailable: {'; '.join(c['why'])}")
-                continue
             io = "not open" if c["direct_io"] is None else "O_DIRECT" if c["direct_io"] else "page cache"
             where = c["root"] if isinstance(c["root"], str) else ", ".join(f"{k}={v}" for k, v in c["root"].items())
             lines.append(f"{name:<11} {c['path']:<6} {c['transport']:<6} {io:<10} {where}")

@@ -1164,6 +1164,11 @@ class BlockStore:
                 self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sfstore-blocks")
             return self._executor
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (a closed store refuses every operation)."""
+        return self._closed
+
     def close(self) -> None:
         """Flush, write the index snapshot, mark the store clean, unlock and close."""
         if self._closed:

@@ -164,9 +164,6 @@ def _format_summary(classes: dict[str, Any]) -> list[str]:
     lines = [f"{'class':<11} {'path':<7} {'transport':<9} {'read MiB':>9} {'written':>8} {'direct':>8} "
              f"{'bounced':>8}  throughput"]
     for name, c in classes.items():
-        if not c["available"]:
-            lines.append(f"{name:<11} {c['path']:<7} unavailable: {'; '.join(c['why'])}")
-            continue
         rate = c["rate"]
         if rate is None:
             shown = "-"
