@@ -41,6 +41,10 @@ _COUNTERS = (
 )
 _LATENCY_SAMPLES = 4096
 _STAGE_WAVE = 16  # GPU blocks staged through host memory at a time (bounds the staging buffers held)
+# shared files read as one batch, in flight together under one deadline: bounds the descriptors open at once and
+# the bytes one deadline has to cover (a wave that misses it quarantines the tier, so the waves after it answer
+# at once)
+_SHARED_WAVE = 64
 
 
 # what numpy/cupy arrays may carry a geometry's dtype in: its own, or the unsigned int of its size where numpy
@@ -680,15 +684,14 @@ class KVCacheStore:
             tiers = ["block" if g == n else None for g in got]
         if self.shared is not None:
             found = []
-            for i, t in enumerate(tiers):
-                if t is not None:
-                    continue
-                status = self.shared.read_view(keys[i], views[i])
-                if status == "hit":
-                    tiers[i] = "shared"
-                    found.append((keys[i], views[i]))
-                corrupt += status == "corrupt"
-                unreadable += status == "unreadable"
+            for wave in self._shared_waves([i for i, t in enumerate(tiers) if t is None]):
+                answers = self.shared.read_many_views([keys[i] for i in wave], [views[i] for i in wave])
+                for i, status in zip(wave, answers, strict=True):
+                    if status == "hit":
+                        tiers[i] = "shared"
+                        found.append((keys[i], views[i]))
+                    corrupt += status == "corrupt"
+                    unreadable += status == "unreadable"
             if found and self.block is not None:  # promotion: the next get finds them in the block store
                 self.counters.add(promotions=len(found) - self._block_put_views(found))
         self.counters.add(gets=len(keys), misses=tiers.count(None), hits_block=tiers.count("block"),
@@ -743,22 +746,24 @@ class KVCacheStore:
         missing = [i for i, s in enumerate(slots) if s is None]
         if missing and self.shared is not None:
             promote: list[tuple[bytes, Slot]] = []
-            for i in missing:
-                s = self.pinned.take()
-                try:
-                    status = self.shared.read_into(keys[i], s, release=self._pin([s]))
+            for wave in self._shared_waves(missing):
+                fresh = [self.pinned.take() for _ in wave]
+                try:  # one batch of reads, in flight together, under one deadline
+                    got = self.shared.read_many_into([keys[i] for i in wave], fresh, release=self._pin(fresh))
                 except BaseException:
-                    self.pinned.drop(s)
+                    for s in fresh:
+                        self.pinned.drop(s)
                     self._unpin_all(slots)
                     raise
-                if status == "hit":
-                    self.pinned.insert(keys[i], s, s.checksum)
-                    slots[i], tiers[i] = s, "shared"
-                    promote.append((keys[i], s))
-                else:
-                    self.pinned.drop(s)
-                    corrupt += status == "corrupt"
-                    unreadable += status == "unreadable"
+                for i, s, status in zip(wave, fresh, got, strict=True):
+                    if status == "hit":
+                        self.pinned.insert(keys[i], s, s.checksum)
+                        slots[i], tiers[i] = s, "shared"
+                        promote.append((keys[i], s))
+                    else:
+                        self.pinned.drop(s)
+                        corrupt += status == "corrupt"
+                        unreadable += status == "unreadable"
             if promote and self.block is not None:
                 for _k, s in promote:
                     s.readers += 1  # released by the background write
@@ -944,6 +949,10 @@ class KVCacheStore:
         """Whether a batch moves through the device path: no pinned tier, a lower tier, and only GPU blocks."""
         return (self.pinned.capacity == 0 and (self.block is not None or self.shared is not None)
                 and bool(sources) and all(device for _, device in sources))
+
+    def _shared_waves(self, indices: list[int]) -> Iterable[list[int]]:
+        """``indices`` in batches of the shared tier's reads (each one batch of files under one deadline)."""
+        return (indices[i:i + _SHARED_WAVE] for i in range(0, len(indices), _SHARED_WAVE))
 
     def _staged_waves(self, count: int) -> Iterable[range]:
         return (range(i, min(count, i + _STAGE_WAVE)) for i in range(0, count, _STAGE_WAVE))

@@ -14,7 +14,7 @@ import stat
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,47 +286,107 @@ class SharedTier:
         """Read the block file of ``key`` into ``views`` (header first, ``HEADER + slot_bytes`` in all) and
         verify it: ``("hit", checksum)``, else ``"missing"``, ``"corrupt"`` or ``"unreadable"`` (see the class)
         with 0."""
+        return self._read_batch([key], [views])[0]
+
+    def _read_batch(self, keys: Sequence[bytes], views: Sequence[list[memoryview]]) -> list[tuple[str, int]]:
+        """Read the block files of ``keys`` into their ``views`` (as :meth:`_read`'s) as one batch of the file
+        path: each file is opened and checked first, then every file's reads are submitted at once (in flight
+        together), then each is verified. Per key ``("hit", checksum)`` or a miss's status with 0, each as
+        :meth:`_read` would answer it alone."""
         n = self.geom.block_bytes
+        out: list[tuple[str, int]] = [("missing", 0)] * len(keys)
+        opened: list[tuple[int, int, os.stat_result]] = []  # (key's index, descriptor, status) to read
+        drops: list[tuple[int, os.stat_result]] = []  # corrupt files, removed once their descriptors are closed
+        try:
+            for i, key in enumerate(keys):
+                fd, status, st = self._open_block(key)
+                if fd is not None and st is not None:
+                    opened.append((i, fd, st))
+                    continue
+                out[i] = (status, 0)
+                if status == "corrupt" and st is not None:
+                    drops.append((i, st))
+            results = self._submit_files([fd for _i, fd, _st in opened], [views[i] for i, _fd, _st in opened])
+            for (i, fd, st), got in zip(opened, results, strict=True):
+                if got is None:  # the read failed (as an OSError of the single read would be)
+                    self.fp.counters.add(errors=1)
+                    out[i] = ("unreadable", 0)
+                    continue
+                found = read_header(views[i][0][:HEADER], self.geom, keys[i]) if got == HEADER + n else None
+                block = _block_bytes(views[i], n)
+                if found is None or block_sum(found[1], block) != found[0]:
+                    self.fp.counters.add(files=1)
+                    out[i] = ("corrupt", 0)
+                    drops.append((i, st))
+                    continue
+                self.budget.touch(fd, st)  # an access record for the shared LRU, while the file is open
+                self.fp.counters.add(files=1)
+                # the tiers above keep xxh3-64 of host bytes
+                out[i] = ("hit", found[0] if found[1] == SUM_XXH3 else xxh3_64(block))
+        finally:
+            for _i, fd, _st in opened:
+                os.close(fd)
+        for i, st in drops:  # (after the close: NFS renames a file still open where it is unlinked)
+            self._drop(*self._entry(keys[i]), st)
+        return out
+
+    def _open_block(self, key: bytes) -> tuple[int | None, str, os.stat_result | None]:
+        """Open the block file of ``key`` for a read: ``(descriptor, "open", status)`` for a regular file of a
+        block's size (made blocking, O_DIRECT where the file path uses it), else ``(None, miss, status)`` with
+        ``"missing"``, ``"unreadable"``, or ``"corrupt"`` (then the status of the file to remove)."""
         sub, base = self._entry(key)
         try:
             fd = self._open(f"{sub}/{base}", _READ_FLAGS)
         except OSError as exc:
-            return ("missing" if exc.errno == errno.ENOENT else "unreadable"), 0
+            return None, ("missing" if exc.errno == errno.ENOENT else "unreadable"), None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                return "unreadable", 0
-            if st.st_size != HEADER + n:
-                self._drop(sub, base, st)
-                return "corrupt", 0
-            got = self._read_file(fd, views)
-            found = read_header(views[0][:HEADER], self.geom, key) if got == HEADER + n else None
-            whole = found is not None and block_sum(found[1], _block_bytes(views, n)) == found[0]
-            if whole:
-                self.budget.touch(fd, st)  # an access record for the shared LRU, while the file is open
+                os.close(fd)
+                return None, "unreadable", st
+            if st.st_size != HEADER + self.geom.block_bytes:
+                os.close(fd)
+                return None, "corrupt", st
+            set_blocking(fd, direct=self.fp.direct)
         except OSError:
-            self.fp.counters.add(errors=1)
-            return "unreadable", 0
-        finally:
             os.close(fd)
-        self.fp.counters.add(files=1)
-        if found is None or not whole:
-            self._drop(sub, base, st)
-            return "corrupt", 0
-        if found[1] != SUM_XXH3:  # the tiers above keep xxh3-64 of host bytes
-            return "hit", xxh3_64(_block_bytes(views, n))
-        return "hit", found[0]
+            self.fp.counters.add(errors=1)
+            return None, "unreadable", None
+        return fd, "open", st
+
+    def _submit_files(self, fds: list[int], views: list[list[memoryview]]) -> list[int | None]:
+        """Read each file (``fds``, opened by :meth:`_open_block`) from its start into its views, every file's
+        ranges in one batch of the file path; per file the bytes read, or ``None`` when its read failed."""
+        if not fds:
+            return []
+        ranges: list[Range] = []
+        owner: list[int] = []
+        for j, (fd, vs) in enumerate(zip(fds, views, strict=True)):
+            rs = self._file_ranges(fd, vs)
+            ranges += rs
+            owner += [j] * len(rs)
+        try:
+            results = self.fp.submit(ranges, data_class="kvcache.shared").results()
+        except OSError:
+            return [None] * len(fds)
+        got: list[int | None] = [0] * len(fds)
+        for j, r in zip(owner, results, strict=True):
+            prev = got[j]
+            got[j] = None if r < 0 or prev is None else prev + r
+        return got
+
+    def _file_ranges(self, fd: int, views: list[memoryview]) -> list[Range]:
+        """The reads of a block file into ``views``: one range into a single view, else the header and the block."""
+        if len(views) == 1:
+            return [Range.read(0, HEADER + self.slot_bytes, views[0], 0, fd)]
+        return [Range.read(0, HEADER, views[0], 0, fd), Range.read(HEADER, self.slot_bytes, views[1], 0, fd)]
 
     def _read_file(self, fd: int, views: list[memoryview]) -> int:
         """Read a block file (opened ``O_NONBLOCK``) from its start into ``views`` through the file path: the
         header and the block, O_DIRECT where the file path uses it (the views are registered, aligned buffers of
         aligned sizes: no page-cache copy). Returns the bytes read; ``OSError`` (typed) when the read fails."""
         set_blocking(fd, direct=self.fp.direct)
-        if len(views) == 1:
-            ranges = [Range.read(0, HEADER + self.slot_bytes, views[0], 0, fd)]
-        else:
-            ranges = [Range.read(0, HEADER, views[0], 0, fd), Range.read(HEADER, self.slot_bytes, views[1], 0, fd)]
-        return sum(self.fp.submit(ranges, data_class="kvcache.shared").get())
+        return sum(self.fp.submit(self._file_ranges(fd, views), data_class="kvcache.shared").get())
 
     def _drop(self, sub: str, base: str, st: os.stat_result) -> None:
         """Remove the corrupt file just read, if the name still holds that very file (a writer may have
@@ -385,6 +445,79 @@ class SharedTier:
         (``"timeout"``), when the abandoned worker returns."""
         status, got = self._run_holding(release, self._read_slot, key, slot, what="a read")
         return str(got) if status == OK else status
+
+    def read_many_into(self, keys: Sequence[bytes], slots: Sequence[Slot],
+                       release: Callable[[], None] | None = None) -> list[str]:
+        """Read each key's block into its slot (the tier's own memory) as one batch: every file is opened and
+        checked as :meth:`read_into` does, then all their reads are in flight at once, then each is verified.
+        A status per key, as :meth:`read_into` answers it; on a ``"hit"`` the slot's checksum is set.
+
+        One deadline covers the whole batch: past it every key answers ``"timeout"`` (``"quarantined"`` for
+        every key while the tier is). ``release`` is called once this tier is done with all the slots: before
+        this returns, or, past the deadline, when the abandoned worker returns."""
+        if len(keys) != len(slots):
+            if release is not None:
+                release()
+            raise errors.InvalidRequestError(f"read_many_into: {len(keys)} keys but {len(slots)} slots")
+        if not keys:
+            if release is not None:
+                release()
+            return []
+        status, got = self._run_holding(release, self._read_slots, list(keys), list(slots),
+                                        what=f"a read of {len(keys)} blocks")
+        return [str(g) for g in got] if status == OK else [status] * len(keys)
+
+    def _read_slots(self, keys: list[bytes], slots: list[Slot]) -> list[str]:
+        found = self._read_batch(keys, [[memoryview(s.header)[:HEADER], memoryview(s.buffer)[:self.slot_bytes]]
+                                        for s in slots])
+        if not late():
+            for slot, (status, checksum) in zip(slots, found, strict=True):
+                if status == "hit":
+                    slot.checksum = checksum
+        return [status for status, _ in found]
+
+    def read_many_views(self, keys: Sequence[bytes], datas: Sequence[memoryview]) -> list[str]:
+        """Read each key's block into its ``datas`` entry (the caller's memory) as one batch, through scratch
+        buffers: an entry is written only on a ``"hit"`` (verified, in time, on the caller's thread) and left
+        as it is otherwise. A status per key, as :meth:`read_view` answers it; one deadline covers the whole
+        batch, as in :meth:`read_many_into`."""
+        if len(keys) != len(datas):
+            raise errors.InvalidRequestError(f"read_many_views: {len(keys)} keys but {len(datas)} buffers")
+        if not keys:
+            return []
+        n = self.geom.block_bytes
+        bufs: list[Any] = []
+
+        def release() -> None:
+            for b in bufs:
+                b.release()
+
+        try:
+            bufs.extend(self._scratch.acquire() for _ in keys)
+            status, got = self.guard.run(self._read_scratches, list(keys), list(bufs), on_late=release,
+                                         what=f"a read of {len(keys)} blocks")
+        except BaseException:
+            release()
+            raise
+        if status == TIMEOUT:
+            return [TIMEOUT] * len(keys)  # the scratch buffers are the abandoned worker's until it returns
+        try:
+            if status == OK:
+                for data, buf, g in zip(datas, bufs, got, strict=True):
+                    if g == "hit":
+                        with memoryview(buf) as view:
+                            data[:n] = view[HEADER:HEADER + n]
+        finally:
+            release()
+        return [str(g) for g in got] if status == OK else [status] * len(keys)
+
+    def _read_scratches(self, keys: list[bytes], bufs: list[Any]) -> list[str]:
+        views = [memoryview(b) for b in bufs]
+        try:
+            return [status for status, _ in self._read_batch(keys, [[v] for v in views])]
+        finally:
+            for v in views:
+                v.release()
 
     def _run_holding(self, release: Callable[[], None] | None, fn: Callable[..., Any], *args: Any,
                      what: str) -> tuple[str, Any]:
