@@ -18,7 +18,14 @@ Both ways:
 
 Every name the index gives is a plain file name inside the directory (anything else is a
 :class:`~sfstore.errors.CorruptCheckpointError`), opened beneath the file path's root: symlinks are followed
-(the Hugging Face hub's cache links its snapshots' files to blobs) only where they stay beneath that root.
+only where they stay beneath that root.
+
+The hub's cache (``~/.cache/huggingface/hub``) keeps each repository as ``models--<org>--<name>/`` holding
+``blobs/<hash>`` (the files' bytes), ``refs/<branch>`` (a commit) and ``snapshots/<commit>/``, whose files are
+relative symlinks into ``../../blobs``. The root of a host path is the directory's parent, ``snapshots``, which
+those links leave; so for a directory ``<repo>/snapshots/<rev>`` (or a folder inside it) whose ``<repo>`` holds
+a ``blobs`` directory, the root is ``<repo>`` (:func:`hub_snapshot`): links into its blobs resolve, and a link
+that leads anywhere outside ``<repo>`` is still a :class:`~sfstore.errors.PathEscapeError`.
 """
 
 from __future__ import annotations
@@ -49,12 +56,19 @@ __all__ = [
     "directory_manifest",
     "file_manifest",
     "not_a_safetensors_file",
+    "SNAPSHOTS_NAME",
+    "BLOBS_NAME",
+    "hub_snapshot",
 ]
 
 WEIGHTS_NAME = "model.safetensors"
 """The one weights file of an unsharded Hugging Face model directory."""
 INDEX_NAME = "model.safetensors.index.json"
 """The index of a sharded Hugging Face model directory."""
+SNAPSHOTS_NAME = "snapshots"
+"""The folder of a hub cache repository that holds one directory per revision."""
+BLOBS_NAME = "blobs"
+"""The folder of a hub cache repository that holds the files' bytes, which the snapshots link to."""
 MAX_INDEX_BYTES = 256 << 20
 """Largest index read, in bytes (a model of 100k tensors has an index of a few MiB)."""
 HEADER_PREFIX = 64 << 10
@@ -240,8 +254,40 @@ def file_manifest(fp: FilePath, path: str) -> Manifest:
 def _is_file(fp: FilePath, path: str) -> bool:
     try:
         return stat.S_ISREG(fp.stat(path).st_mode)
+    except errors.PathEscapeError:
+        raise  # a weights file that links out of the root is refused as such, not taken for a missing one
     except errors.SfstoreError:
         return False
+
+
+def hub_snapshot(loc: _fs.Location) -> _fs.Location | None:
+    """Where to load the Hugging Face hub cache snapshot ``loc`` from: the same directory beneath its
+    repository folder, or ``None`` when ``loc`` is no such snapshot.
+
+    ``loc`` is one when it was given as a host path (an ``sf://`` url or a name keeps its root, which is
+    never widened) naming ``<repo>/snapshots/<rev>`` or a folder inside it, symlinks in its parent resolved,
+    and ``<repo>/blobs`` is a directory (not a link), looked at beneath ``<repo>``. The location returned
+    resolves every name beneath ``<repo>``: the snapshot's links into ``../../blobs`` are followed, a link out
+    of ``<repo>`` is a :class:`~sfstore.errors.PathEscapeError`. The nearest ``snapshots`` above ``loc`` whose
+    parent has blobs is the one taken (the narrowest root).
+    """
+    kind, _text = _fs.split_url(loc.url)
+    if kind != _fs.ABSOLUTE or loc.rel:
+        return None
+    parts = [p for p in loc.parent.split("/") if p]  # loc.parent is its root: symlinks resolved
+    for i in range(len(parts) - 1, 0, -1):  # parts[i] is "snapshots" with <rev> below it, <repo> above
+        if parts[i] != SNAPSHOTS_NAME:
+            continue
+        repo = "/" + "/".join(parts[:i])
+        try:
+            _kind, fp, _root = _fs.locate_dir(repo)
+            if not stat.S_ISDIR(fp.stat(BLOBS_NAME, follow=False).st_mode):
+                continue
+        except errors.SfstoreError:
+            continue
+        rel = "/".join(parts[i:])
+        return _fs.Location(fp, os.path.join(fp.root, rel), loc.name, loc.url, rel)
+    return None
 
 
 def directory_manifest(fp: FilePath, directory: str) -> Manifest | None:

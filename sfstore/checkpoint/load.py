@@ -477,6 +477,7 @@ def load(
     dev = torch.device(device)
     target = url.url if isinstance(url, CheckpointInfo) else url
     loc = _fs.locate(target, create=False)
+    loc = hf.hub_snapshot(loc) or loc  # a hub cache snapshot resolves beneath its repository folder
     path = loc.path
     fp = loc.fp
     try:

@@ -4,11 +4,15 @@ what ``save`` writes of a flat state dict (Hugging Face shard names and index be
 
 from __future__ import annotations
 
+import hashlib
+import http.server
 import json
+import os
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -359,3 +363,176 @@ def test_hub_cache_links_are_followed_beneath_the_root(pretrained: tuple[Any, Pa
         (deep / p.name).symlink_to(Path("..") / ".." / "blobs" / p.name)
     with pytest.raises(errors.PathEscapeError):
         checkpoint.load(deep)
+
+
+# -- the hub's cache ---------------------------------------------------------------------------------------------
+
+HUB_REPO = "sfstore-test/tiny-llama"
+HUB_COMMIT = "5f0e1d2c3b4a59687766554433221100ffeeddcc"
+
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    """What ``hf_hub_download`` asks the hub for one file: ``HEAD`` (commit, etag, size), then ``GET``."""
+
+    files: ClassVar[dict[str, bytes]] = {}
+
+    def _meta(self) -> bytes | None:
+        body = self.files.get(self.path.rsplit("/resolve/main/", 1)[-1])
+        if body is None:
+            self.send_response(404)
+            self.end_headers()
+            return None
+        self.send_response(200)
+        self.send_header("X-Repo-Commit", HUB_COMMIT)
+        self.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        return body
+
+    def do_HEAD(self) -> None:
+        self._meta()
+
+    def do_GET(self) -> None:
+        body = self._meta()
+        if body is not None:
+            self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def hub_cache(pretrained: tuple[Any, Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A hub cache that ``huggingface_hub`` itself lays out: ``hf_hub_download`` of every file of the sharded
+    directory from a hub on 127.0.0.1 (nothing leaves the machine). Returns the cache and the snapshot."""
+    hub = pytest.importorskip("huggingface_hub")
+    if hub.constants.is_offline_mode():
+        pytest.skip("HF_HUB_OFFLINE was set before huggingface_hub was imported: it downloads nothing")
+    _, sharded, _ = pretrained
+    files = {p.name: p.read_bytes() for p in sharded.iterdir()}
+    handler = type("Hub", (_Hub,), {"files": files})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cache = tmp_path_factory.mktemp("hub")
+    try:
+        for name in files:
+            hub.hf_hub_download(HUB_REPO, name, cache_dir=cache, endpoint=f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    repo = cache / ("models--" + HUB_REPO.replace("/", "--"))
+    snap = repo / "snapshots" / HUB_COMMIT
+    assert (repo / "refs" / "main").read_text() == HUB_COMMIT
+    for p in snap.iterdir():  # the layout this is about: relative links into the repository's blobs
+        assert p.is_symlink() and os.readlink(p).startswith("../../blobs/"), p
+    return cache, snap
+
+
+def _evil_snapshot(cache: Path, snap: Path, rev: str, target: str, *, shard: str | None = None) -> Path:
+    """A snapshot beside ``snap`` whose links are ``snap``'s but one: ``shard`` (default: the first shard)
+    links to ``target``."""
+    evil = snap.parent / rev
+    evil.mkdir()
+    victim = shard or sorted(p.name for p in snap.glob("model-*.safetensors"))[0]
+    for p in snap.iterdir():
+        (evil / p.name).symlink_to(target if p.name == victim else os.readlink(p))
+    return evil
+
+
+def test_a_hub_cache_snapshot_loads(pretrained: tuple[Any, Path, Path], hub_cache: tuple[Path, Path]) -> None:
+    """``load`` of ``<repo>/snapshots/<rev>`` (a host path) follows its links into ``<repo>/blobs``: the root is
+    the repository folder, not ``snapshots``."""
+    model, _, _ = pretrained
+    cache, snap = hub_cache
+    hub = pytest.importorskip("huggingface_hub")
+    (info,) = hub.scan_cache_dir(cache).repos  # huggingface_hub reads it back as its own
+    assert info.repo_id == HUB_REPO and {r.snapshot_path for r in info.revisions} == {snap}
+    _bits_equal(checkpoint.load(snap), model.state_dict())
+    _bits_equal(checkpoint.load(f"file://{snap}"), model.state_dict())
+    shard = sorted(snap.glob("model-*.safetensors"))[0]
+    assert set(checkpoint.load(shard)) <= set(model.state_dict())  # one shard file of it, too
+    fresh = _model(seed=1)
+    checkpoint.load(snap, into=fresh)
+    _bits_equal(fresh.state_dict(), model.state_dict())
+    # The same snapshot through a symlinked cache directory: the rule goes by the resolved parent.
+    alias = cache.parent / f"{cache.name}-alias"
+    alias.symlink_to(cache)
+    _bits_equal(checkpoint.load(alias / snap.relative_to(cache)), model.state_dict())
+    # And what from_pretrained reads from the same cache is what load gave.
+    again = transformers.LlamaForCausalLM.from_pretrained(HUB_REPO, cache_dir=cache, local_files_only=True)
+    _bits_equal(again.state_dict(), model.state_dict())
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["outside-the-repository", "absolute", "absolute-into-blobs-elsewhere", "weights-file"],
+)
+def test_a_hub_snapshot_linking_out_of_its_repository_is_refused(hub_cache: tuple[Path, Path], where: str) -> None:
+    """A snapshot whose link leads out of ``<repo>`` (to another repository's blobs, an absolute path outside)
+    is refused with :class:`PathEscapeError`, before a byte of it is read."""
+    cache, snap = hub_cache
+    repo = snap.parent.parent
+    outside = cache / f"outside-{where}"
+    outside.mkdir()
+    shard = sorted(snap.glob("model-*.safetensors"))[0]
+    (outside / shard.name).write_bytes(shard.read_bytes())
+    if where == "outside-the-repository":  # ../../../ leaves models--org--name
+        evil = _evil_snapshot(cache, snap, "evil1", f"../../../{outside.name}/{shard.name}")
+    elif where == "absolute":
+        evil = _evil_snapshot(cache, snap, "evil2", str(outside / shard.name))
+    elif where == "absolute-into-blobs-elsewhere":  # another repository's blobs (a copy of this one)
+        other = cache / "models--someone--else" / "blobs"
+        other.mkdir(parents=True)
+        (other / "b").write_bytes(shard.read_bytes())
+        evil = _evil_snapshot(cache, snap, "evil3", str(other / "b"))
+    else:  # a single-file snapshot whose model.safetensors leaves: refused as an escape, not "no weights"
+        evil = snap.parent / "evil4"
+        evil.mkdir()
+        (evil / hf.WEIGHTS_NAME).symlink_to(f"../../../{outside.name}/{shard.name}")
+    try:
+        with pytest.raises(errors.PathEscapeError):
+            checkpoint.load(evil)
+        with pytest.raises(errors.PathEscapeError):
+            checkpoint.load(evil, into=_model(seed=2))
+    finally:
+        for p in evil.iterdir():
+            p.unlink()
+        evil.rmdir()
+    assert repo.is_dir()
+
+
+def test_the_hub_rule_needs_snapshots_beside_a_blobs_directory(
+    pretrained: tuple[Any, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The root is widened to ``<repo>`` only for ``<repo>/snapshots/<rev>`` given as a host path with a real
+    ``<repo>/blobs`` directory: without ``blobs``, with ``blobs`` a link out, or through ``sf://`` (whose root is
+    never widened), the same links are refused."""
+    model, sharded, _ = pretrained
+
+    def layout(repo: Path, blobs_dir: str = "blobs") -> Path:
+        (repo / blobs_dir).mkdir(parents=True)
+        snap = repo / "snapshots" / "rev"
+        snap.mkdir(parents=True)
+        for p in sharded.iterdir():
+            (repo / blobs_dir / p.name).write_bytes(p.read_bytes())
+            (snap / p.name).symlink_to(f"../../{blobs_dir}/{p.name}")
+        return snap
+
+    _bits_equal(checkpoint.load(layout(tmp_path / "models--a--ok")), model.state_dict())  # made by hand: the same
+    no_blobs = layout(tmp_path / "models--a--noblobs", blobs_dir="data")  # links into ../../data: not blobs
+    with pytest.raises(errors.PathEscapeError):
+        checkpoint.load(no_blobs)
+    elsewhere = tmp_path / "elsewhere"
+    linked = layout(elsewhere / "models--a--linked")
+    (elsewhere / "models--a--linked" / "blobs").rename(elsewhere / "real-blobs")
+    (elsewhere / "models--a--linked" / "blobs").symlink_to(elsewhere / "real-blobs")  # blobs leads out
+    with pytest.raises(errors.PathEscapeError):
+        checkpoint.load(linked)
+    # sf://: the root is the sf:// root, here the snapshots folder, and it stays that.
+    in_sf = layout(tmp_path / "models--a--sf")
+    monkeypatch.setenv("SFSTORE_ROOT", str(in_sf.parent))
+    monkeypatch.delenv("SFSTORE_CONFIG", raising=False)
+    with pytest.raises(errors.PathEscapeError):
+        checkpoint.load("sf://rev")
+    monkeypatch.setenv("SFSTORE_ROOT", str(in_sf.parent.parent))  # the repository as the sf:// root: beneath it
+    _bits_equal(checkpoint.load("sf://snapshots/rev"), model.state_dict())
