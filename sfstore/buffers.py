@@ -32,6 +32,8 @@ __all__ = [
     "RegisteredBuffer",
     "RdmaRegistration",
     "as_buffer",
+    "bytes_for_filling",
+    "filled_bytes",
     "memory_capabilities",
     "free_page_reporting",
     "native_available",
@@ -56,6 +58,28 @@ else:
     RegisteredBuffer = None
 
 _MODES = {"off": 0, "auto": 1, "on": 2}
+
+
+def bytes_for_filling(n: int) -> tuple[bytes | bytearray, memoryview]:
+    """A buffer of ``n`` bytes to read into, and a writable view of it.
+
+    Where the native helper is built this is an uninitialised ``bytes`` (handed out without a copy once
+    filled: see :func:`filled_bytes`), else a ``bytearray``.
+    """
+    try:
+        from sfstore import _native
+    except ImportError:
+        buf = bytearray(n)
+        return buf, memoryview(buf)
+    return _native.bytes_for_filling(n)
+
+
+def filled_bytes(data: bytes | bytearray, n: int) -> bytes:
+    """The first ``n`` bytes of a buffer from :func:`bytes_for_filling` as ``bytes``: the buffer itself when it
+    is ``bytes`` filled to its end, else a copy."""
+    if isinstance(data, bytes) and len(data) == n:
+        return data
+    return bytes(memoryview(data)[:n])
 
 
 def native_available() -> tuple[bool, str]:

@@ -297,7 +297,7 @@ def _local_tree(src: str) -> tuple[list[str], list[tuple[str, int]], list[str]]:
 
 
 def _sf_tree(fs: SFFileSystem, src: str) -> tuple[list[str], list[tuple[str, int]], list[str]]:
-    base = fs._strip_protocol(src)
+    base = fs.name_of(src)
     found = fs.find(base, withdirs=True, detail=True)  # root-relative names (find spells them as it is given)
     dirs: list[str] = []
     files: list[tuple[str, int]] = []
@@ -353,7 +353,7 @@ def _cmd_cp(args: argparse.Namespace) -> int:
     if _is_sf(src):
         src_info = fs.info(src)
         src_is_dir = src_info["type"] == "directory"
-        src_base = posixpath.basename(fs._strip_protocol(src)) or "root"
+        src_base = posixpath.basename(fs.name_of(src)) or "root"
     else:
         try:
             src_is_dir = stat.S_ISDIR(os.stat(src).st_mode)
@@ -367,7 +367,7 @@ def _cmd_cp(args: argparse.Namespace) -> int:
     if _is_sf(dst):
         dst_is_dir = dst.endswith("/") or fs.isdir(dst)
         join: Callable[..., str] = posixpath.join
-        target = fs._strip_protocol(dst)
+        target = fs.name_of(dst)
     else:
         dst_is_dir = dst.endswith(os.sep) or os.path.isdir(dst)
         join = os.path.join
@@ -387,7 +387,7 @@ def _cmd_cp(args: argparse.Namespace) -> int:
 
     def src_of(rel: str) -> str:
         if _is_sf(src):
-            return posixpath.join(fs._strip_protocol(src), rel) if rel else fs._strip_protocol(src)
+            return posixpath.join(fs.name_of(src), rel) if rel else fs.name_of(src)
         return os.path.join(src, rel) if rel else src
 
     def dst_of(rel: str) -> str:
@@ -425,7 +425,7 @@ def _cmd_cp(args: argparse.Namespace) -> int:
                 got = fs.cat([src_of(r) for r in batch], on_error="raise")
                 assert isinstance(got, dict)
                 for r in batch:
-                    data = got[fs._strip_protocol(src_of(r))]
+                    data = got[fs.name_of(src_of(r))]
                     assert isinstance(data, bytes)
                     _write_local(dst_of(r), data)
                     progress.relative_update(len(data))
@@ -468,8 +468,7 @@ def _cp_std(fs: SFFileSystem, args: argparse.Namespace) -> int:
         else:
             if args.dst.endswith("/") or fs.isdir(args.dst):
                 raise errors.InvalidRequestError(f"{args.dst} is a directory: stdin needs a file name to go to")
-            with fs.file_path.open_writer(fs._strip_protocol(args.dst)) as w:
-                progress.total_bytes = fs._stream_into(sys.stdin.buffer.fileno(), "<stdin>", w, progress)
+            progress.total_bytes = fs.put_fd(sys.stdin.buffer.fileno(), args.dst, name="<stdin>", callback=progress)
         progress.file_done()
     finally:
         progress.finish()

@@ -36,11 +36,12 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 from fsspec.utils import isfilelike, stringify_path
 
 from sfstore import errors
+from sfstore.buffers import bytes_for_filling, filled_bytes
 from sfstore.futures import Future, MappedFuture
 from sfstore.integrations import webdataset_gopen
 from sfstore.paths.base import Range
 from sfstore.paths.beneath import fold_parts
-from sfstore.paths.file import AtomicWriter, FilePath, OpenFile, _as_bytes, _bytes_for_filling
+from sfstore.paths.file import AtomicWriter, FilePath, OpenFile
 
 __all__ = ["SFFileSystem", "SFFile", "local_path"]
 
@@ -288,6 +289,12 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         self.blocksize = min(32 * MiB, 4 * chunk)  # readahead window of open() files, block of copies
 
     # -- names -----------------------------------------------------------------------------------------------
+
+    @classmethod
+    def name_of(cls, url: str | os.PathLike[str]) -> str:
+        """The name beneath the root that ``url`` means: ``sf://a/b``, ``sf:///a/b``, ``/a/b`` and ``a/b`` are
+        all ``a/b``."""
+        return str(cls._strip_protocol(url))
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> Any:
@@ -602,7 +609,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 merged[-1][2].append(i)
             else:
                 merged.append([s, e, [i]])
-        bufs = [_bytes_for_filling(m[1] - m[0]) for m in merged if m[1] > m[0]]
+        bufs = [bytes_for_filling(m[1] - m[0]) for m in merged if m[1] > m[0]]
         reads = [m for m in merged if m[1] > m[0]]
         if not reads:
             return
@@ -616,7 +623,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             for i in m[2]:
                 s, e = spans[i]
                 e = min(e, m[0] + n)
-                out[i] = _as_bytes(data, n) if whole else bytes(memoryview(data)[s - m[0]: max(s, e) - m[0]])
+                out[i] = filled_bytes(data, n) if whole else bytes(memoryview(data)[s - m[0]: max(s, e) - m[0]])
 
     def cat_ranges_into(
         self,
@@ -732,15 +739,44 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             return
         fd = _open_local(lpath, os.O_RDONLY)
         try:
-            st = os.fstat(fd)
-            with self.file_path.open_writer(self._strip_protocol(rpath), overwrite=mode != "create") as w:
-                if stat.S_ISREG(st.st_mode):
-                    callback.set_size(st.st_size)
-                    self._pump(self._local_source(fd), st.st_size, w.write, callback)
-                else:
-                    self._stream_into(fd, lpath, w, callback)
+            self.put_fd(fd, rpath, name=lpath, mode=mode, callback=callback)
         finally:
             os.close(fd)
+
+    def put_fd(self, fd: int, rpath: str, *, name: str | None = None, mode: str = "overwrite",
+               callback: Any = DEFAULT_CALLBACK) -> int:
+        """Write what the open descriptor ``fd`` holds or yields to ``rpath``, committed atomically.
+
+        Parameters
+        ----------
+        fd : int
+            A regular file (all of it, read in parallel) or a pipe, FIFO or terminal (read until
+            its end). The caller keeps and closes it.
+        rpath : str
+            The file to write (``sf://`` URL or name beneath the root).
+        name : str, optional
+            What error messages call the source (default ``fd <n>``).
+        mode : {"overwrite", "create"}
+            ``create`` refuses an existing file.
+        callback : fsspec.callbacks.Callback, optional
+            Told the size (regular files) and each chunk written.
+
+        Returns
+        -------
+        int
+            Bytes written.
+        """
+        label = name if name is not None else f"fd {fd}"
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            raise errors.os_error(exc.errno or errno.EBADF, "cannot stat", label) from None
+        with self.file_path.open_writer(self._strip_protocol(rpath), overwrite=mode != "create") as w:
+            if stat.S_ISREG(st.st_mode):
+                callback.set_size(st.st_size)
+                self._pump(self._local_source(fd), st.st_size, w.write, callback)
+                return int(st.st_size)
+            return self._stream_into(fd, label, w, callback)
 
     def _stream_into(self, fd: int, name: str, writer: AtomicWriter, callback: Any = DEFAULT_CALLBACK) -> int:
         """Copy what ``fd`` (a pipe, FIFO, terminal) yields until its end into ``writer``."""

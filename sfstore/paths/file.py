@@ -36,7 +36,7 @@ from typing import Any
 
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch
-from sfstore.buffers import as_buffer, copy_host_to_device, is_device_buffer
+from sfstore.buffers import as_buffer, bytes_for_filling, copy_host_to_device, filled_bytes, is_device_buffer
 from sfstore.engine import IOEngine, Request, describe_engines, get_engine
 from sfstore.futures import DoneFuture, Future, MappedFuture
 from sfstore.mounts import MountInfo, mount_for
@@ -465,12 +465,12 @@ class FilePath(StoragePath):
 
     def _read_fd(self, fd: int, full: str, size: int, offset: int, length: int | None) -> bytes:
         n = max(0, size - offset) if length is None else max(0, min(length, size - offset))
-        data, view = _bytes_for_filling(n)
+        data, view = bytes_for_filling(n)
         try:
             got = self._start_read(fd, full, size, view, n, offset, owns_fd=False).get()
         finally:
             view.release()
-        return _as_bytes(data, got)
+        return filled_bytes(data, got)
 
     def read_ranges_into(
         self, path: str | os.PathLike[str], ranges: Sequence[tuple[int, int, Any, int]]
@@ -543,7 +543,7 @@ class FilePath(StoragePath):
                         raise
                     out[i] = exc
                     continue
-                data, view = _bytes_for_filling(size)
+                data, view = bytes_for_filling(size)
                 group.items.append((i, data, view, len(ranges)))
                 ranges.append(Range("read", 0, size, view, 0, fd))
             group.future = self._submit(ranges, None, None, self.small_file_engine)
@@ -566,7 +566,7 @@ class FilePath(StoragePath):
                         raise exc
                     out[i] = exc
                     continue
-                out[i] = _as_bytes(data, n)
+                out[i] = filled_bytes(data, n)
         finally:
             group.close()
 
@@ -915,23 +915,6 @@ class _Group:
 
 
 _DIRECT_MIN = 1 << 20  # read_many: files at least this large are read with O_DIRECT
-
-
-def _bytes_for_filling(n: int) -> tuple[bytes | bytearray, memoryview]:
-    """A buffer of ``n`` bytes to read into, and a writable view of it: an uninitialised ``bytes`` (no copy
-    when handed out) where the native helper is built, else a ``bytearray`` (:func:`_as_bytes` copies it)."""
-    try:
-        from sfstore import _native
-    except ImportError:
-        buf = bytearray(n)
-        return buf, memoryview(buf)
-    return _native.bytes_for_filling(n)
-
-
-def _as_bytes(data: bytes | bytearray, n: int) -> bytes:
-    if isinstance(data, bytes) and len(data) == n:
-        return data
-    return bytes(memoryview(data)[:n])
 
 
 def _regular_size(fd: int, full: str) -> int:

@@ -86,7 +86,7 @@ def test_pickles_by_arguments(sffs: SFFileSystem) -> None:
 )
 def test_every_spelling_names_the_same_file(sffs: SFFileSystem, sf_root: Path, spelling: str) -> None:
     write(sf_root / "a" / "b.bin", b"same")
-    assert sffs._strip_protocol(spelling) == "a/b.bin"
+    assert sffs._strip_protocol(spelling) == "a/b.bin" and sffs.name_of(spelling) == "a/b.bin"
     assert sffs.cat_file(spelling) == b"same"
     assert sffs.info(spelling)["name"] == "a/b.bin"
 
@@ -100,6 +100,38 @@ def test_names_and_urls(sffs: SFFileSystem, sf_root: Path) -> None:
     assert sffs._strip_protocol("sf://") == "" and sffs._strip_protocol("/") == ""
     assert sffs._parent("d/f") == "d" and sffs._parent("d") == ""
     assert sffs.info("/")["type"] == "directory" and sffs.info("sf://")["name"] == ""
+
+
+def test_put_fd_takes_a_regular_file_or_a_pipe_and_commits_atomically(sffs: SFFileSystem, tmp_path: Path) -> None:
+    data = payload(3 << 20, seed=7)
+    src = write(tmp_path / "src.bin", data)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        assert sffs.put_fd(fd, "sf://put/regular.bin") == len(data)
+    finally:
+        os.close(fd)
+    assert sffs.cat_file("put/regular.bin") == data
+    r, w = os.pipe()
+    try:
+        os.write(w, data[:60_000])  # below the pipe's capacity: written before the reader starts
+        os.close(w)
+        w = -1
+        assert sffs.put_fd(r, "put/piped.bin", name="<pipe>") == 60_000
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    assert sffs.cat_file("put/piped.bin") == data[:60_000]
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with pytest.raises(FileExistsError):
+            sffs.put_fd(fd, "put/piped.bin", mode="create")  # refused: the file that is there stays whole
+    finally:
+        os.close(fd)
+    assert sffs.cat_file("put/piped.bin") == data[:60_000]
+    with pytest.raises(errors.SfstoreError, match="fd 987654"):
+        sffs.put_fd(987654, "put/never.bin")
+    assert not sffs.exists("put/never.bin")
 
 
 # -- confinement --------------------------------------------------------------------------------------------------
