@@ -1,0 +1,278 @@
+"""The shared tier's batch reads: every file of a get in flight at once, each answered as a read of it alone would
+be, under one deadline for the batch.
+
+Files are made hit, missing, corrupt (a flipped byte), truncated, of another cache namespace, and not a block at
+all (a FIFO) on a real directory; a stalled file is an open that waits in the kernel on a FIFO no one writes
+(the technique of ``test_kvcache_deadlines``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sfstore.kvcache import KVCacheStore
+from sfstore.kvcache.tiers import HEADER
+from tests.kvcache import shared_workers as w
+from tests.kvcache.test_kvcache_deadlines import DEADLINE_MS, SLACK_S, wait_for
+
+MODEL = "batch-test"
+PINNED = 16 * (w.GEOM.block_bytes + HEADER)
+
+
+class _Stall:
+    """A FIFO that an open waits on, in the kernel, until :meth:`close` opens it for writing."""
+
+    def __init__(self, where: Path) -> None:
+        self.path = where / f"stall-{time.monotonic_ns()}.fifo"
+        os.mkfifo(self.path)
+        self._writer: int | None = None
+
+    def wait(self) -> None:
+        os.close(os.open(self.path, os.O_RDONLY))
+
+    def close(self) -> None:
+        if self._writer is None:
+            self._writer = os.open(self.path, os.O_RDWR)  # never blocks; wakes every waiting reader
+            os.close(self._writer)
+
+
+def _open(shared: Path, *, pinned: int, namespace: str = "", **kwargs: Any) -> KVCacheStore:
+    return KVCacheStore(w.GEOM, model_id=MODEL, pinned_bytes=pinned, shared_dir=shared, cache_namespace=namespace,
+                        **kwargs)
+
+
+def _publish(shared: Path, blocks: dict[int, int], namespace: str = "") -> list[bytes]:
+    """Put block ``v`` under key ``k`` for each item (a writer with no pinned tier writes straight through)."""
+    kv = _open(shared, pinned=0, namespace=namespace)
+    try:
+        keys = [w.key(kv, i) for i in range(max(blocks) + 1)]
+        for k, v in blocks.items():
+            kv.put([keys[k]], [w.block(v)])
+        return keys
+    finally:
+        kv.close()
+
+
+def _file(kv: KVCacheStore, shared: Path, key: bytes) -> Path:
+    assert kv.shared is not None
+    return shared / kv.shared.name(key)
+
+
+@pytest.fixture
+def submits(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The ranges of each ``FilePath.submit`` batch (the real method runs; only its calls are noted)."""
+    from sfstore.paths.file import FilePath
+
+    seen: list[int] = []
+    real = FilePath.submit
+
+    def noted(self: FilePath, ranges: Any, **kw: Any) -> Any:
+        seen.append(len(ranges))
+        return real(self, ranges, **kw)
+
+    monkeypatch.setattr(FilePath, "submit", noted)
+    yield seen
+
+
+@pytest.mark.parametrize("pinned", [PINNED, 0], ids=["pinned-tier", "no-pinned-tier"])
+def test_a_batch_answers_each_file_as_it_is(tmp_path: Path, pinned: int, submits: list[int]) -> None:
+    shared = tmp_path / "shared"
+    # 0, 1, 7 hits; 2 never written; 3 corrupt; 4 truncated; 5 only in another namespace; 6 a FIFO
+    keys = _publish(shared, {0: 0, 1: 1, 3: 3, 4: 4, 7: 7})
+    _publish(shared, {5: 5}, namespace="other")
+    kv = _open(shared, pinned=pinned)
+    try:
+        corrupt, truncated, fifo = _file(kv, shared, keys[3]), _file(kv, shared, keys[4]), _file(kv, shared, keys[6])
+        with open(corrupt, "r+b") as f:
+            f.seek(HEADER + 1000)
+            byte = f.read(1)
+            f.seek(HEADER + 1000)
+            f.write(bytes([byte[0] ^ 0x40]))
+        os.truncate(truncated, HEADER + w.GEOM.block_bytes // 2)
+        fifo.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(fifo)
+        other = next(shared.glob("ns/other/*/*.kvb"))
+        dests = [np.full(w.GEOM.block_bytes, 0xA5, dtype=np.uint8) for _ in keys]
+        submits.clear()
+        t0 = time.monotonic()
+        got = kv.get_into(keys, dests)
+        assert time.monotonic() - t0 < 5  # the FIFO was not waited on
+        assert got == ["shared", "shared", None, None, None, None, None, "shared"]
+        # one batch: the ranges of the four files of a block's size (the three hits and the flipped byte), a
+        # slot's header and block each, or one scratch buffer each
+        assert submits == ([2 * 4] if pinned else [4])
+        for i in (0, 1, 7):
+            assert np.array_equal(dests[i], w.block(i)), i  # bit-exact
+        for i in (2, 3, 4, 5, 6):
+            assert (dests[i] == 0xA5).all(), i  # a miss leaves its destination as it was
+        assert not corrupt.exists() and not truncated.exists()  # removed, so a later put publishes them again
+        assert fifo.exists() and other.exists()  # not a block, and another namespace's: left alone
+        s = kv.stats()
+        assert (s["gets"], s["misses"], s["hits_shared"]) == (8, 5, 3)
+        assert s["bytes_got"] == 3 * w.GEOM.block_bytes
+        assert (s["corrupt_dropped"], s["unreadable"]) == (2, 1)
+        if pinned:  # promoted: the next get is served from the pinned tier
+            assert kv.get_into(keys[:2], dests[:2]) == ["pinned", "pinned"]
+        kv.put(keys[3:5], [w.block(3), w.block(4)])
+        kv.wait_for_puts()
+        assert corrupt.exists() and truncated.exists()
+    finally:
+        kv.close()
+
+
+def test_the_tier_answers_a_status_per_key(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    _publish(shared, {0: 0, 2: 2, 3: 3})
+    keys = _publish(shared, {4: 4}, namespace="other")
+    kv = _open(shared, pinned=PINNED)
+    try:
+        assert kv.shared is not None
+        os.truncate(_file(kv, shared, keys[2]), 100)
+        (shared / kv.shared.name(keys[1])).parent.mkdir(parents=True, exist_ok=True)
+        (shared / kv.shared.name(keys[1])).mkdir()  # a directory at the name
+        slots = [kv.pinned.take() for _ in keys]
+        released: list[int] = []
+        try:
+            got = kv.shared.read_many_into(keys, slots, release=lambda: released.append(1))
+            assert got == ["hit", "unreadable", "corrupt", "hit", "missing"]
+            assert released == [1]
+            assert bytes(slots[0].data(w.GEOM.block_bytes)) == w.block(0).tobytes()
+            assert bytes(slots[3].data(w.GEOM.block_bytes)) == w.block(3).tobytes()
+            assert slots[0].checksum and slots[3].checksum
+        finally:
+            for s in slots:
+                kv.pinned.drop(s)
+        again = [kv.pinned.take(), kv.pinned.take()]
+        try:
+            assert kv.shared.read_many_into(keys[2:4], again) == ["missing", "hit"]  # the truncated one is gone
+        finally:
+            for s in again:
+                kv.pinned.drop(s)
+        assert kv.shared.read_many_into([], []) == []
+        assert kv.shared.read_many_views(keys[:1], [memoryview(bytearray(w.GEOM.block_bytes))]) == ["hit"]
+    finally:
+        kv.close()
+
+
+def test_a_renamed_file_of_another_key_is_corrupt_and_dropped(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    keys = _publish(shared, {0: 0, 1: 1})
+    kv = _open(shared, pinned=0)
+    try:
+        target = _file(kv, shared, keys[1])
+        os.replace(_file(kv, shared, keys[0]), target)  # key 1's name, key 0's header and block
+        dests = [np.zeros(w.GEOM.block_bytes, dtype=np.uint8) for _ in range(2)]
+        assert kv.get_into(keys, dests) == [None, None]
+        assert not target.exists() and kv.stats()["corrupt_dropped"] == 1
+    finally:
+        kv.close()
+
+
+def _stall_one(kv: KVCacheStore, key: bytes, stall: _Stall) -> Callable[[], None]:
+    """Make the open of ``key``'s file wait on ``stall`` (the other files of a batch open at once); returns the
+    undo."""
+    assert kv.shared is not None
+    tier = kv.shared
+    real = tier._open
+    name = "/".join(tier._entry(key))
+
+    def stalled(rel: str, flags: int) -> int:
+        if rel == name:
+            stall.wait()
+        return real(rel, flags)
+
+    tier._open = stalled  # type: ignore[method-assign]
+    return lambda: setattr(tier, "_open", real)
+
+
+@pytest.mark.parametrize("pinned", [PINNED, 0], ids=["pinned-tier", "no-pinned-tier"])
+def test_a_stalled_file_makes_the_whole_batch_a_miss_within_the_deadline(tmp_path: Path, pinned: int) -> None:
+    shared = tmp_path / "shared"
+    count = 12
+    keys = _publish(shared, {i: i for i in range(count)})
+    kv = _open(shared, pinned=pinned, io_timeout_ms=DEADLINE_MS, quarantine_ms=1)
+    try:
+        assert kv.shared is not None
+        guard = kv.shared.guard
+        dests = [np.full(w.GEOM.block_bytes, 7, dtype=np.uint8) for _ in keys]
+        took = []
+        for trial in range(5):
+            stall = _Stall(tmp_path)
+            undo = _stall_one(kv, keys[count // 2], stall)
+            try:
+                wait_for(lambda: not guard.quarantined(), 5.0)
+                t0 = time.monotonic()
+                got = kv.get_into(keys, dests)
+                took.append(time.monotonic() - t0)
+                assert got == [None] * count, trial
+                assert all((d == 7).all() for d in dests)
+                assert guard.quarantined()
+            finally:
+                stall.close()
+                undo()
+            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+            time.sleep(0.05)
+            assert all((d == 7).all() for d in dests)  # the late reads never reached the caller's memory
+        assert max(took) <= DEADLINE_MS / 1000 + SLACK_S, took
+        assert kv.stats()["quarantine"]["shared"]["deadline_misses"] == 5  # one per batch, not per file
+        wait_for(lambda: not guard.quarantined(), 5.0)
+        assert kv.get_into(keys, dests) == ["shared"] * count
+        for i, d in enumerate(dests):
+            assert np.array_equal(d, w.block(i)), i
+        s = kv.stats()
+        assert s["hits_shared"] == count and s["misses"] == 5 * count
+    finally:
+        kv.close()
+
+
+def test_a_stalled_batch_never_lands_in_a_reused_slot(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    count = 6
+    keys = _publish(shared, {i: i for i in range(count)})
+    kv = _open(shared, pinned=4 * (w.GEOM.block_bytes + HEADER), io_timeout_ms=DEADLINE_MS, quarantine_ms=1)
+    extra = [kv.keys_for(range(1000 + i * 16, 1000 + (i + 1) * 16))[0] for i in range(30)]
+    try:
+        assert kv.shared is not None
+        guard = kv.shared.guard
+        dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
+        stall = _Stall(tmp_path)
+        undo = _stall_one(kv, keys[-1], stall)  # once it ends, the late batch reads into every slot
+        try:
+            assert kv.get_into(keys, [np.zeros_like(dest) for _ in keys]) == [None] * count
+            for i, k in enumerate(extra):  # churn the pinned tier: every free slot is reused
+                kv.put([k], [w.block(100 + i)])
+        finally:
+            stall.close()
+            undo()
+        wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+        kv.wait_for_puts()
+        resident = list(kv.pinned.entries)
+        assert len(resident) == kv.pinned.capacity and not set(resident) & set(keys)
+        for k in resident:  # each resident block is its own bytes, never a late read's
+            assert kv.get_into([k], [dest]) == ["pinned"]
+            assert np.array_equal(dest, w.block(100 + extra.index(k)))
+    finally:
+        kv.close()
+
+
+def test_a_large_get_reads_in_waves_each_one_batch(tmp_path: Path, submits: list[int]) -> None:
+    shared = tmp_path / "shared"
+    count = 64 + 5  # more files than one batch holds
+    keys = _publish(shared, {i: i % 7 for i in range(count)})
+    kv = _open(shared, pinned=0)
+    try:
+        dests = [np.zeros(w.GEOM.block_bytes, dtype=np.uint8) for _ in keys]
+        submits.clear()
+        assert kv.get_into(keys, dests) == ["shared"] * count
+        assert len(submits) == 2 and sum(submits) == count  # two batches, not a read per file
+        assert all(np.array_equal(d, w.block(i % 7)) for i, d in enumerate(dests))
+        assert kv.stats()["hits_shared"] == count
+    finally:
+        kv.close()
