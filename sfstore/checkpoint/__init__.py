@@ -51,7 +51,7 @@ from sfstore.checkpoint.catalog import latest as _latest
 from sfstore.checkpoint.catalog import list_checkpoints as _list
 from sfstore.checkpoint.load import load as _load
 from sfstore.checkpoint.manifest import MANIFEST_NAME
-from sfstore.checkpoint.save import SaveFuture, _async_buffers, _ring_buffers
+from sfstore.checkpoint.save import SaveFuture, async_buffers, ring_buffers
 from sfstore.checkpoint.save import prepare_async as _prepare_async
 from sfstore.checkpoint.save import save as _save
 from sfstore.checkpoint.save import save_async as _save_async
@@ -287,8 +287,8 @@ def buffer_stats() -> dict[str, int]:
     """
     load = _load_buffers.stats()
     out = {
-        "save_idle_bytes": _ring_buffers.idle_bytes(),
-        "save_async_idle_bytes": _async_buffers.idle_bytes(),
+        "save_idle_bytes": ring_buffers.idle_bytes(),
+        "save_async_idle_bytes": async_buffers.idle_bytes(),
         "load_idle_bytes": load["idle_bytes"],
         "load_in_use_bytes": load["in_use_bytes"],
     }
@@ -302,4 +302,4 @@ def free_buffers() -> int:
     Buffers still holding loaded tensors are freed when those tensors die. The next save or load allocates (and
     pins) afresh, as its first one did.
     """
-    return _ring_buffers.free() + _async_buffers.free() + _load_buffers.free()
+    return ring_buffers.free() + async_buffers.free() + _load_buffers.free()

@@ -419,7 +419,7 @@ class _Ring:
         i = self.next
         self.next = (i + 1) % self.count
         if i == len(self.slots):
-            hb = _ring_buffers.take(self.size)
+            hb = ring_buffers.take(self.size)
             self.buffers.append(hb)
             self.slots.append((hb.tensor(), memoryview(hb.buf).cast("B")))
         t, mv = self.slots[i]
@@ -429,7 +429,7 @@ class _Ring:
         for slot in self.slots:
             slot[1].release()
         self.slots = []
-        _ring_buffers.give_back(self.buffers, ok=ok and not self.pending)
+        ring_buffers.give_back(self.buffers, ok=ok and not self.pending)
         self.buffers = []
 
 
@@ -625,8 +625,10 @@ class _IdleBuffers:
         return sum(hb.capacity for hb in old)
 
 
-_ring_buffers = _IdleBuffers()
-_async_buffers = _IdleBuffers()
+# Registered host buffers kept between saves (``checkpoint_reuse_buffers``): ``save``'s ring and ``save_async``'s
+# copy of the tensor bytes; sfstore.checkpoint.buffer_stats / free_buffers report and free them.
+ring_buffers = _IdleBuffers()
+async_buffers = _IdleBuffers()
 
 
 def _stage(plan: _Plan) -> list[HostBuffer]:
@@ -636,7 +638,7 @@ def _stage(plan: _Plan) -> list[HostBuffer]:
         tasks: list[tuple[Any, Any]] = []
         views = []
         for shard in plan.shards:
-            hb = _async_buffers.take(shard.size)
+            hb = async_buffers.take(shard.size)
             buffers.append(hb)
             t = hb.tensor()
             views.append(t)
@@ -702,12 +704,12 @@ def prepare_async(state_dict: Any, max_shard_bytes: int | None = None) -> int:
     buffers: list[HostBuffer] = []
     try:
         for shard in the_plan.shards:
-            buffers.append(_async_buffers.take(shard.size))
+            buffers.append(async_buffers.take(shard.size))
     except BaseException:
         for hb in buffers:
             hb.release()
         raise
-    _async_buffers.give_back(buffers, ok=True)
+    async_buffers.give_back(buffers, ok=True)
     return sum(hb.capacity for hb in buffers)
 
 
@@ -737,11 +739,11 @@ def save_async(
             _write_staged(job, buffers)
             result = job.commit()
         except BaseException as exc:
-            _async_buffers.give_back(buffers, ok=False)
+            async_buffers.give_back(buffers, ok=False)
             job.abort()
             future._set(None, exc)
         else:
-            _async_buffers.give_back(buffers, ok=True)
+            async_buffers.give_back(buffers, ok=True)
             job.abort()
             future._set(result, None)
 

@@ -353,18 +353,18 @@ def test_save_buffers_are_reused_or_freed(tmp_path: Path) -> None:
     save_mod = sys.modules["sfstore.checkpoint.save"]
     state = {"w": torch.randn(1000), "v": torch.arange(300)}
     checkpoint.save_async(state, tmp_path / "a").get(60)
-    kept = list(save_mod._async_buffers.idle)
+    kept = list(save_mod.async_buffers.idle)
     assert kept
     state["w"].add_(1)
     checkpoint.save_async(state, tmp_path / "b").get(60)
-    assert [id(b) for b in save_mod._async_buffers.idle] == [id(b) for b in kept]  # same buffers, refilled
+    assert [id(b) for b in save_mod.async_buffers.idle] == [id(b) for b in kept]  # same buffers, refilled
     assert same(checkpoint.load(tmp_path / "b"), state)
     checkpoint.save(state, tmp_path / "c")
-    assert save_mod._ring_buffers.idle
+    assert save_mod.ring_buffers.idle
     with defaults.set(checkpoint_reuse_buffers=False):
         checkpoint.save_async(state, tmp_path / "d").get(60)
         checkpoint.save(state, tmp_path / "e")
-    assert save_mod._async_buffers.idle == [] and save_mod._ring_buffers.idle == []
+    assert save_mod.async_buffers.idle == [] and save_mod.ring_buffers.idle == []
     assert same(checkpoint.load(tmp_path / "e"), state)
 
 
@@ -375,13 +375,13 @@ def test_prepare_async_allocates_the_buffers_the_next_save_async_fills(tmp_path:
     checkpoint.free_buffers()
     state = {"w": torch.randn(300_000), "opt": {"m": torch.randn(1000)}, "step": 7}
     kept = checkpoint.prepare_async(state, max_shard_bytes=1 << 20)
-    buffers = list(save_mod._async_buffers.idle)
+    buffers = list(save_mod.async_buffers.idle)
     assert len(buffers) == 2 and kept == sum(b.capacity for b in buffers)  # a shard of its own for "w"
     assert checkpoint.buffer_stats()["save_async_idle_bytes"] == kept
     assert not (tmp_path / "a").exists()
     checkpoint.save_async(state, tmp_path / "a", max_shard_bytes=1 << 20).get(60)
     # The save copied into the prepared buffers (kept again after it): none was allocated anew.
-    assert sorted(map(id, save_mod._async_buffers.idle)) == sorted(map(id, buffers))
+    assert sorted(map(id, save_mod.async_buffers.idle)) == sorted(map(id, buffers))
     assert same(checkpoint.load(tmp_path / "a"), state)
     with defaults.set(checkpoint_reuse_buffers=False):
         assert checkpoint.prepare_async(state) == 0
