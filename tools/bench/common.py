@@ -37,6 +37,7 @@ __all__ = [
     "check_bench_dir",
     "default_bench_dir",
     "summarize_pairs",
+    "median_extras",
     "side_summary",
     "machine_info",
     "utc_now",
@@ -47,10 +48,12 @@ __all__ = [
     "warn",
     "RatioGoal",
     "evaluate_ratio_goals",
-    "select_named",
+    "fsync_path",
+    "io_engine",
     "positive_int",
     "nonneg_int",
     "import_for_bench",
+    "BUILD_HINT",
     "percentile",
     "batch_latency",
 ]
@@ -143,6 +146,23 @@ def drop_cache(path: str | os.PathLike[str]) -> None:
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: str | os.PathLike[str], directory: bool = False) -> None:
+    """``fsync`` the file (or, with ``directory``, the directory) at ``path``.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        What to make durable.
+    directory : bool
+        Whether ``path`` is a directory (its entries are made durable).
+    """
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -435,6 +455,29 @@ def side_summary(runs: Sequence[RunResult], peak_rss_growth_bytes: int | None = 
         "peak_rss_growth_bytes": peak_rss_growth_bytes,
         "runs": [r.as_dict() for r in runs],
     }
+
+
+def median_extras(runs: Sequence[RunResult], keys: Iterable[str]) -> dict[str, float]:
+    """The median over ``runs`` of each of ``keys`` of their ``extra`` (a side's per-run latencies, flush times).
+
+    Parameters
+    ----------
+    runs : sequence of RunResult
+        One side's runs.
+    keys : iterable of str
+        Keys of :attr:`RunResult.extra`.
+
+    Returns
+    -------
+    dict
+        Key to median, for the keys some run has (not None).
+    """
+    out: dict[str, float] = {}
+    for key in keys:
+        values = [float(r.extra[key]) for r in runs if r.extra.get(key) is not None]
+        if values:
+            out[key] = float(statistics.median(values))
+    return out
 
 
 def summarize_pairs(ours: Sequence[RunResult], reference: Sequence[RunResult]) -> dict[str, Any]:
@@ -786,30 +829,6 @@ def evaluate_ratio_goals(
     return out
 
 
-def select_named(
-    suite: str, cases: Sequence[Any], patterns: Sequence[str] | None, quick_names: Iterable[str], quick: bool,
-    name: Callable[[Any], str] = lambda c: str(c.name), quick_key: Callable[[Any], str] | None = None,
-) -> list[Any]:
-    """The cases a suite runs: ``quick`` keeps those whose ``quick_key`` (default: name) is in ``quick_names``;
-    ``patterns`` (shell globs, items may hold several, comma-separated) keep those whose name matches one.
-
-    Raises
-    ------
-    BenchSetupError
-        When nothing is left; the message lists (the first few) case names.
-    """
-    globs = [g.strip() for item in (patterns or []) for g in item.split(",") if g.strip()]
-    key = quick_key or name
-    wanted = set(quick_names)
-    chosen = [c for c in cases if not quick or key(c) in wanted]
-    if globs:
-        chosen = [c for c in chosen if match_any(name(c), globs)]
-    if not chosen:
-        shown = ", ".join(name(c) for c in cases[:6]) + (", ..." if len(cases) > 6 else "")
-        raise BenchSetupError(f"no {suite} case matches {', '.join(globs) or '--quick'} (the cases are {shown})")
-    return chosen
-
-
 def positive_int(text: str) -> int:
     """An ``argparse`` type: an int of at least 1."""
     import argparse
@@ -838,6 +857,45 @@ def import_for_bench(name: str, why: str) -> Any:
         return importlib.import_module(name)
     except ImportError as exc:
         raise BenchSetupError(f"{name} cannot be imported ({exc}): {why}") from None
+
+
+#: Why an sfstore module is needed, for :func:`import_for_bench`.
+BUILD_HINT = "build sfstore first (pip install -e .)"
+
+
+def io_engine(name: str | None, queue_depth: int, threads: int | None = None) -> Any:
+    """sfstore's I/O engine for a bench side: ``get_engine(name, queue_depth=queue_depth)``, and a thread-based
+    engine again with ``threads`` workers (default: the queue depth, since a pool keeps at most one request in
+    flight per thread).
+
+    Parameters
+    ----------
+    name : str or None
+        ``--engine`` (None: the ``engine`` setting).
+    queue_depth : int
+        Requests the engine keeps in flight.
+    threads : int or None
+        Worker threads of a thread-based engine; an int is passed to any engine.
+
+    Returns
+    -------
+    Engine
+        The engine.
+
+    Raises
+    ------
+    BenchSetupError
+        When sfstore is not built or the engine is unavailable here.
+    """
+    engine_mod = import_for_bench("sfstore.engine", BUILD_HINT)
+    errors = import_for_bench("sfstore.errors", BUILD_HINT)
+    try:
+        engine = engine_mod.get_engine(name, queue_depth=queue_depth)
+        if threads is not None or engine.name != "uring":
+            engine = engine_mod.get_engine(engine.name, queue_depth=queue_depth, threads=threads or queue_depth)
+    except errors.EngineUnavailableError as exc:
+        raise BenchSetupError(f"engine {name or 'default'} is unavailable here: {exc}") from None
+    return engine
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -17,9 +17,11 @@ from typing import Any
 
 from tools.bench.common import BenchSetupError, RunResult
 
-__all__ = ["FioJob", "find_fio", "fio_version", "fio_command", "run_fio"]
+__all__ = ["FioJob", "find_fio", "fio_version", "fio_command", "run_fio", "PEAK_RSS_NOTE"]
 
 INSTALL_HINT = "install it with `apt-get install fio` (Debian/Ubuntu) or `dnf install fio`"
+#: A fio side's ``peak_rss_note`` in the JSON: why its peak RSS is not reported.
+PEAK_RSS_NOTE = "not measured: wait4's ru_maxrss of a child includes the parent's resident memory"
 
 
 @dataclass(frozen=True)
@@ -115,20 +117,7 @@ def fio_version(exe: str) -> str:
 
 
 def fio_command(exe: str, job: FioJob) -> list[str]:
-    """The fio command line of ``job``.
-
-    Parameters
-    ----------
-    exe : str
-        The fio executable.
-    job : FioJob
-        The job.
-
-    Returns
-    -------
-    list of str
-        Arguments, ready for :func:`subprocess.run`.
-    """
+    """The command line that runs ``job`` with the fio executable ``exe``, ready for :func:`subprocess.run`."""
     filename = job.filename.replace(":", "\\:")  # fio separates several files with ':'
     cmd = [
         exe, f"--name={job.name}", f"--filename={filename}", f"--size={job.size}", f"--io_size={job.io_size}",

@@ -70,7 +70,6 @@ import argparse
 import os
 import random
 import stat
-import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -78,6 +77,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tools.bench.common import (
+    BUILD_HINT,
     GIB,
     BenchSetupError,
     CpuMeter,
@@ -92,18 +92,21 @@ from tools.bench.common import (
     evaluate_ratio_goals,
     format_size,
     import_for_bench,
+    io_engine,
     machine_info,
+    median_extras,
     nonneg_int,
     parse_size,
     positive_int,
     resident_bytes,
-    select_named,
     side_summary,
     summarize_pairs,
     utc_now,
     warn,
 )
-from tools.bench.fio import FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.fio import PEAK_RSS_NOTE, FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.pairs import run_pairs, warn_if_few_pairs
+from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
 
 __all__ = ["BLOCK_SIZES", "SIZE_CLASSES", "GOALS", "QUICK_CASES", "Case", "Goal", "all_cases", "select_cases",
@@ -174,9 +177,9 @@ def all_cases() -> list[Case]:
 
 
 def select_cases(patterns: Sequence[str] | None = None, quick: bool = False) -> list[Case]:
-    """The cases to run, in :func:`all_cases` order: :func:`~tools.bench.common.select_named` with ``patterns``
+    """The cases to run, in :func:`all_cases` order: :func:`~tools.bench.pairs.select_cases` with ``patterns``
     (shell globs) and, with ``quick``, only :data:`QUICK_CASES`; raises ``BenchSetupError`` when none is left."""
-    return select_named("blocks", all_cases(), patterns, QUICK_CASES, quick)
+    return select_from("blocks", all_cases(), patterns, QUICK_CASES, quick)
 
 
 def working_set(slot_count: int, stride: int, size: int, fill: float, keys: int | None) -> int:
@@ -224,13 +227,7 @@ def _fraction(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the blocks suite's options.
-
-    Parameters
-    ----------
-    parser : argparse.ArgumentParser
-        The suite's parser (common options already added).
-    """
+    """Add the blocks suite's options to ``parser`` (the common ones are there already)."""
     parser.epilog = ("cases: " + ", ".join(c.name for c in all_cases()) + ". --quick runs " + ", ".join(QUICK_CASES)
                      + " (the goals) on a 512m image. --dir defaults to <data_dir>/bench.")
     g = parser.add_argument_group("blocks suite")
@@ -269,7 +266,7 @@ class _Buffers:
         self._pool: Any = None
         self.items: list[Any] = []
         if kind == "registered":
-            buffers = import_for_bench("sfstore.buffers", "build sfstore first (pip install -e .)")
+            buffers = import_for_bench("sfstore.buffers", BUILD_HINT)
             try:
                 self._pool = buffers.RegisteredBufferPool(buffer_size=size, max_buffers=count)
                 self.items = [self._pool.acquire() for _ in range(count)]
@@ -321,10 +318,10 @@ class _Bench:
         self.batch = int(args.batch)
         self.outstanding = int(args.outstanding)
         self.qd = int(args.qd or args.batch)
-        bp_mod = import_for_bench("sfstore.paths.block", "build sfstore first (pip install -e .)")
-        self.blocks = import_for_bench("sfstore.blocks", "build sfstore first (pip install -e .)")
-        self.errors = import_for_bench("sfstore.errors", "build sfstore first (pip install -e .)")
-        self.engine = self._engine()
+        bp_mod = import_for_bench("sfstore.paths.block", BUILD_HINT)
+        self.blocks = import_for_bench("sfstore.blocks", BUILD_HINT)
+        self.errors = import_for_bench("sfstore.errors", BUILD_HINT)
+        self.engine = io_engine(args.engine, self.qd)
         try:
             self.bp = bp_mod.BlockPath(target, size=image_size, engine=self.engine)
         except self.errors.SfstoreError as exc:
@@ -341,17 +338,6 @@ class _Bench:
         except BaseException:
             self.close()
             raise
-
-    def _engine(self) -> Any:
-        engine_mod = import_for_bench("sfstore.engine", "build sfstore first (pip install -e .)")
-        errors = import_for_bench("sfstore.errors", "build sfstore first (pip install -e .)")
-        try:
-            engine = engine_mod.get_engine(self.args.engine, queue_depth=self.qd)
-            if engine.name != "uring":  # a thread pool keeps at most `threads` requests in flight
-                engine = engine_mod.get_engine(engine.name, queue_depth=self.qd, threads=self.qd)
-        except errors.EngineUnavailableError as exc:
-            raise BenchSetupError(f"engine {self.args.engine or 'default'} is unavailable here: {exc}") from None
-        return engine
 
     def _format(self) -> Any:
         if self.store is not None:
@@ -599,23 +585,11 @@ def _target(args: argparse.Namespace, size: int) -> tuple[str, int | None, str, 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the blocks suite.
+    """Run the blocks suite with ``args`` (the common and blocks options) and return its JSON document: the common
+    shape plus ``store`` and ``acceptance``.
 
-    Parameters
-    ----------
-    args : argparse.Namespace
-        Parsed common and blocks options.
-
-    Returns
-    -------
-    dict
-        The suite's JSON document (the common shape plus ``store`` and ``acceptance``).
-
-    Raises
-    ------
-    BenchSetupError
-        When something it needs is missing (fio, sfstore, numpy for ``--buffers numpy``, O_DIRECT, space), the
-        directory is in memory, or the store lost or changed data.
+    Raises :class:`~tools.bench.common.BenchSetupError` when something it needs is missing (fio, sfstore, numpy
+    for ``--buffers numpy``, O_DIRECT, space), the directory is in memory, or the store lost or changed data.
     """
     cases = select_cases(args.cases, args.quick)
     size = int(args.size if args.size is not None else (_QUICK_SIZE if args.quick else _DEFAULT_SIZE))
@@ -626,8 +600,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     np = (import_for_bench("numpy", "--buffers numpy needs numpy (pip install -e '.[bench]')")
           if args.buffers == "numpy" else None)
     target, image_size, directory, mount = _target(args, size)
-    if args.repeat < 3:
-        warn(f"--repeat {args.repeat}: BENCHMARKING.md asks for at least 3 pairs; do not quote these figures")
+    warn_if_few_pairs(args.repeat)
     bench = _Bench(args, target, image_size, size, np)
     try:
         return _run(args, bench, cases, fio, directory, mount)
@@ -681,8 +654,6 @@ def _run_case(bench: _Bench, fio: str, case: Case) -> dict[str, Any]:
     ws = bench.working_set(case.block_size)
     job = bench.fio_job(case, ws)
     outstanding = 1 if case.sync else bench.outstanding
-    ours: list[RunResult] = []
-    theirs: list[RunResult] = []
     rss = PeakRss()
     rss.start()
     bench.drop()
@@ -690,26 +661,22 @@ def _run_case(bench: _Bench, fio: str, case: Case) -> dict[str, Any]:
     if resident:
         warn(f"{case.name}: {resident} bytes of {bench.target} stay in the page cache after fsync + DONTNEED")
 
-    def run_ours(run: int) -> None:
+    def run_ours(run: int) -> RunResult:
         ws.order_gets(run)
         try:
-            ours.append(bench.run_put(ws, outstanding) if case.writes else bench.run_get(ws, outstanding))
+            return bench.run_put(ws, outstanding) if case.writes else bench.run_get(ws, outstanding)
         except bench.errors.SfstoreError as exc:  # name the case instead of a traceback
             raise BenchSetupError(f"{case.name}: the block store failed: {type(exc).__name__}: {exc}") from exc
 
-    def run_theirs(run: int) -> None:
+    def run_theirs(run: int) -> RunResult:
         bench.drop()
-        theirs.append(run_fio(fio, bench.fio_job(case, ws, run)))
+        result = run_fio(fio, bench.fio_job(case, ws, run))
         if case.writes:
             bench.holds = None  # fio wrote over the store's slots
+        return result
 
-    # ABBA order: the host caches the virtual disk, so going second can find the data warm there.
-    for i in range(args.warmup + args.repeat):
-        first, second = (run_ours, run_theirs) if i % 2 == 0 else (run_theirs, run_ours)
-        first(i)
-        second(i)
-    warm_ours, ours = ours[:args.warmup], ours[args.warmup:]
-    warm_theirs, theirs = theirs[:args.warmup], theirs[args.warmup:]
+    ours_side, theirs_side = run_pairs(run_ours, run_theirs, repeat=args.repeat, warmup=args.warmup)
+    ours, theirs = ours_side.runs, theirs_side.runs
     growth = rss.growth()
     slot_io = bench.layout.header_bytes + -(-ws.bs // bench.layout.lba) * bench.layout.lba
     params = {
@@ -730,14 +697,11 @@ def _run_case(bench: _Bench, fio: str, case: Case) -> dict[str, Any]:
                           f"BlockStore.get_into_async(keys, buffers), {outstanding} in flight") + " x N/batch"),
     }
     ours_doc = side_summary(ours, growth)
-    ours_doc["warmup_runs"] = [r.as_dict() for r in warm_ours]
-    for key in ("batch_p50_ms", "batch_p99_ms", "flush_s"):
-        values = [float(r.extra[key]) for r in ours if key in r.extra]
-        if values:
-            ours_doc[key] = statistics.median(values)
+    ours_doc["warmup_runs"] = [r.as_dict() for r in ours_side.warmup]
+    ours_doc.update(median_extras(ours, ("batch_p50_ms", "batch_p99_ms", "flush_s")))
     ref_doc = side_summary(theirs, None)
-    ref_doc["warmup_runs"] = [r.as_dict() for r in warm_theirs]
-    ref_doc["peak_rss_note"] = "not measured: wait4's ru_maxrss of a child includes the parent's resident memory"
+    ref_doc["warmup_runs"] = [r.as_dict() for r in theirs_side.warmup]
+    ref_doc["peak_rss_note"] = PEAK_RSS_NOTE
     ref_doc["command"] = " ".join(fio_command(fio, job)) + "  (--randseed = --seed + the run's index)"
     same = all(a.bytes == b.bytes == ws.n * ws.bs for a, b in zip(ours, theirs, strict=True))
     if not same:

@@ -46,17 +46,19 @@ from tools.bench.common import (
     drop_cache,
     evaluate_ratio_goals,
     format_size,
+    io_engine,
     machine_info,
     nonneg_int,
     parse_size,
     resident_bytes,
-    select_named,
     side_summary,
     summarize_pairs,
     utc_now,
     warn,
 )
-from tools.bench.fio import FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.fio import PEAK_RSS_NOTE, FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.pairs import run_pairs, warn_if_few_pairs
+from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
 
 __all__ = ["OPS", "BLOCK_SIZES", "QUEUE_DEPTHS", "QUICK_CASES", "Case", "all_cases", "select_cases",
@@ -124,9 +126,9 @@ def all_cases() -> list[Case]:
 
 
 def select_cases(patterns: Sequence[str] | None = None, quick: bool = False) -> list[Case]:
-    """The cases to run, in :func:`all_cases` order: :func:`~tools.bench.common.select_named` with ``patterns``
+    """The cases to run, in :func:`all_cases` order: :func:`~tools.bench.pairs.select_cases` with ``patterns``
     (shell globs) and, with ``quick``, only :data:`QUICK_CASES`; raises ``BenchSetupError`` when none is left."""
-    return select_named("engine", all_cases(), patterns, QUICK_CASES, quick)
+    return select_from("engine", all_cases(), patterns, QUICK_CASES, quick)
 
 
 def default_ops(case: Case) -> int:
@@ -236,13 +238,7 @@ def _threads_arg(text: str) -> int | str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the engine suite's options.
-
-    Parameters
-    ----------
-    parser : argparse.ArgumentParser
-        The suite's parser (common options already added).
-    """
+    """Add the engine suite's options to ``parser`` (the common ones are there already)."""
     parser.epilog = ("cases are <op>-<block size>-qd<depth>: op read, write, randread, randwrite; block size 4k, 64k, "
                      "1m, 16m; depth 1, 8, 32 (48 in all). --quick runs " + ", ".join(QUICK_CASES) + ".")
     g = parser.add_argument_group("engine suite")
@@ -320,7 +316,7 @@ class _SfstoreSide:
     def __init__(self, engine_mod: Any, args: argparse.Namespace, case: Case, path: str, offsets: list[int]) -> None:
         self.case = case
         qd = case.queue_depth
-        self.engine = _engine_for(engine_mod, args.engine, qd, args.threads)
+        self.engine = io_engine(args.engine, qd, None if args.threads == "qd" else int(args.threads))
         flags = os.O_RDWR if case.writes else os.O_RDONLY
         self.buffers: _Buffers | None = None
         self.batches: list[list[Any]] = []
@@ -393,19 +389,6 @@ class _SfstoreSide:
             self.fd = None
 
 
-def _engine_for(engine_mod: Any, name: str | None, qd: int, threads: int | str) -> Any:
-    errors = _import("sfstore.errors")
-    try:
-        engine = engine_mod.get_engine(name, queue_depth=qd)
-        if isinstance(threads, int):
-            engine = engine_mod.get_engine(engine.name, queue_depth=qd, threads=threads)
-        elif engine.name != "uring":  # a thread pool keeps at most `threads` requests in flight
-            engine = engine_mod.get_engine(engine.name, queue_depth=qd, threads=qd)
-    except errors.EngineUnavailableError as exc:
-        raise BenchSetupError(f"engine {name or 'default'} is unavailable here: {exc}") from None
-    return engine
-
-
 def _describe_engines(engine_mod: Any) -> Any:
     try:
         return engine_mod.describe_engines()
@@ -422,22 +405,10 @@ def _alignment(engine_mod: Any, path: str) -> tuple[int, int] | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the engine suite.
+    """Run the engine suite with ``args`` (the common and engine options) and return its JSON document.
 
-    Parameters
-    ----------
-    args : argparse.Namespace
-        Parsed common and engine options.
-
-    Returns
-    -------
-    dict
-        The suite's JSON document.
-
-    Raises
-    ------
-    BenchSetupError
-        When something it needs is missing (fio, the engine, O_DIRECT, space) or the directory is in memory.
+    Raises :class:`~tools.bench.common.BenchSetupError` when something it needs is missing (fio, the engine,
+    O_DIRECT, space) or the directory is in memory.
     """
     cases = select_cases(args.cases, args.quick)
     size = int(args.size)
@@ -449,8 +420,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine_mod = _import("sfstore.engine", "get_engine")
     path, reused = prepare_file(directory, size)
     alignment = _alignment(engine_mod, path)
-    if args.repeat < 3:
-        warn(f"--repeat {args.repeat}: BENCHMARKING.md asks for at least 3 pairs; do not quote these figures")
+    warn_if_few_pairs(args.repeat)
 
     machine = machine_info(directory)
     machine.update({"fio": fio_version(fio), "engines": _describe_engines(engine_mod),
@@ -497,30 +467,25 @@ def _run_case(engine_mod: Any, fio: str, args: argparse.Namespace, case: Case, p
     rss = PeakRss()
     rss.start()
     side = _SfstoreSide(engine_mod, args, case, path, offsets)
-    ours: list[RunResult] = []
-    theirs: list[RunResult] = []
     try:
         drop_cache(path)
         resident = resident_bytes(path)
         if resident:
             warn(f"{case.name}: {resident} bytes of {path} stay in the page cache after fsync + DONTNEED (fincore)")
-        def run_ours() -> None:
+
+        def run_ours(pair: int) -> RunResult:
             drop_cache(path)
             try:
-                ours.append(side.run_once())
+                return side.run_once()
             except OSError as exc:  # typed sfstore I/O errors are OSErrors; name the case instead of a traceback
                 raise BenchSetupError(f"{case.name}: sfstore's engine failed: {exc}") from exc
 
-        def run_theirs() -> None:
+        def run_theirs(pair: int) -> RunResult:
             drop_cache(path)
-            theirs.append(run_fio(fio, job))
+            return run_fio(fio, job)
 
-        # ABBA order: the host caches the virtual disk, so whichever side reads a region second may find it warm
-        # there; alternating who goes first cancels that bias out of the pairwise ratios.
-        for i in range(args.repeat):
-            first, second = (run_ours, run_theirs) if i % 2 == 0 else (run_theirs, run_ours)
-            first()
-            second()
+        ours_side, theirs_side = run_pairs(run_ours, run_theirs, repeat=args.repeat)
+        ours, theirs = ours_side.runs, theirs_side.runs
         our_rss = rss.growth()
         params = {
             "op": case.op, "block_size": case.block_size, "queue_depth": case.queue_depth, "file_size": size,
@@ -547,9 +512,7 @@ def _run_case(engine_mod: Any, fio: str, args: argparse.Namespace, case: Case, p
     elif stats and "bytes_direct" in stats[0] and ours_doc["bytes_direct"] < moved:
         warn(f"{case.name}: the engine counted {ours_doc['bytes_direct']} of {moved} bytes as direct")
     ref_doc = side_summary(theirs, None)
-    ref_doc["peak_rss_note"] = (
-        "not measured: wait4's ru_maxrss of a child includes the parent's resident memory at spawn"
-    )
+    ref_doc["peak_rss_note"] = PEAK_RSS_NOTE
     ref_doc["command"] = " ".join(fio_command(fio, job))
     same = all(a.bytes == b.bytes for a, b in zip(ours, theirs, strict=True))
     return {"name": case.name, "params": params, "sfstore": ours_doc, "reference_tool": "fio",

@@ -106,13 +106,13 @@ from tools.bench.common import (
     parse_size,
     positive_int,
     resident_bytes,
-    select_named,
     side_summary,
     summarize_pairs,
     utc_now,
     warn,
 )
 from tools.bench.fio import FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
 
 __all__ = ["TIERS", "REFERENCES", "GOALS", "QUICK_CASES", "Case", "Goal", "all_cases", "select_cases",
@@ -181,9 +181,9 @@ def all_cases() -> list[Case]:
 
 
 def select_cases(patterns: Sequence[str] | None = None, quick: bool = False) -> list[Case]:
-    """The cases to run, in :func:`all_cases` order: :func:`~tools.bench.common.select_named` with ``patterns``
+    """The cases to run, in :func:`all_cases` order: :func:`~tools.bench.pairs.select_cases` with ``patterns``
     (shell globs) and, with ``quick``, only :data:`QUICK_CASES`; raises ``BenchSetupError`` when none is left."""
-    return select_named("kvcache", all_cases(), patterns, QUICK_CASES, quick)
+    return select_from("kvcache", all_cases(), patterns, QUICK_CASES, quick)
 
 
 # -- the optional references -----------------------------------------------------------------------------------
