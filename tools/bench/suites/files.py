@@ -7,7 +7,8 @@ while it matches: one file of ``--size`` bytes (default 1 GiB, ``big-<size>.dat`
 
 Cases (``<size>`` is ``--size`` spelt like ``1g``; ``<count>x<small>`` like ``10000x64k``), one pair of sides
 each; every side runs on a cold cache (fsync + ``POSIX_FADV_DONTNEED`` on every file it reads, each small file
-one by one) and the sides alternate (sfstore, reference, sfstore, reference ...) ``--repeat`` times:
+one by one) and the sides alternate in ABBA order (sfstore, reference, reference, sfstore ...) ``--repeat`` times,
+after the warm-up pairs:
 
 * ``read_into-<size>-vs-fio``: ``FilePath.read_into`` of the whole file into a ``RegisteredBufferPool`` buffer
   of the file's size (page-aligned, allocated and touched before the timed region) against fio reading the
@@ -64,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tools.bench.common import (
+    BUILD_HINT,
     GIB,
     BenchSetupError,
     CpuMeter,
@@ -74,8 +76,9 @@ from tools.bench.common import (
     default_bench_dir,
     drop_cache,
     format_size,
+    fsync_path,
+    import_for_bench,
     machine_info,
-    match_any,
     parse_size,
     resident_bytes,
     side_summary,
@@ -84,6 +87,8 @@ from tools.bench.common import (
     warn,
 )
 from tools.bench.fio import FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.pairs import run_pairs, warn_if_few_pairs
+from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
 
 __all__ = ["Case", "Dataset", "GOALS", "all_cases", "select_cases", "prepare_dataset", "run"]
@@ -236,14 +241,7 @@ def select_cases(cases: Sequence[Case], patterns: Sequence[str] | None = None, q
     BenchSetupError
         When nothing matches.
     """
-    globs = [g.strip() for item in (patterns or []) for g in item.split(",") if g.strip()]
-    chosen = [c for c in cases if not quick or c.name in quick_set]
-    if globs:
-        chosen = [c for c in chosen if match_any(c.name, globs)]
-    if not chosen:
-        names = ", ".join(c.name for c in cases[:4])
-        raise BenchSetupError(f"no files case matches {', '.join(globs) or '--quick'} (names look like {names}, ...)")
-    return chosen
+    return select_from("files", cases, patterns, quick_set, quick)
 
 
 # -- the data set --------------------------------------------------------------------------------------------
@@ -287,14 +285,6 @@ class Dataset:
         return [os.path.join(self.directory, n) for n in self.small_names]
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _prepare_big(directory: str, size: int) -> tuple[str, bool]:
     name = f"big-{format_size(size)}.dat"
     path = os.path.join(directory, name)
@@ -316,7 +306,7 @@ def _prepare_big(directory: str, size: int) -> tuple[str, bool]:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    _fsync_dir(directory)
+    fsync_path(directory, directory=True)
     return name, False
 
 
@@ -360,7 +350,7 @@ def _prepare_small(directory: str, count: int, small_size: int) -> tuple[list[st
         json.dump(want, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(directory)
+    fsync_path(directory, directory=True)
     return names, False
 
 
@@ -559,13 +549,7 @@ def _counter_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the files suite's options.
-
-    Parameters
-    ----------
-    parser : argparse.ArgumentParser
-        The suite's parser (common options already added).
-    """
+    """Add the files suite's options to ``parser`` (the common ones are there already)."""
     parser.epilog = ("cases: read_into[-numpy]-SIZE-vs-{fio,readinto,fsspec-local}, cat_file-SIZE-vs-fsspec-local, "
                      "{cat,read_many}-COUNTxSMALL-vs-fsspec-local. --quick runs the three the issue's acceptance "
                      "quotes. --dir defaults to <data_dir>/bench/files.")
@@ -579,13 +563,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="pairs run first and discarded, each side cold as usual (default 1): on a VM the first "
                         "touch of fresh guest memory and the host's cache make a case's first run an outlier")
     g.add_argument("--fio", metavar="PATH", help="fio executable (default: fio on PATH)")
-
-
-def _need(name: str, why: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        raise BenchSetupError(f"{name} cannot be imported ({exc}): {why}") from None
 
 
 def _sf_filesystem(directory: str) -> tuple[Any, str | None, str | None]:
@@ -615,9 +592,10 @@ class _Runner:
         self.args = args
         self.data = data
         self.fio = fio
-        self.np = _need("numpy", "the files bench needs numpy (pip install -e '.[bench]')")
-        self.fsspec = _need("fsspec", "the files bench compares with fsspec's local filesystem (pip install fsspec)")
-        file_mod = _need("sfstore.paths.file", "build sfstore first (pip install -e .)")
+        self.np = import_for_bench("numpy", "the files bench needs numpy (pip install -e '.[bench]')")
+        self.fsspec = import_for_bench("fsspec", "the files bench compares with fsspec's local filesystem "
+                                                 "(pip install fsspec)")
+        file_mod = import_for_bench("sfstore.paths.file", BUILD_HINT)
         self.fp = file_mod.FilePath(data.directory)  # the engine comes from the setting (--engine overrides it)
         try:
             self.engine_name = str(self.fp.engine.name)
@@ -637,9 +615,19 @@ class _Runner:
         for path in self.data.small_paths:
             drop_cache(path)
 
-    def sf_read_into(self, dest: _Destination) -> Callable[[], RunResult]:
-        fp, name, samples = self.fp, self.data.big_name, self.samples
+    def _into(self, dest: _Destination, fn: Callable[[], _Outcome], what: str) -> Callable[[], RunResult]:
+        """A run of ``fn``, which reads the large file into ``dest``: the sampled blocks zeroed first, checked after."""
+        samples = self.samples
         assert samples is not None
+
+        def once() -> RunResult:
+            samples.clear(dest.view)
+            return _timed(fn, lambda out: samples.check(dest.view[:out.bytes], what))
+
+        return once
+
+    def sf_read_into(self, dest: _Destination) -> Callable[[], RunResult]:
+        fp, name = self.fp, self.data.big_name
 
         def fn() -> _Outcome:
             before = fp.counters.snapshot()
@@ -647,18 +635,10 @@ class _Runner:
             delta = _counter_delta(before, fp.counters.snapshot())
             return _Outcome(n, delta["requests"], extra={"counters": delta})
 
-        def check(out: _Outcome) -> None:
-            samples.check(dest.view[:out.bytes], "FilePath.read_into")
-
-        def once() -> RunResult:
-            samples.clear(dest.view)
-            return _timed(fn, check)
-
-        return once
+        return self._into(dest, fn, "FilePath.read_into")
 
     def readinto(self, dest: _Destination) -> Callable[[], RunResult]:
-        path, size, samples = self.data.big_path, self.data.size, self.samples
-        assert samples is not None
+        path, size = self.data.big_path, self.data.size
 
         def fn() -> _Outcome:
             got = calls = 0
@@ -671,14 +651,7 @@ class _Runner:
                     calls += 1
             return _Outcome(got, calls)
 
-        def check(out: _Outcome) -> None:
-            samples.check(dest.view[:out.bytes], "open().readinto")
-
-        def once() -> RunResult:
-            samples.clear(dest.view)
-            return _timed(fn, check)
-
-        return once
+        return self._into(dest, fn, "open().readinto")
 
     def cat_file(self, fs: Any, path: str, what: str, counters: Any = None) -> Callable[[], RunResult]:
         samples = self.samples
@@ -732,27 +705,16 @@ class _Runner:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the files suite (``--engine`` sets sfstore's ``engine`` setting for the run: FilePath and ``sf``).
+    """Run the files suite with ``args`` (the common and files options; ``--engine`` sets sfstore's ``engine``
+    setting for the run: FilePath and ``sf``) and return its JSON document: ``skipped`` lists the cases that could
+    not run here, with the reason, and ``acceptance`` the issue's goals, each met or missed by how much.
 
-    Parameters
-    ----------
-    args : argparse.Namespace
-        Parsed common and files options.
-
-    Returns
-    -------
-    dict
-        The suite's JSON document; ``skipped`` lists cases that could not run here, with the reason, and
-        ``acceptance`` the issue's goals, each met or missed by how much.
-
-    Raises
-    ------
-    BenchSetupError
-        When something it needs is missing (numpy, fsspec, sfstore, space) or the directory is in memory.
+    Raises :class:`~tools.bench.common.BenchSetupError` when something it needs is missing (numpy, fsspec, sfstore,
+    space) or the directory is in memory.
     """
     if not args.engine:
         return _run(args)
-    defaults = _need("sfstore.defaults", "build sfstore first (pip install -e .)")
+    defaults = import_for_bench("sfstore.defaults", BUILD_HINT)
     with defaults.set(engine=args.engine):
         return _run(args)
 
@@ -783,8 +745,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         for c in [c for c in cases if c.needs_fs]:
             skipped.append({"name": c.name, "reason": str(runner.sf_missing)})
         cases = [c for c in cases if not c.needs_fs]
-    if args.repeat < 3:
-        warn(f"--repeat {args.repeat}: BENCHMARKING.md asks for at least 3 pairs; do not quote these figures")
+    warn_if_few_pairs(args.repeat)
 
     fp = runner.fp
     machine = machine_info(directory)
@@ -893,32 +854,20 @@ def _run_case(runner: _Runner, case: Case, dest: _Destination | None) -> dict[st
     resident = None if any(r is None for r in res) else sum(int(r or 0) for r in res)
     if resident:
         warn(f"{case.name}: {resident} bytes stay in the page cache after fsync + DONTNEED (fincore)")
-    warm_ours: list[RunResult] = []  # not timed into the figures; their peak RSS still counts (first use)
-    warm_theirs: list[RunResult] = []
-    for _ in range(max(0, args.warmup)):
-        drop()
-        warm_ours.append(ours_fn())
-        drop()
-        warm_theirs.append(ref_fn())
-    ours: list[RunResult] = []
-    theirs: list[RunResult] = []
-
-    def run_ours() -> None:
+    def run_ours(pair: int) -> RunResult:
         drop()
         try:
-            ours.append(ours_fn())
+            return ours_fn()
         except OSError as exc:
             raise BenchSetupError(f"{case.name}: sfstore failed: {exc}") from exc
 
-    def run_theirs() -> None:
+    def run_theirs(pair: int) -> RunResult:
         drop()
-        theirs.append(ref_fn())
+        return ref_fn()
 
-    # ABBA order: the host caches the virtual disk, so going second can find the data warm there.
-    for i in range(args.repeat):
-        first, second = (run_ours, run_theirs) if i % 2 == 0 else (run_theirs, run_ours)
-        first()
-        second()
+    # warm-up runs are not in the figures, but their peak RSS still counts (a first use that allocates)
+    ours_side, theirs_side = run_pairs(run_ours, run_theirs, repeat=args.repeat, warmup=args.warmup)
+    ours, theirs, warm_ours, warm_theirs = ours_side.runs, theirs_side.runs, ours_side.warmup, theirs_side.warmup
 
     total = data.size if big else len(data.small_names) * data.small_size
     params: dict[str, Any] = {
