@@ -359,7 +359,7 @@ def free_page_reporting(sysfs: str = "/sys/bus/virtio/drivers/virtio_balloon") -
     """Whether this (virtual) machine hands free memory back to its host (virtio-balloon free page reporting).
 
     Where it does, blocks of 2 MiB and more that stay free a moment are given back to the host, and the first
-    touch of memory allocated from them stalls on the host (seconds per GiB measured on the development VMs).
+    touch of memory allocated from them stalls on the host (the checkpoint suite's load cases show the cost).
     Huge-page buffers draw exactly on such blocks, so large fresh buffers (a checkpoint load's) cost more there
     than memory freed a moment ago. Read from the balloon device's negotiated feature bits.
     """

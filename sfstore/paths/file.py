@@ -193,8 +193,8 @@ class FilePath(StoragePath):
 
         Small files are read through the page cache (they land in unaligned ``bytes``); io_uring hands such
         reads that miss the cache to kernel worker threads one by one, and a native thread pool with many
-        requests in flight was measured faster (10,000 cold 64 KiB files: ~2.8x LocalFileSystem.cat against
-        ~1.6x). So with the ``engine`` setting on ``auto`` these batches use the ``threads`` engine with
+        requests in flight is faster for them (README's performance section, the files suite's small-file
+        case). So with the ``engine`` setting on ``auto`` these batches use the ``threads`` engine with
         ``file_small_parallelism`` workers; an explicit engine setting is respected.
         """
         if defaults.get("engine") != "auto":
