@@ -14,7 +14,7 @@ What it does, per engine step:
   :meth:`~SfstoreConnector.build_connector_meta` sends the worker, per request, the keys and block ids to load
   and those of the prompt blocks this step completes, to save (blocks the store already has are not saved again).
 * worker side: :meth:`~SfstoreConnector.start_load_kv` starts ``store.prefetch`` of the blocks to load (in
-  ``prefetch_chunks`` parts at once, so a lower tier's files are read two at a time, not one after the other);
+  ``prefetch_chunks`` parts at once; the store reads each part's shared-tier files as one batch, all in flight);
   :meth:`~SfstoreConnector.wait_for_layer_load` copies one layer of each into vLLM's paged cache
   (``store.get_layer_into``) just before that layer's attention runs, and
   :meth:`~SfstoreConnector.save_kv_layer` copies one layer of each block to save out of it right after
@@ -70,7 +70,21 @@ On a CPU cache the streams and events are ``None``: the same steps run with sync
 ``fsync_shared``
     fsync each shared block file before publishing it (default False): durable across a node's crash, slower.
 ``pinned_bytes``
-    Budget of the pinned host tier (default: the ``kvcache_pinned_bytes`` setting).
+    Budget of the pinned host tier, bytes or a size such as ``"4GiB"`` (default: the ``kvcache_pinned_bytes``
+    setting).
+``shared_bytes``
+    Budget of the shared tier's cache namespace, kept by every process and node that writes it (its least
+    recently read blocks are evicted beyond it; 0: unbounded). Default: the ``kvcache_shared_bytes`` setting.
+``cache_namespace``
+    The shared tier's cache namespace: its blocks live in ``ns/<name>/`` of ``shared_dir`` and never read or
+    evict another namespace's (``""``: the directory itself). Default: the ``kvcache_namespace`` setting.
+``io_timeout_ms``
+    Deadline of each operation of the block-store and shared tiers, in milliseconds (0: none): past it a load
+    is a miss (vLLM recomputes the block), a save is dropped, and the tier is quarantined. Default: the
+    ``kvcache_io_timeout_ms`` setting.
+``quarantine_ms``
+    First back-off of a tier that missed its deadline (answered at once, without I/O, then probed; doubling with
+    each miss in a row). Default: the ``kvcache_quarantine_ms`` setting.
 ``kv_layout``
     How a vLLM block maps to the store's ``[kv][token][head][dim]`` layer slice: ``"auto"`` (default: ``"cpu"``
     on vLLM's CPU platform, ``"split"`` elsewhere), ``"split"`` (each cell of the ``[B, H, N, C]`` page is K then V,
@@ -83,6 +97,8 @@ On a CPU cache the streams and events are ``None``: the same steps run with sync
 ``wait_for_lower_tiers``
     End each step only once the step's saved blocks reached every lower tier (default False: they are written in
     the background; blocks in the pinned tier are already loadable by this process).
+
+Any other key is ignored, with a warning (one that names an sfstore setting says which key sets it here).
 
 Scheduler and worker connectors of one process (vLLM's single-process executor) share one store, so a block the
 worker saved is found by the scheduler's lookup at once. Across processes (tensor parallelism, a separate engine
@@ -116,8 +132,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from sfstore import errors
+from sfstore import defaults, errors
 from sfstore.kvcache.geometry import DTYPE_SIZES, KVGeometry
+from sfstore.kvcache.shared_budget import check_namespace
 from sfstore.kvcache.store import KVCacheStore
 
 if TYPE_CHECKING:
@@ -274,19 +291,51 @@ _stores: dict[tuple[Any, ...], list[Any]] = {}  # key -> [store, users]
 _stores_lock = threading.Lock()
 
 
+# kv_connector_extra_config keys passed to KVCacheStore as its arguments of the same name, each parsed as the
+# sfstore setting it overrides for this store
+_STORE_OPTIONS = {
+    "pinned_bytes": "kvcache_pinned_bytes",
+    "shared_bytes": "kvcache_shared_bytes",
+    "cache_namespace": "kvcache_namespace",
+    "io_timeout_ms": "kvcache_io_timeout_ms",
+    "quarantine_ms": "kvcache_quarantine_ms",
+}
+_EXTRA_CONFIG_KEYS = frozenset({
+    "sfstore_config", "shared_dir", "model_id", "kv_load_failure_policy", "fsync_shared", "kv_layout",
+    "save_decode_tokens", "wait_for_lower_tiers", *_STORE_OPTIONS,
+})
+
+
+def _store_options(extra: dict[str, Any]) -> dict[str, Any]:
+    """The store's arguments that ``kv_connector_extra_config`` sets (see the module's description), parsed as
+    the settings they override; :class:`~sfstore.errors.ConfigError` names a bad one."""
+    out: dict[str, Any] = {}
+    for name, setting in _STORE_OPTIONS.items():
+        if extra.get(name) is not None:
+            out[name] = defaults.SETTINGS[setting].parse(extra[name], f"kv_connector_extra_config {name}")
+    if "cache_namespace" in out:
+        check_namespace(out["cache_namespace"])
+    return out
+
+
+def _warn_unknown_keys(extra: dict[str, Any]) -> None:
+    by_setting = {setting: name for name, setting in _STORE_OPTIONS.items()}
+    for k in sorted(set(extra) - _EXTRA_CONFIG_KEYS, key=str):
+        hint = f" (the {k} setting is {by_setting[k]!r} here)" if k in by_setting else ""
+        log.warning("SfstoreConnector: kv_connector_extra_config key %r is not one it reads; ignored%s", k, hint)
+
+
 def _acquire_store(layout: _Layout, model_id: str, extra: dict[str, Any]) -> tuple[KVCacheStore, tuple[Any, ...]]:
     cfg = extra.get("sfstore_config")
-    pinned = extra.get("pinned_bytes")
     shared = extra.get("shared_dir")
     fsync = bool(extra.get("fsync_shared", False))
+    options = _store_options(extra)
     key = (layout.geometry, model_id, str(cfg) if cfg is not None else None,
-           int(pinned) if pinned is not None else None, str(shared) if shared is not None else None, fsync)
+           str(shared) if shared is not None else None, fsync, tuple(sorted(options.items())))
     with _stores_lock:
         entry = _stores.get(key)
         if entry is None:
-            kwargs: dict[str, Any] = {"model_id": model_id}
-            if pinned is not None:
-                kwargs["pinned_bytes"] = int(pinned)
+            kwargs: dict[str, Any] = {"model_id": model_id, **options}
             if cfg is not None:
                 import sfstore
 
@@ -690,8 +739,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """
 
     load_ahead = 1  # staged loads: how many layers' copies wait_for_layer_load issues past the one it waits for
-    # Prefetches of one step's loads run at once (the store reads a lower tier's files one by one per call, on its
-    # two background threads: more parts than two only queue), each of at least blocks_per_prefetch blocks.
+    # Prefetches of one step's loads run at once (on the store's two background threads: more parts than two only
+    # queue), each of at least blocks_per_prefetch blocks.
     prefetch_chunks = 2
     blocks_per_prefetch = 4
     staging_buffers = 8  # staged copies: most staging buffers per direction (bounds the pinned memory they take)
@@ -699,6 +748,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        _warn_unknown_keys(extra)
         parallel = vllm_config.parallel_config
         if getattr(parallel, "pipeline_parallel_size", 1) > 1:
             raise errors.NotSupportedOnHostError("SfstoreConnector does not support pipeline parallelism yet")
@@ -1007,8 +1057,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _prefetch(self, keys: list[bytes]) -> list[tuple[int, Any]]:
         """``store.prefetch`` of ``keys`` in up to ``prefetch_chunks`` parts (at least ``blocks_per_prefetch``
-        blocks each), run at once by the store's background threads: the files of a lower tier are read that
-        many at a time. Each block is counted once (``gets``, ``hits_*``) by the tier it came from."""
+        blocks each), run at once by the store's background threads. Each block is counted once (``gets``,
+        ``hits_*``) by the tier it came from."""
         per = max(self.blocks_per_prefetch, -(-len(keys) // max(1, self.prefetch_chunks)))
         return [(len(keys[i:i + per]), self.store.prefetch(keys[i:i + per], count=True))
                 for i in range(0, len(keys), per)]

@@ -494,3 +494,49 @@ def test_bad_kv_layout_is_a_config_error(model_dir: Path) -> None:
     cfg = make_config(model_dir, {"kv_layout": "diagonal"})
     with pytest.raises(errors.ConfigError, match="kv_layout"):
         KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg, 32))
+
+
+def test_store_settings_in_the_extra_config_reach_the_store(model_dir: Path, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    extra = {"pinned_bytes": "4MiB", "shared_dir": str(shared), "shared_bytes": "64MiB", "cache_namespace": "team-a",
+             "io_timeout_ms": 30000, "quarantine_ms": "7", "model_id": "tiny-namespaced"}
+    prompt = [(i * 29 + 5) % 1000 for i in range(100)]  # 6 full blocks and 4 tokens
+    with engine(model_dir, extra) as a:
+        store = a.connector.store
+        assert store.shared is not None and store.pinned.capacity > 0
+        assert (store.cache_namespace, store.shared.budget.budget) == ("team-a", 64 << 20)
+        assert (store.shared.guard.timeout_s, store.shared.guard.quarantine_s) == (30.0, 0.007)
+        assert store.pinned.capacity == (4 << 20) // (store.pinned.slot_bytes + 4096)
+        a.add(make_request("a1", prompt))
+        a.run()
+        store.wait_for_puts()
+        assert len(list(shared.glob("ns/team-a/*/*.kvb"))) == 6 and not list(shared.glob("??/*.kvb"))
+    found = {}
+    for ns in ("team-b", "team-a"):  # another namespace of the same directory sees none of team-a's blocks
+        with engine(model_dir, {**extra, "cache_namespace": ns}) as b:
+            b.add(make_request("b1", [*prompt, 1, 2, 3]))
+            so = b.step()
+            found[ns] = so.scheduled_new_reqs[0].num_computed_tokens
+            b.run()
+    assert found == {"team-b": 0, "team-a": 96}
+
+
+def test_bad_store_settings_are_config_errors_and_unknown_keys_warn(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from sfstore import errors
+
+    for bad, match in (({"cache_namespace": "../up"}, "cache_namespace"), ({"io_timeout_ms": "soon"}, "io_timeout_ms"),
+                       ({"shared_bytes": -1}, "shared_bytes"), ({"quarantine_ms": 0}, "quarantine_ms")):
+        cfg = make_config(model_dir, bad)
+        with pytest.raises(errors.ConfigError, match=match):
+            KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg, 32))
+    cfg = make_config(model_dir, {"pinned_bytes": 1 << 20, "kvcache_namespace": "x", "pinned_byte": 5})
+    with caplog.at_level("WARNING", logger="sfstore.kvcache.vllm"):
+        sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg, 32))
+    try:
+        assert sched.store.cache_namespace == ""  # an ignored key sets nothing
+        text = caplog.text
+        assert "'kvcache_namespace'" in text and "'cache_namespace' here" in text and "'pinned_byte'" in text
+    finally:
+        sched.shutdown()
