@@ -14,6 +14,8 @@ Steps (each prints its progress and what it verified):
 6. a per-path summary: for each data class, the path, transport, fallbacks, bytes moved direct vs bounced, and
    the throughput each step saw.
 
+A step that has printed nothing for ten seconds says it is still going (:mod:`sfstore.demo.progress`).
+
 With ``--config`` the same runs on a real cluster's paths (NFS over RDMA, NVMe-oF, GDS).
 """
 
@@ -27,18 +29,15 @@ from collections.abc import Callable
 from typing import Any
 
 from sfstore import defaults
+from sfstore.demo.progress import TICK_SECONDS, say, still_going
 
 __all__ = ["run_demo", "run_steps"]
 
 MiB = 1 << 20
 
 
-def _say(text: str = "", end: str = "\n") -> None:
-    print(text, end=end, flush=True)
-
-
 def _progress(prefix: str) -> Callable[[str], None]:
-    return lambda s: _say(f"  .. {s}")
+    return lambda s: say(f"  .. {s}")
 
 
 def _no_direct_why(r: dict[str, Any]) -> str:
@@ -50,22 +49,27 @@ def _no_direct_why(r: dict[str, Any]) -> str:
 
 
 def run_steps(
-    router: Any, *, size: int = 64 * MiB, shards: int = 32, every: int = 10, show: bool = True
+    router: Any, *, size: int = 64 * MiB, shards: int = 32, every: int = 10, show: bool = True,
+    tick: float = TICK_SECONDS,
 ) -> dict[str, Any]:
-    """Run every step on ``router``'s paths; return the summary (what :func:`run_demo` prints at the end)."""
+    """Run every step on ``router``'s paths; return the summary (what :func:`run_demo` prints at the end).
+
+    ``tick``: seconds of quiet after which a running step says it is still going
+    (:func:`~sfstore.demo.progress.still_going`)."""
     from sfstore.demo.inference import kv_cache_reuse
     from sfstore.demo.storage import file_round_trip, hot_blocks
 
-    say = _say if show else (lambda text="", end="\n": None)
+    out = say if show else (lambda text="", end="\n": None)
     prog = _progress("") if show else (lambda s: None)
     summary: dict[str, Any] = {"steps": {}, "ok": True}
     t_all = time.perf_counter()
 
-    say(f"[1/5] file path: {size // MiB} MiB written from registered buffers (O_DIRECT where the filesystem "
+    out(f"[1/5] file path: {size // MiB} MiB written from registered buffers (O_DIRECT where the filesystem "
         "allows it), fsynced, read back cold, and one misaligned read")
-    r = file_round_trip(size=size)
+    with still_going("writing and reading the file path", every=tick, show=show):
+        r = file_round_trip(size=size)
     c = r["counters"]
-    say(f"  {r['engine']} engine, O_DIRECT {'on' if r['o_direct'] else 'off (' + _no_direct_why(r) + ')'}: write "
+    out(f"  {r['engine']} engine, O_DIRECT {'on' if r['o_direct'] else 'off (' + _no_direct_why(r) + ')'}: write "
         f"{r['write_gib_s']:.2f} GiB/s, read {r['read_gib_s']:.2f} GiB/s; {c['requests']} requests (chunks of "
         f"{r['chunk_size'] / MiB:g} MiB, {r['parallelism']} in flight); {c['bytes_direct'] / MiB:.1f} MiB direct, "
         f"{c['bytes_bounced']} B bounced; verified {'yes' if r['verified'] else 'NO'}")
@@ -82,35 +86,38 @@ def run_steps(
     if have_torch:
         from sfstore.demo.training import make_dataset, training_job
 
-        say(f"[2/5] training: {shards} shards to sf://demo/dataset, streamed by a DataLoader (2 workers); "
+        out(f"[2/5] training: {shards} shards to sf://demo/dataset, streamed by a DataLoader (2 workers); "
             f"save_async every {every} steps; the trainer is SIGKILLed mid-save; resume from latest()")
-        ds = make_dataset(shards=shards)
-        say(f"  dataset: {ds['samples']} samples, {ds['bytes'] / MiB:.1f} MiB in {ds['shards']} shards: written "
+        with still_going("writing the dataset", every=tick, show=show):
+            ds = make_dataset(shards=shards)
+        out(f"  dataset: {ds['samples']} samples, {ds['bytes'] / MiB:.1f} MiB in {ds['shards']} shards: written "
             f"{ds['bytes'] / MiB / ds['write_s']:.0f} MiB/s (published atomically), read back cold with one cat() "
             f"{ds['bytes'] / MiB / ds['read_s']:.0f} MiB/s; verified {'yes' if ds['verified'] else 'NO'}")
-        tr = training_job(ds["names"], every=every, progress=prog)
-        say(f"  the trainer consumed {tr['stream_mib_s']:.1f} MiB/s of samples (its tiny model on the CPU sets that "
+        with still_going("training", every=tick, show=show):
+            tr = training_job(ds["names"], every=every, progress=prog)
+        out(f"  the trainer consumed {tr['stream_mib_s']:.1f} MiB/s of samples (its tiny model on the CPU sets that "
             f"pace, not storage: the dataset read back cold at {ds['bytes'] / MiB / ds['read_s']:.0f} MiB/s); "
             f"save_async blocked it <= {1000 * (tr['save_async_blocked_s'] or 0):.1f} ms per checkpoint")
-        say(f"  committed before the crash: steps {', '.join(map(str, tr['committed']))}; killed while saving step "
+        out(f"  committed before the crash: steps {', '.join(map(str, tr['committed']))}; killed while saving step "
             f"{tr['killed_during']}; latest() = step {tr['recovered_step']} "
             f"({'the last committed: recovered' if tr['recovered_last_committed'] else 'NOT the last committed'})")
-        say(f"  resumed: loss {tr['loss_start']:.3f} -> {tr['loss_end']:.3f}, accuracy {100 * tr['accuracy']:.0f}%; "
+        out(f"  resumed: loss {tr['loss_start']:.3f} -> {tr['loss_end']:.3f}, accuracy {100 * tr['accuracy']:.0f}%; "
             f"{tr['final']} saved ({tr['checkpoint_bytes'] / MiB:.1f} MiB, {tr['save_s'] * 1000:.0f} ms), "
             f"load {tr['load_s'] * 1000:.0f} ms (checksums verified)")
         summary["steps"]["training"] = {**tr, "dataset_write_mib_s": ds["bytes"] / MiB / ds["write_s"],
                                         "dataset_read_mib_s": ds["bytes"] / MiB / ds["read_s"]}
         summary["ok"] &= bool(tr["recovered_last_committed"]) and ds["verified"]
     else:
-        say("[2/5] training: skipped (torch is not installed: pip install 'sfstore[torch]')")
+        out("[2/5] training: skipped (torch is not installed: pip install 'sfstore[torch]')")
 
-    say("[3/5] inference: requests sharing a 256-token prompt prefix, KV blocks of 16 tokens (128 KiB)")
-    k = kv_cache_reuse(router)
+    out("[3/5] inference: requests sharing a 256-token prompt prefix, KV blocks of 16 tokens (128 KiB)")
+    with still_going("serving the requests", every=tick, show=show):
+        k = kv_cache_reuse(router)
     for st in k["steps"]:
         where = ", ".join(st["tiers"]) or "-"
-        say(f"  {st['request']:<34} {st['hit_tokens']:>3} of {st['prompt_tokens']} tokens found (from: {where})")
+        out(f"  {st['request']:<34} {st['hit_tokens']:>3} of {st['prompt_tokens']} tokens found (from: {where})")
     ks = k["stats"]
-    say(f"  hits: pinned {ks['hits_pinned']}, block {ks['hits_block']}, shared {ks['hits_shared']}; verified "
+    out(f"  hits: pinned {ks['hits_pinned']}, block {ks['hits_block']}, shared {ks['hits_shared']}; verified "
         f"{'yes' if k['verified'] else 'NO'}")
     summary["steps"]["kvcache"] = {"steps": k["steps"], "hits_pinned": ks["hits_pinned"],
                                    "hits_block": ks["hits_block"], "hits_shared": ks["hits_shared"],
@@ -119,17 +126,19 @@ def run_steps(
                                    "verified": k["verified"]}
     summary["ok"] &= k["verified"]
 
-    say("[4/5] hot blocks: 256 blocks of 64 KiB put in batches of 64, flushed, got back, store reopened")
-    h = hot_blocks(router)
-    say(f"  put {h['put_mib_s']:.0f} MiB/s (incl. flush), get {h['get_mib_s']:.0f} MiB/s (checksums verified); "
+    out("[4/5] hot blocks: 256 blocks of 64 KiB put in batches of 64, flushed, got back, store reopened")
+    with still_going("putting and getting hot blocks", every=tick, show=show):
+        h = hot_blocks(router)
+    out(f"  put {h['put_mib_s']:.0f} MiB/s (incl. flush), get {h['get_mib_s']:.0f} MiB/s (checksums verified); "
         f"index recovered from the {h['recovered']}; verified {'yes' if h['verified'] else 'NO'}")
     summary["steps"]["hot"] = {k2: h[k2] for k2 in ("put_mib_s", "get_mib_s", "recovered", "verified")}
     summary["ok"] &= h["verified"]
 
-    say("[5/5] summary per data class (bytes each class's path moved in this run; pinned-memory hits move none)")
-    summary["classes"] = _class_summary(router, summary["steps"])
+    out("[5/5] summary per data class (bytes each class's path moved in this run; pinned-memory hits move none)")
+    with still_going("summing up", every=tick, show=show):
+        summary["classes"] = _class_summary(router, summary["steps"])
     for line in _format_summary(summary["classes"]):
-        say("  " + line)
+        out("  " + line)
     summary["seconds"] = time.perf_counter() - t_all
     return summary
 
@@ -206,12 +215,13 @@ def _du(path: str) -> int:
 
 def run_demo(
     data_dir: str | None = None, size: int = 64 * MiB, show_probe: bool = True, config: str | None = None,
-    json_out: str | None = None, shards: int = 32,
+    json_out: str | None = None, shards: int = 32, tick: float = TICK_SECONDS,
 ) -> int:
     """Print the probe, the routing and every step, then the per-path summary; return 0 when all verified.
 
     ``data_dir`` (default: the ``data_dir`` setting) is the embedded default data directory for the run;
-    ``config`` a config file (a real cluster's paths); ``json_out`` a file for the summary as JSON.
+    ``config`` a config file (a real cluster's paths); ``json_out`` a file for the summary as JSON; ``tick``
+    the seconds of quiet after which a running step says it is still going.
     """
     import sfstore
     from sfstore.probe import probe
@@ -221,20 +231,23 @@ def run_demo(
     with defaults.set(**({"data_dir": os.path.abspath(data_dir)} if data_dir else {})):
         if data_dir:
             os.environ["SFSTORE_DATA_DIR"] = os.path.abspath(data_dir)  # for the trainer and loader processes
-        router = sfstore.open()
+        with still_going("opening the paths", every=tick):
+            router = sfstore.open()
         if show_probe:
-            _say(_probe_summary(probe(data_dir=data_dir)))
-        _say("routing")
+            with still_going("probing this machine", every=tick):
+                report = probe(data_dir=data_dir)
+            say(_probe_summary(report))
+        say("routing")
         for line in router.format().splitlines():
-            _say("    " + line)
-        _say()
+            say("    " + line)
+        say()
         try:
-            summary = run_steps(router, size=size, shards=shards)
+            summary = run_steps(router, size=size, shards=shards, tick=tick)
         finally:
             router.close()
-    _say()
+    say()
     where = os.path.abspath(data_dir) if data_dir else str(defaults.get("data_dir"))
-    _say(f"demo {'verified' if summary['ok'] else 'FAILED'} in {summary['seconds']:.1f} s; its data is in {where} "
+    say(f"demo {'verified' if summary['ok'] else 'FAILED'} in {summary['seconds']:.1f} s; its data is in {where} "
          f"({_du(where) / MiB:.0f} MiB, kept for the next run; remove it with: rm -rf {where})")
     if json_out:
         with open(json_out, "w", encoding="utf-8") as f:
