@@ -190,6 +190,8 @@ class SharedTier:
     exactly a block's size is read. A read answers ``"hit"``, ``"missing"``, ``"corrupt"`` (a regular file that
     fails verification: wrong size, header or checksum; it is removed, so a later put publishes the block
     again) or ``"unreadable"`` (a directory, FIFO, socket, a symlink out, or a read that failed).
+    :meth:`read_many_into` and :meth:`read_many_views` read many blocks as one batch of the file path (every file
+    opened and checked first, all their reads in flight at once, each verified after), each answered as alone.
 
     ``namespace`` (``cache_namespace``): blocks live under ``ns/<namespace>/`` in the directory (the default
     namespace, ``""``, directly in it), and this tier neither reads nor evicts another namespace's.
