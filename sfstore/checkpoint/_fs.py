@@ -41,6 +41,9 @@ __all__ = [
     "locate",
     "locate_dir",
     "split_url",
+    "url_text",
+    "root_for",
+    "file_path",
     "url_of",
     "staging_path",
     "publish",
@@ -105,7 +108,9 @@ def open_dir(fp: FilePath, rel: str, full: str) -> int:
         raise _os_err(exc, "cannot open the directory", full) from None
 
 
-def _file_path(root: str, create: bool) -> FilePath:
+def file_path(root: str, create: bool) -> FilePath:
+    """The file path rooted at the host directory ``root`` (``create``: made if missing), one per directory
+    and process, made again when its root was removed."""
     key = (os.path.abspath(root), create)
     with _fp_lock:
         fp = _fp_cache.get(key)
@@ -132,6 +137,17 @@ ABSOLUTE, SF, CLASS = "abs", "sf", "class"
 """The kinds of checkpoint url :func:`split_url` tells apart: a host path, an ``sf://`` url, a bare name."""
 
 
+def url_text(url: str | os.PathLike[str]) -> str:
+    """The text of a checkpoint url: :class:`~sfstore.errors.InvalidRequestError` for bytes,
+    :class:`~sfstore.errors.PathEscapeError` for a NUL byte; no I/O."""
+    text = os.fspath(url)
+    if not isinstance(text, str):
+        raise errors.InvalidRequestError(f"a checkpoint url must be text, not {type(text).__name__}")
+    if "\x00" in text:
+        raise errors.PathEscapeError(f"checkpoint url {text!r} contains a NUL byte")
+    return text
+
+
 def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
     """``(kind, path)`` of a checkpoint url; no I/O.
 
@@ -139,11 +155,7 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
     :data:`SF`, ``a/b`` below the ``sf://`` root, the directory ``fsspec.filesystem("sf")`` names ``sf://a/b``.
     A bare name ``a/b``: :data:`CLASS`, ``a/b`` below the checkpoint class's root.
     """
-    text = os.fspath(url)
-    if not isinstance(text, str):
-        raise errors.InvalidRequestError(f"a checkpoint url must be text, not {type(text).__name__}")
-    if "\x00" in text:
-        raise errors.PathEscapeError(f"checkpoint url {text!r} contains a NUL byte")
+    text = url_text(url)
     if text.startswith("file://"):
         text = text[len("file://") :]
         if not text.startswith("/"):
@@ -162,7 +174,8 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
     return CLASS, posixpath.normpath(text) if text else ""
 
 
-def _root_for(kind: str) -> FilePath:
+def root_for(kind: str) -> FilePath:
+    """The file path a relative checkpoint url of ``kind`` (:data:`SF` or :data:`CLASS`) names a path below."""
     return _sf_root() if kind == SF else _checkpoint_root()
 
 
@@ -178,12 +191,12 @@ def locate(url: str | os.PathLike[str], *, create: bool) -> Location:
         parent_abs, base = os.path.split(text.rstrip("/") or "/")
         if not base:
             raise errors.InvalidRequestError(f"checkpoint url {os.fspath(url)!r} names no directory")
-        fp = _file_path(parent_abs, create)
+        fp = file_path(parent_abs, create)
         parent = fp.root
     else:
         if text in ("", "."):
             raise errors.InvalidRequestError(f"checkpoint url {os.fspath(url)!r} names no directory")
-        fp = _root_for(kind)
+        fp = root_for(kind)
         head, base = posixpath.split(text)
         parent = fp.full(head or "")  # refuses '..' above the root; symlinks are met beneath it, at each use
         rel = parent[len(fp.root):].lstrip("/")
@@ -206,9 +219,9 @@ def locate_dir(prefix: str | os.PathLike[str]) -> tuple[str, FilePath, str]:
     checkpoints); the name is computed, not resolved: open it with :func:`open_dir` (beneath the root)."""
     kind, text = split_url(prefix)
     if kind == ABSOLUTE:
-        fp = _file_path(text, False)
+        fp = file_path(text, False)
         return kind, fp, fp.root
-    fp = _root_for(kind)
+    fp = root_for(kind)
     return kind, fp, fp.full(text if text not in ("", ".") else "")
 
 

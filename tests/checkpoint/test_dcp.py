@@ -222,7 +222,7 @@ def test_overwrite(tmp_path: Path) -> None:
 def test_overwrite_keeps_the_old_checkpoint_until_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
     """A replacing save that fails before its metadata is written leaves the previous checkpoint loadable."""
-    from sfstore.checkpoint import dcp as sf_dcp
+    from sfstore.checkpoint.dcp import writer as dcp_writer
 
     ckpt = tmp_path / "ck"
     dcp.save({"x": torch.ones(100)}, storage_writer=StorageWriter(str(ckpt)))
@@ -230,7 +230,7 @@ def test_overwrite_keeps_the_old_checkpoint_until_the_commit(tmp_path: Path, mon
     def broken(*args: Any, **kwargs: Any) -> None:
         raise errors.NoSpaceError(28, "no space left (injected)")
 
-    monkeypatch.setattr(sf_dcp, "encode_metadata", broken)
+    monkeypatch.setattr(dcp_writer, "encode_metadata", broken)
     with pytest.raises((CheckpointException, errors.NoSpaceError)):  # type: ignore[arg-type]
         dcp.save({"x": torch.full((100,), 2.0)}, storage_writer=StorageWriter(str(ckpt)))
     monkeypatch.undo()
