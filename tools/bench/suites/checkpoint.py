@@ -64,8 +64,8 @@ from tools.bench.common import (
     default_bench_dir,
     drop_cache,
     format_size,
+    fsync_path,
     machine_info,
-    match_any,
     parse_size,
     resident_bytes,
     side_summary,
@@ -73,7 +73,9 @@ from tools.bench.common import (
     utc_now,
     warn,
 )
-from tools.bench.fio import FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.fio import PEAK_RSS_NOTE, FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.pairs import SideFailed, run_pairs, warn_if_few_pairs
+from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
 from tools.bench.suites.engine import prepare_file
 
@@ -163,16 +165,8 @@ def select_cases(label: str, patterns: Sequence[str] | None = None, quick: bool 
     BenchSetupError
         When nothing matches.
     """
-    globs = [g.strip() for item in (patterns or []) for g in item.split(",") if g.strip()]
-    cases = all_cases()
-    if quick:
-        cases = [c for c in cases if c.stem in QUICK_CASES]
-    if globs:
-        cases = [c for c in cases if match_any(c.name(label), globs)]
-    if not cases:
-        names = ", ".join(c.name(label) for c in all_cases()[:4])
-        raise BenchSetupError(f"no checkpoint case matches {', '.join(globs) or '--quick'} (names look like {names})")
-    return cases
+    return select_from("checkpoint", all_cases(), patterns, QUICK_CASES, quick, name=lambda c: c.name(label),
+                       quick_key=lambda c: c.stem)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -259,8 +253,8 @@ def _touch(result: Any, digests: dict[str, int], side: str) -> None:
 # Sides
 
 
-class _NotBuilt(Exception):
-    """The sfstore side needs something that is not there yet (message: what)."""
+class _NotBuilt(SideFailed):
+    """The side needs something that is not there yet (message: what); the case reports it as the side's status."""
 
 
 @dataclass
@@ -306,14 +300,6 @@ def _remove(path: str) -> None:
     for entry in os.listdir(parent):  # staging leftovers of sfstore saves
         if entry.startswith(f".{name}.sfstore-"):
             _remove(os.path.join(parent, entry))
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _libc: Any = None
@@ -520,7 +506,7 @@ def ref_safetensors_save(ctx: _Context) -> RunResult:
 
     def body() -> None:
         save_file(ctx.sd, path)
-        _fsync_file(path)
+        fsync_path(path)
 
     return _timed(ctx, body)
 
@@ -618,10 +604,6 @@ def _run_case(ctx: _Context, spec: CaseSpec, label: str, saved: set[str]) -> dic
     _ensure_saved(ctx, spec, saved)
     ours_fn = _OURS[spec.ours]
     ref_label, ref_fn = _reference(spec)
-    ours: list[RunResult] = []
-    theirs: list[RunResult] = []
-    our_status = "ok"
-    ref_status = "ok"
     resident: int | None = None
     if spec.op == "load":
         tool = _SAVE_OF.get(spec.ours)
@@ -634,51 +616,37 @@ def _run_case(ctx: _Context, spec: CaseSpec, label: str, saved: set[str]) -> dic
                 warn(f"{spec.name(label)}: {resident} bytes stay in the page cache after fsync + DONTNEED")
     warmup = max(0, int(getattr(ctx.args, "warmup", 0)))
 
-    def run_ours() -> None:
-        nonlocal our_status
-        if our_status != "ok":
-            return
+    def run_ours(pair: int) -> RunResult:
         try:
-            ours.append(ours_fn(ctx))
-            if spec.op == "save" and spec.ours in ("save", "save_async"):
-                saved.add("save")
-            elif spec.ours == "dcp-save":
-                saved.add("sfdcp")
-        except _NotBuilt as exc:
-            our_status = str(exc)
-        except BenchSetupError:
+            result = ours_fn(ctx)
+        except (SideFailed, BenchSetupError):
             raise
         except Exception as exc:  # a failing sfstore side is a result, not a reason to lose the whole run
-            our_status = f"failed: {type(exc).__name__}: {exc}"
             warn(f"{spec.name(label)}: sfstore side failed: {type(exc).__name__}: {exc}")
+            raise SideFailed(f"failed: {type(exc).__name__}: {exc}") from exc
+        if spec.op == "save" and spec.ours in ("save", "save_async"):
+            saved.add("save")
+        elif spec.ours == "dcp-save":
+            saved.add("sfdcp")
+        return result
 
-    def run_theirs() -> None:
-        nonlocal ref_status
-        if ref_status != "ok":
-            return
-        try:
-            theirs.append(ref_fn(ctx))
-            tool = {"torch.save": "torch", "safetensors": "safetensors", "dcp": "dcp"}.get(spec.reference)
-            if spec.op == "save" and tool:
-                saved.add(tool)
-            if spec.reference == "sfstore.save":
-                saved.add("save")
-        except _NotBuilt as exc:
-            ref_status = str(exc)
+    def run_theirs(pair: int) -> RunResult:
+        result = ref_fn(ctx)
+        tool = {"torch.save": "torch", "safetensors": "safetensors", "dcp": "dcp"}.get(spec.reference)
+        if spec.op == "save" and tool:
+            saved.add(tool)
+        if spec.reference == "sfstore.save":
+            saved.add("save")
+        return result
 
-    # ABBA order: the host caches the virtual disk, so going second can find the data warm there.
-    for i in range(warmup + ctx.args.repeat):
-        first, second = (run_ours, run_theirs) if i % 2 == 0 else (run_theirs, run_ours)
-        first()
-        second()
     # Warm-up pairs are left out of the ratios (kept in the JSON and printed as notes): on a VM the first touch
     # of fresh guest memory costs seconds per GiB, and sfstore keeps its buffers for the next save or load, so
     # the first run of a process is not what the ones after it are.
-    warm_ours, warm_theirs = ours[:warmup], theirs[:warmup]
-    if len(ours) > warmup:
-        ours = ours[warmup:]
-    if len(theirs) > warmup:
-        theirs = theirs[warmup:]
+    ours_side, theirs_side = run_pairs(run_ours, run_theirs, repeat=ctx.args.repeat, warmup=warmup)
+    our_status, ref_status = ours_side.status, theirs_side.status
+    warm_ours, warm_theirs = ours_side.warmup, theirs_side.warmup
+    # a side that stopped before any measured pair still shows what its warm-up runs did
+    ours, theirs = ours_side.runs or warm_ours, theirs_side.runs or warm_theirs
     params = {
         "warmup_pairs": warmup,
         "op": spec.op, "sfstore_side": _OURS_LABEL[spec.ours], "tensor_bytes": ctx.tensor_bytes,
@@ -700,10 +668,9 @@ def _run_case(ctx: _Context, spec: CaseSpec, label: str, saved: set[str]) -> dic
         ours_doc = {**_summary(ours), "status": our_status}
     ref_doc = _summary(theirs) if ref_status == "ok" and theirs else _not_built_side(ref_status)
     if spec.reference == "fio":
-        ref_doc["peak_rss_note"] = "not measured: wait4's ru_maxrss of a child includes the parent's resident memory"
+        ref_doc["peak_rss_note"] = PEAK_RSS_NOTE
     n = min(len(ours), len(theirs))
-    stats = summarize_pairs(ours[:n], theirs[:n]) if n else {"ratio": None, "ratio_min": None, "ratio_max": None,
-                                                            "ratios": [], "ratio_of_medians": None}
+    stats = summarize_pairs(ours[:n], theirs[:n])
     case = {"name": spec.name(label), "params": params, "sfstore": ours_doc, "reference_tool": ref_label,
             "reference": ref_doc, **stats}
     if warm_ours or warm_theirs:
@@ -900,13 +867,7 @@ class _CheckpointTable(Table):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the checkpoint suite's options.
-
-    Parameters
-    ----------
-    parser : argparse.ArgumentParser
-        The suite's parser (common options already added).
-    """
+    """Add the checkpoint suite's options to ``parser`` (the common ones are there already)."""
     parser.epilog = ("cases: " + ", ".join(c.name("<size>") for c in all_cases()) + ". --quick runs "
                      + ", ".join(s.format(size="<size>") for s in QUICK_CASES) + ".")
     g = parser.add_argument_group("checkpoint suite")
@@ -950,23 +911,11 @@ def _default_shard_bytes() -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the checkpoint suite.
+    """Run the checkpoint suite with ``args`` (the common and checkpoint options) and return its JSON document:
+    the common shape plus ``state_dict`` and ``acceptance``.
 
-    Parameters
-    ----------
-    args : argparse.Namespace
-        Parsed common and checkpoint options.
-
-    Returns
-    -------
-    dict
-        The suite's JSON document (the common shape plus ``state_dict`` and ``acceptance``).
-
-    Raises
-    ------
-    BenchSetupError
-        When something it needs is missing (torch, safetensors, fio for the fio cases, space) or the directory is
-        in memory.
+    Raises :class:`~tools.bench.common.BenchSetupError` when something it needs is missing (torch, safetensors,
+    fio for the fio cases, space) or the directory is in memory.
     """
     size = int(args.size)
     if size < MIB:
@@ -990,8 +939,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if st.f_bavail * st.f_frsize < need:
         raise BenchSetupError(f"{directory} has {st.f_bavail * st.f_frsize / GIB:.2f} GiB free; the checkpoint bench "
                               f"needs about {need / GIB:.2f} GiB (use --size or --dir)")
-    if args.repeat < 3:
-        warn(f"--repeat {args.repeat}: BENCHMARKING.md asks for at least 3 pairs; do not quote these figures")
+    warn_if_few_pairs(args.repeat)
 
     from sfstore.paths.file import FilePath
 
