@@ -1,4 +1,5 @@
-"""What this host offers sfstore: I/O engine, memory, data directory, RDMA, NFS, NVMe-oF, GDS and GPUs.
+"""What this host offers sfstore: I/O engine, memory, data directory, RDMA, NFS, NVMe-oF, GDS, GPUs, and the KV
+tiers that processes here have quarantined.
 
 :func:`probe` returns a JSON-able dict with one section per subject. Every section has a ``status``:
 
@@ -24,10 +25,16 @@ import ctypes.util
 import errno
 import glob
 import importlib
+import json
 import os
 import platform
+import re
 import resource
+import secrets
+import socket
+import stat
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,10 +54,20 @@ __all__ = [
     "probe_nvmeof",
     "probe_gds",
     "probe_gpus",
+    "probe_kvcache",
     "format_table",
+    "host_name",
+    "quarantine_dir",
+    "encode_quarantine",
+    "parse_quarantine",
+    "quarantine_in_force",
+    "write_quarantine_record",
+    "remove_quarantine_record",
+    "read_quarantine_records",
+    "quarantine_rows",
 ]
 
-SECTIONS = ("system", "engine", "memory", "data_dir", "rdma", "nfs", "nvmeof", "gds", "gpus")
+SECTIONS = ("system", "engine", "memory", "data_dir", "rdma", "nfs", "nvmeof", "gds", "gpus", "kvcache")
 
 SYS_INFINIBAND = "/sys/class/infiniband"
 SYS_NVME = "/sys/class/nvme"
@@ -449,6 +466,170 @@ def probe_gpus() -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------------
+# KV tiers quarantined by processes on this host
+#
+# A KV tier that misses its I/O deadline is quarantined by the process that uses it (sfstore.kvcache.deadline):
+# per-process state, which that process also publishes as a small record so that this probe (another process)
+# and `sfstore kv du` can see it, and a process killed while quarantined leaves a record that says when it ends.
+# The format lives here, below the KV cache, because the probe reads it.
+
+QUARANTINE_VERSION = 1
+QUARANTINE_SUBDIR = os.path.join(".kvcache-state", "quarantine")  # under the data directory
+_QUARANTINE_MAX = 16 << 10  # a record longer than this is not one of ours
+_QUARANTINE_LEFTOVER_S = 60.0  # a torn record or a temporary file this old is a dead writer's
+_QUARANTINE_FIELDS: dict[str, type] = {"host": str, "pid": int, "tier": str, "target": str, "namespace": str,
+                                       "since": float, "until": float, "reason": str, "abandoned": int,
+                                       "deadline_ms": int, "written": float}
+
+
+def host_name() -> str:
+    """This host's name as quarantine and usage records carry it (a file-name-safe form)."""
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname() or "host")[:64]
+
+
+def quarantine_dir(data_dir: str | None = None) -> str:
+    """The directory of this host's quarantine records: ``.kvcache-state/quarantine`` in the data directory
+    (``data_dir``, default the ``data_dir`` setting)."""
+    base = os.path.abspath(os.path.expanduser(data_dir)) if data_dir else str(defaults.get("data_dir"))
+    return os.path.join(base, QUARANTINE_SUBDIR)
+
+
+def encode_quarantine(record: dict[str, Any]) -> bytes:
+    """A quarantine record's bytes: JSON with every field of :func:`parse_quarantine` (and the version)."""
+    return json.dumps({"v": QUARANTINE_VERSION, **{k: record[k] for k in _QUARANTINE_FIELDS}}).encode()
+
+
+def parse_quarantine(data: bytes) -> dict[str, Any] | None:
+    """The record in ``data`` (``host``, ``pid``, ``tier``, ``target``: the tier's directory or device, ``""``
+    when its process did not say, ``namespace``, ``since`` and ``until``: wall-clock seconds when the
+    quarantine began and when it ends (its process probes the tier then), ``reason``, ``abandoned``: worker
+    threads stuck in the tier's I/O, ``deadline_ms``, ``written``), or ``None`` for anything torn or foreign."""
+    try:
+        d = json.loads(data)
+        if not isinstance(d, dict) or d.get("v") != QUARANTINE_VERSION:
+            return None
+        out = {k: kind(d[k]) for k, kind in _QUARANTINE_FIELDS.items()}
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+        return None
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid > 0
+    return True
+
+
+def quarantine_in_force(record: dict[str, Any], now: float | None = None) -> bool:
+    """Whether a record's quarantine holds at ``now`` (wall clock): it has not ended, and, when its process ran
+    on this host, that process is alive (one on another host is trusted until its ``until``)."""
+    if record["until"] <= (time.time() if now is None else now):
+        return False
+    return record["host"] != host_name() or _pid_alive(record["pid"])
+
+
+def _write_small_atomic(dirfd: int, name: str, data: bytes) -> None:
+    tmp = f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dirfd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dirfd)
+        except OSError:
+            pass
+        raise
+
+
+def write_quarantine_record(directory: str, name: str, record: dict[str, Any]) -> None:
+    """Write ``record`` as ``<name>.json`` in ``directory`` (made when missing), atomically: a reader sees the
+    previous record or this one, whole."""
+    os.makedirs(directory, exist_ok=True)
+    dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _write_small_atomic(dirfd, f"{name}.json", encode_quarantine(record))
+    finally:
+        os.close(dirfd)
+
+
+def remove_quarantine_record(directory: str, name: str) -> None:
+    """Remove the record ``<name>.json`` from ``directory`` (nothing when it is not there)."""
+    try:
+        os.unlink(os.path.join(directory, f"{name}.json"))
+    except FileNotFoundError:
+        pass
+
+
+def _read_small(dirfd: int, name: str) -> tuple[bytes | None, os.stat_result | None]:
+    """The bytes of the regular file ``name`` when it is small (never a FIFO's wait, never a symlink)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
+    except OSError:
+        return None, None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _QUARANTINE_MAX:
+            return None, st
+        return os.pread(fd, _QUARANTINE_MAX, 0), st
+    except OSError:
+        return None, None
+    finally:
+        os.close(fd)
+
+
+def read_quarantine_records(directory: str, *, clean: bool = False) -> list[dict[str, Any]]:
+    """The quarantines still in force that ``directory``'s records describe (each record with its ``name``),
+    oldest first. ``clean``: remove the records that no longer hold (ended, or of a dead process of this host),
+    and torn records and temporary files a minute old (a writer killed mid-write)."""
+    try:
+        dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    out: list[dict[str, Any]] = []
+    now = time.time()
+    try:
+        for name in os.listdir(dirfd):
+            data, st = _read_small(dirfd, name)
+            temporary = name.startswith(".")
+            rec = parse_quarantine(data) if data is not None and not temporary and name.endswith(".json") else None
+            if rec is not None and quarantine_in_force(rec, now):
+                out.append({"name": name[:-len(".json")], **rec})
+                continue
+            old = st is not None and now - st.st_mtime > _QUARANTINE_LEFTOVER_S
+            if clean and (rec is not None or old):
+                try:
+                    os.unlink(name, dir_fd=dirfd)
+                except OSError:
+                    pass  # another reader removed it, or it is not ours to remove
+    finally:
+        os.close(dirfd)
+    return sorted(out, key=lambda r: (r["since"], r["name"]))
+
+
+def probe_kvcache(data_dir: str | None = None) -> dict[str, Any]:
+    """KV tiers that processes on this host have quarantined now (their I/O missed its deadline): from the
+    records they leave in the data directory (``data_dir``, default the setting); ended ones are removed.
+
+    ``quarantined`` lists each: host, pid, tier, target (the tier's directory or device), namespace, since and
+    until (wall clock), reason, abandoned (worker threads stuck in the tier's I/O)."""
+    where = quarantine_dir(data_dir)
+    recs = read_quarantine_records(where, clean=True)
+    return {"status": "ok", "state_dir": where, "quarantined": recs}
+
+
+# --------------------------------------------------------------------------------------------------------
 
 
 def probe(data_dir: str | None = None) -> dict[str, Any]:
@@ -463,8 +644,8 @@ def probe(data_dir: str | None = None) -> dict[str, Any]:
     -------
     dict
         JSON-able: ``{"system": {...}, "engine": {...}, "memory": {...}, "data_dir": {...}, "rdma": {...},
-        "nfs": {...}, "nvmeof": {...}, "gds": {...}, "gpus": {...}}``, each with ``status`` (and ``reason``
-        when not ``"ok"``). Never raises for missing hardware; a section whose probing fails has status
+        "nfs": {...}, "nvmeof": {...}, "gds": {...}, "gpus": {...}, "kvcache": {...}}``, each with ``status``
+        (and ``reason`` when not ``"ok"``). Never raises for missing hardware; a section whose probing fails has status
         ``"error"``.
     """
     probes: dict[str, Callable[[], dict[str, Any]]] = {
@@ -477,6 +658,7 @@ def probe(data_dir: str | None = None) -> dict[str, Any]:
         "nvmeof": probe_nvmeof,
         "gds": probe_gds,
         "gpus": probe_gpus,
+        "kvcache": lambda: probe_kvcache(data_dir),
     }
     report: dict[str, Any] = {}
     for name, fn in probes.items():
@@ -564,8 +746,24 @@ def _section_rows(name: str, section: dict[str, Any]) -> list[str]:
         if rows:
             lines += _grid(["GPU", "NAME", "MEMORY", "CC"], rows)
         return lines
+    if name == "kvcache":
+        recs = section.get("quarantined", [])
+        lines += _pairs([("quarantined", f"{len(recs)} tier(s)" if recs else "none")])
+        if recs:
+            lines += _grid(["HOST", "PID", "TIER", "TARGET", "SINCE", "LEFT", "STUCK", "REASON"],
+                           quarantine_rows(recs))
+        return lines
     items = [kv for k, v in section.items() if k not in ("status", "reason") for kv in _flatten(k, v)]
     return _pairs(items)
+
+
+def quarantine_rows(records: Sequence[dict[str, Any]], now: float | None = None) -> list[list[Any]]:
+    """Table rows of quarantine records: host, pid, tier, target, since (UTC), seconds left, stuck workers,
+    reason."""
+    t = time.time() if now is None else now
+    return [[r["host"], r["pid"], r["tier"] + (f" ({r['namespace']})" if r["namespace"] else ""),
+             r["target"] or "-", time.strftime("%H:%M:%S", time.gmtime(r["since"])),
+             f"{max(0.0, r['until'] - t):.1f} s", r["abandoned"], r["reason"]] for r in records]
 
 
 def format_table(report: dict[str, Any]) -> str:

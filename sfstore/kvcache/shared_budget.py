@@ -9,6 +9,8 @@ for the default namespace, ``ns/<name>/`` beneath it for another) holds::
     .sfkv/writers/<id>.json    one record per process that writes here: host, pid, bytes it added and evicted,
                                heartbeat, budget (rewritten atomically at most once a heartbeat)
     .sfkv/scan.json            the last full scan: bytes held then, and each record's net bytes at that moment
+    .sfkv/quarantine/<n>.json  a process that quarantined this tier (its I/O missed a deadline): host, pid,
+                               since, until, reason (:mod:`sfstore.kvcache.deadline`; ended ones are ignored)
 
 Bytes held are estimated without listing the directory: the last scan's total plus, for each record, what it
 added less what it evicted since that scan. A record torn or unreadable counts as absent; a scan older than
@@ -43,7 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfstore import errors
+from sfstore import errors, probe
 from sfstore.paths.file import FilePath, pid_alive
 
 __all__ = [
@@ -617,12 +619,65 @@ class SharedBudget:
             self.enforce()
             self.flush(force=True)
 
+    # -- quarantine records ----------------------------------------------------------------------------------------
+    def write_quarantine(self, name: str, record: dict[str, Any]) -> None:
+        """Write a quarantine record (:func:`sfstore.probe.parse_quarantine`'s fields) as
+        ``.sfkv/quarantine/<name>.json``, atomically."""
+        fd = self._open_dir(self._rel(META, "quarantine"), create=True)
+        try:
+            self._write_atomic(fd, f"{name}.json", probe.encode_quarantine(record))
+        finally:
+            os.close(fd)
+
+    def remove_quarantine(self, name: str) -> None:
+        """Remove the quarantine record ``name`` (nothing when it is not there)."""
+        try:
+            self.fp.beneath.unlink(self._rel(META, "quarantine", f"{name}.json"))
+        except FileNotFoundError:
+            pass
+
+    def quarantines(self, *, clean: bool = False, local_dir: str | None = None) -> list[dict[str, Any]]:
+        """The quarantines of this namespace's tier in force now, by any process of any node: the records in
+        ``.sfkv/quarantine/``, and this host's own (``local_dir``, default :func:`sfstore.probe.quarantine_dir`)
+        that name this root (a process writes both; one whose write to the shared directory is stuck, the
+        stalled mount being what quarantined it, has only the local one). ``clean``: remove the shared records
+        that ended (or whose process, on this host, is dead), and torn ones a minute old."""
+        found: dict[str, dict[str, Any]] = {}
+        now = time.time()
+        try:
+            fd = self._open_dir(self._rel(META, "quarantine"))
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                for name in os.listdir(fd):
+                    data, st = self._read_small(fd, name)
+                    rec = (probe.parse_quarantine(data) if data is not None and not name.startswith(".")
+                           and name.endswith(".json") else None)
+                    if rec is not None and probe.quarantine_in_force(rec, now):
+                        found[name[:-len(".json")]] = {"name": name[:-len(".json")], **rec}
+                    elif clean and (rec is not None or (st is not None and now - st.st_mtime > 60.0)):
+                        try:
+                            os.unlink(name, dir_fd=fd)
+                        except OSError:
+                            pass
+            finally:
+                os.close(fd)
+        mine = os.path.normpath(self.root)
+        for rec in probe.read_quarantine_records(local_dir or probe.quarantine_dir()):
+            if rec["target"] == mine and rec["namespace"] == self.namespace:
+                old = found.get(rec["name"])
+                if old is None or old["written"] < rec["written"]:
+                    found[rec["name"]] = rec
+        return sorted(found.values(), key=lambda r: (r["since"], r["name"]))
+
     # -- gc and du -------------------------------------------------------------------------------------------------
     def gc(self, budget: int | None = None, *, grace_s: float = 600.0) -> dict[str, Any]:
         """Repair and enforce now, from a full scan: remove ``.evicting-*`` leftovers, temporary files of
         writers that are gone (their pid is dead on this host, or older than ``grace_s``), torn and stale
-        records; evict the least recently used blocks until the bytes held are within ``budget`` (default:
-        this object's; 0: unbounded); publish the scan. Returns what it found and did."""
+        records (quarantine records that ended, too); evict the least recently used blocks until the bytes held
+        are within ``budget`` (default: this object's; 0: unbounded); publish the scan. Returns what it found
+        and did."""
         limit = self.budget if budget is None else budget
         out: dict[str, Any] = {"namespace": self.namespace, "budget": limit, "evicting_removed": 0,
                                "temporaries_removed": 0, "records_removed": 0, "evicted": 0, "bytes_evicted": 0}
@@ -689,6 +744,7 @@ class SharedBudget:
         self._write_base(total, files, nets)
         out["bytes_after"], out["files_after"] = total, files
         out["writers"] = len(nets)
+        out["quarantined"] = self.quarantines(clean=True)  # the ended ones' records are removed
         self.refresh()
         return out
 
@@ -714,8 +770,8 @@ class SharedBudget:
         return 1
 
     def du(self) -> dict[str, Any]:
-        """Bytes and files the namespace holds (a full scan), the estimate writers keep, the budget, and the
-        writers whose records are live."""
+        """Bytes and files the namespace holds (a full scan), the estimate writers keep, the budget, the
+        writers whose records are live, and the quarantines of this tier in force (:meth:`quarantines`)."""
         found = self.scan(keep=0)
         now = time.time()
         recs = self.read_records()
@@ -723,4 +779,5 @@ class SharedBudget:
         budgets = sorted({r.budget for r in live if r.budget > 0})
         return {"namespace": self.namespace, "root": self.root, "bytes": found.total, "files": found.files,
                 "estimate": self.estimate(refresh=True), "budget": self.budget, "writer_budgets": budgets,
-                "writers": len(live), "evicting": len(found.evicting), "temporaries": len(found.temporaries)}
+                "writers": len(live), "evicting": len(found.evicting), "temporaries": len(found.temporaries),
+                "quarantined": self.quarantines()}

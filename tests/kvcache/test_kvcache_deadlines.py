@@ -27,6 +27,9 @@ from tests.kvcache import shared_workers as w
 
 DEADLINE_MS = 100
 SLACK_S = 0.050  # the acceptance bound: a miss within the deadline + 50 ms
+# long enough that the tier is still quarantined when the test looks, with the record's writer thread (which
+# runs at that moment) holding the GIL for a while
+BACKOFF_MS = 20
 
 
 class _Stall:
@@ -78,12 +81,13 @@ def wait_for(cond: Callable[[], bool], seconds: float = 10.0) -> None:
 
 def store(tmp_path: Path, **kwargs: Any) -> KVCacheStore:
     kwargs.setdefault("pinned_bytes", 0)
+    kwargs.setdefault("quarantine_ms", 1)
     return KVCacheStore(w.GEOM, model_id="deadline-test", shared_dir=tmp_path / "shared", io_timeout_ms=DEADLINE_MS,
-                        quarantine_ms=1, **kwargs)
+                        **kwargs)
 
 
 def test_a_stalled_shared_tier_misses_within_the_deadline_and_recovers(tmp_path: Path) -> None:
-    kv = store(tmp_path)
+    kv = store(tmp_path, quarantine_ms=BACKOFF_MS)
     try:
         assert kv.shared is not None
         keys = [w.key(kv, i) for i in range(2)]
@@ -102,7 +106,7 @@ def test_a_stalled_shared_tier_misses_within_the_deadline_and_recovers(tmp_path:
                 assert kv.get_into([keys[1]], [dest]) == [None]  # quarantined: answered at once
                 stall.end()  # the server is back: the stuck worker returns, and its late read is discarded
                 wait_for(lambda: guard.describe()["abandoned_now"] == 0)
-            time.sleep(0.003)  # past the back-off: the next get probes the tier
+            time.sleep(BACKOFF_MS / 1000 + 0.002)  # past the back-off: the next get probes the tier
             assert kv.get_into([keys[trial % 2]], [dest]) == ["shared"], trial
             assert np.array_equal(dest, w.block(trial % 2)) and not guard.quarantined()
             dest[:] = 7
