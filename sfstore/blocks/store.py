@@ -28,7 +28,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
@@ -49,6 +49,9 @@ from sfstore.counters import Counters
 from sfstore.futures import ExecutorFuture
 from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.block import BlockPath
+
+if TYPE_CHECKING:
+    from sfstore.router import Router
 
 __all__ = ["BlockStore", "Key"]
 
@@ -225,7 +228,7 @@ class BlockStore:
             raise
 
     @classmethod
-    def from_router(cls, router: Any = None, data_class: str = "hot", **kwargs: Any) -> BlockStore:
+    def from_router(cls, router: Router | None = None, data_class: str = "hot", **kwargs: Any) -> BlockStore:
         """The store on the block path serving ``data_class`` (``sfstore.open()``'s router by default): one per
         router, made with ``kwargs`` the first time and closed by ``router.close()``."""
         if router is None:
@@ -621,7 +624,7 @@ class BlockStore:
         hits = nbytes = 0
         try:
             live = [i for i, e in enumerate(entries) if e is not None and e.kind == SUM_KV64]
-            for first, last in _waves([entries[i].length for i in live]):  # type: ignore[union-attr]
+            for first, last in _waves([e.length for e in entries if e is not None and e.kind == SUM_KV64]):
                 wave = live[first:last]
                 targets = []
                 ranges = []
@@ -943,11 +946,13 @@ class BlockStore:
                 if got < 0 and got != -errno.EBADMSG:
                     raise fut.error_for(j, -got)
                 if buf is None:
-                    good = got >= 0 if engine_checked else sum_of(e.kind, dests[i][: e.length]) == e.vsum  # type: ignore[index]
+                    assert dests is not None  # read straight into the caller's buffer: only get_into does
+                    good = got >= 0 if engine_checked else sum_of(e.kind, dests[i][: e.length]) == e.vsum
                 elif engine_checked:  # the value alone in a staging buffer, checked by the engine: land it
+                    assert dests is not None  # staged and engine-checked only for a caller's buffer (keep_on_miss)
                     good = got >= 0
                     if good:
-                        _copy(dests[i], memoryview(buf), e.length)  # type: ignore[index]
+                        _copy(dests[i], memoryview(buf), e.length)
                 else:
                     view = memoryview(buf)
                     want = e.header or self._header_bytes(e)
@@ -981,7 +986,7 @@ class BlockStore:
                     b.release()
 
         try:
-            sizes = [entries[i].length for i in live]  # type: ignore[union-attr]
+            sizes = [e.length for e in entries if e is not None]  # in the order of ``live``
             classes = self._classes
             for first, last in _waves(sizes):
                 items: list[tuple[int, Any, bool]] = []
