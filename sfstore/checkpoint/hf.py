@@ -280,7 +280,7 @@ def hub_snapshot(loc: _fs.Location) -> _fs.Location | None:
             continue
         repo = "/" + "/".join(parts[:i])
         try:
-            _kind, fp, _root = _fs.locate_dir(repo)
+            fp = _fs.file_path(repo, False)
             if not stat.S_ISDIR(fp.stat(BLOBS_NAME, follow=False).st_mode):
                 continue
         except errors.SfstoreError:
