@@ -207,7 +207,9 @@ def load(url: Url, *, device: str | torch.device = "cpu", into: Any = None, veri
         ``model.safetensors.index.json`` and the shards it lists; ``{name: tensor}`` in the index's order), or
         the path of a ``.safetensors`` file (any writer's; ``{name: tensor}`` as ``safetensors.torch.load_file``
         gives). The last two have no checksums to check; their files are read as a checkpoint's shards are
-        (links followed only where they stay beneath the root).
+        (links followed only where they stay beneath the root). A Hugging Face hub cache snapshot
+        ``<repo>/snapshots/<rev>`` given as a host path resolves beneath ``<repo>``: its links into
+        ``<repo>/blobs`` are followed.
     device : str or torch.device
         ``"cpu"``: tensors are views of the buffers the shards were read into (no copy). ``"cuda..."``:
         each shard is copied to the GPU from its pinned buffer, which is then dropped. numpy arrays always
@@ -234,6 +236,8 @@ def load(url: Url, *, device: str | torch.device = "cpu", into: Any = None, veri
     ------
     sfstore.errors.PathNotFoundError
         No such directory, or neither a manifest nor Hugging Face's files in it (not a checkpoint).
+    sfstore.errors.PathEscapeError
+        A link leading outside the root (for a hub snapshot, outside its repository folder).
     sfstore.errors.InvalidRequestError
         ``url`` is a JSON file (``model.safetensors.index.json``, the manifest): the message says to pass its
         directory; ``into=`` destinations that do not match (naming the key).
