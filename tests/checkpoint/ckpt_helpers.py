@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sfstore.checkpoint.crashtest import states_equal
+from sfstore.testing.checkpoint_crash import states_equal
 
 # Every torch dtype a checkpoint holds. safetensors has a name for all of these but complex128/complex32
 # (stored as [..., 2] float64/float16 pairs) and torch's bit-container/shell dtypes (stored as raw U8).

@@ -13,7 +13,7 @@ import torch
 
 from sfstore import checkpoint
 from sfstore.checkpoint import _fs
-from sfstore.checkpoint.crashtest import run_trials
+from sfstore.testing.checkpoint_crash import run_trials
 
 
 def dead_pid() -> int:

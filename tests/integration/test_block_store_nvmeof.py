@@ -47,7 +47,7 @@ def test_block_path_from_an_nvmeof_target_is_rdma(nvmeof_namespace: Any, nvmeof_
 def test_sigkill_trials_on_the_nvmeof_namespace(nvmeof_namespace: Any, tmp_path: Any) -> None:
     """The block store's crash test (a child putting, overwriting, deleting and flushing, SIGKILLed at random) on
     the real namespace: every flushed put survives bit-exactly, nothing torn or older comes back."""
-    from sfstore.blocks.crashtest import run_trials
+    from sfstore.testing.block_crash import run_trials
 
     report = run_trials(tmp_path, 8, seed=3, target=nvmeof_namespace.device)
     assert report.failures == [], report.failures

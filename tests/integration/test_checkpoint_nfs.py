@@ -14,8 +14,8 @@ from .endpoints import env
 torch = pytest.importorskip("torch")
 
 from sfstore import checkpoint  # noqa: E402  (after the torch check: checkpoints need torch)
-from sfstore.checkpoint.crashtest import run_trials  # noqa: E402
 from sfstore.paths.file import FilePath  # noqa: E402
+from sfstore.testing.checkpoint_crash import run_trials  # noqa: E402
 
 
 @pytest.fixture

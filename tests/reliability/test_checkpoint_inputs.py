@@ -30,8 +30,8 @@ except ImportError:  # pragma: no cover - numpy comes with torch's usual install
 from sfstore import checkpoint, errors
 from sfstore.checkpoint import MANIFEST_NAME
 from sfstore.checkpoint import safetensors_format as stf
-from sfstore.checkpoint.crashtest import states_equal
 from sfstore.checkpoint.manifest import MAX_DEPTH, SUM_KEY, seal
+from sfstore.testing.checkpoint_crash import states_equal
 
 SHARD = "model.safetensors"  # a flat state dict of tensors is saved with Hugging Face names
 

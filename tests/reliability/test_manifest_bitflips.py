@@ -19,7 +19,7 @@ import torch
 
 from sfstore import checkpoint, errors
 from sfstore.checkpoint import MANIFEST_NAME
-from sfstore.checkpoint.crashtest import states_equal
+from sfstore.testing.checkpoint_crash import states_equal
 
 TRIALS = 2000
 METADATA = {"step": 1234, "epoch": 3, "run": "exp-7", "tags": ["bf16", "fsdp"], "loss": 2.345, "ok": True}

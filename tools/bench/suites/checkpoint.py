@@ -1002,9 +1002,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _reliability(base: str, trials: int) -> dict[str, Any]:
-    """Reliability mode: ``trials`` SIGKILLs of a process saving in a loop (``sfstore.checkpoint.crashtest``);
+    """Reliability mode: ``trials`` SIGKILLs of a process saving in a loop (``sfstore.testing.checkpoint_crash``);
     after each, ``latest()`` must load bit-exactly and be a fully committed checkpoint."""
-    from sfstore.checkpoint.crashtest import run_trials
+    from sfstore.testing.checkpoint_crash import run_trials
 
     where = os.path.join(base, "reliability")
     print(f"reliability: {trials} SIGKILL trials of a saving process in {where} ...", flush=True)

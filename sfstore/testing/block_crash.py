@@ -17,21 +17,19 @@ next trial: ``O key version`` lines and an ``F``)
   version than the flushed one); ``None`` is allowed only where the flushed state or an unflushed operation
   is a delete (or the key was never flushed).
 
-The key space fits the store, so nothing is evicted. ``python -m sfstore.blocks.crashtest IMAGE [TRIALS]``
+The key space fits the store, so nothing is evicted. ``python -m sfstore.testing.block_crash IMAGE [TRIALS]``
 runs them and prints the report.
 """
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 import random
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from sfstore.testing.crash_trials import TrialReport, forkserver, main
 from sfstore.testing.sigkill import kill_after_progress
 
 __all__ = ["run_trials", "CrashReport", "expected_value", "STORE_BYTES", "CLASSES"]
@@ -84,25 +82,13 @@ def _child(target: dict[str, Any], log: str, seed: int, first_version: int) -> N
 
 
 @dataclass
-class CrashReport:
+class CrashReport(TrialReport):
     """What :func:`run_trials` saw."""
 
-    trials: int = 0
     operations: int = 0
     flushes: int = 0
     unflushed_seen: int = 0  # keys whose value came from an operation after the last flush
     torn_dropped: int = 0  # slots the recovery found torn (checksum) and dropped
-    seconds: float = 0.0
-    failures: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _context() -> Any:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["sfstore.blocks", __name__])
-    return ctx
 
 
 def _states(log: str) -> tuple[dict[str, Any], dict[str, list[Any]], int, int, int]:
@@ -193,7 +179,7 @@ def run_trials(
         pass
     BlockStore(tgt, size_classes=CLASSES, capacity=STORE_BYTES, format=True).close()
     rng = random.Random(seed)
-    ctx = _context()
+    ctx = forkserver("sfstore.blocks", __name__)
     report = CrashReport()
     began = time.monotonic()
     version = 1
@@ -203,22 +189,18 @@ def run_trials(
             f.write(f"T {trial}\n")
         proc = ctx.Process(target=_child, args=(tgt, log, rng.randrange(1 << 30), version), daemon=True)
         proc.start()
+        report.trials = trial + 1
         if not kill_after_progress(proc, lambda: _states(log)[3], before, rng, max_delay, start_timeout):
             report.failures.append(f"trial {trial}: the child flushed nothing (exit code {proc.exitcode})")
-            report.trials = trial + 1
-            report.seconds = time.monotonic() - began
-            return report
+            break
         found = _check(tgt, log, report, trial)
         # The parent's clean close made what it found durable: that is every key's state for the next trial.
         with open(log, "a") as f:
             f.write("".join(f"O {k} {'-' if v is None else v}\n" for k, v in found.items()) + "F\n")
         version = _states(log)[4] + 1
-        report.trials = trial + 1
     report.seconds = time.monotonic() - began
     return report
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual entry point
-    where = sys.argv[1]
-    count = int(sys.argv[2]) if len(sys.argv) > 2 else 30
-    print(json.dumps(run_trials(where, count).as_dict(), indent=1))
+    main(run_trials)

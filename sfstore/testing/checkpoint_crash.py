@@ -12,22 +12,21 @@ acknowledged a save in this trial, it is killed after a random delay. Then:
 * the replaced name must load and match its own step;
 * every visible (non-hidden) entry of the directory must be a committed checkpoint.
 
-``python -m sfstore.checkpoint.crashtest DIR [TRIALS]`` runs them and prints the report (the bench's
+``python -m sfstore.testing.checkpoint_crash DIR [TRIALS]`` runs them and prints the report (the bench's
 reliability mode runs 300).
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import struct
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from sfstore.testing.crash_trials import TrialReport, forkserver, main
 from sfstore.testing.sigkill import kill_after_progress
 
 __all__ = ["expected_state", "states_equal", "run_trials", "CrashReport"]
@@ -115,25 +114,13 @@ def _child(root: str, ack: str, start: int, exchange: bool) -> None:
 
 
 @dataclass
-class CrashReport:
+class CrashReport(TrialReport):
     """What :func:`run_trials` saw."""
 
-    trials: int = 0
     exchange: bool = True
     last_step: int = 0
     committed_unacknowledged: int = 0  # kills after the commit but before the acknowledgement
     killed_mid_save: int = 0  # kills that left a staging/old directory behind
-    seconds: float = 0.0
-    failures: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _context() -> Any:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "sfstore.checkpoint", __name__])
-    return ctx
 
 
 def _check(root: str, acked: int, report: CrashReport, trial: int) -> None:
@@ -180,27 +167,23 @@ def run_trials(
     os.makedirs(root, exist_ok=True)
     ack = os.path.join(root, ".ack.json")  # hidden, like everything in root that is not a checkpoint
     rng = random.Random(seed)
-    ctx = _context()
+    ctx = forkserver("torch", "sfstore.checkpoint", __name__)
     report = CrashReport(exchange=exchange)
     began = time.monotonic()
     for trial in range(trials):
         before = _read_ack(ack)
         proc = ctx.Process(target=_child, args=(root, ack, before + 1, exchange), daemon=True)
         proc.start()
+        report.trials = trial + 1
         if not kill_after_progress(proc, lambda: _read_ack(ack), before, rng, max_delay, start_timeout, 0.001):
             report.failures.append(f"trial {trial}: the child made no save (exit code {proc.exitcode})")
-            report.trials = trial + 1
-            report.seconds = time.monotonic() - began
-            return report
+            break
         acked = _read_ack(ack)
         _check(root, acked, report, trial)
-        report.trials = trial + 1
         report.last_step = acked
     report.seconds = time.monotonic() - began
     return report
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual entry point
-    where = sys.argv[1]
-    count = int(sys.argv[2]) if len(sys.argv) > 2 else 30
-    print(json.dumps(run_trials(where, count).as_dict(), indent=1))
+    main(run_trials)
