@@ -19,11 +19,11 @@ from tools.bench.suites.kvcache import (
     QUICK_CASES,
     REFERENCES,
     Case,
-    _cpu_connector,
     all_cases,
     evaluate_goals,
     select_cases,
 )
+from tools.bench.suites.kvcache.lmcache import cpu_connector as _cpu_connector
 from tools.bench.testing import run_bench
 
 _bench = functools.partial(run_bench, "kvcache")
