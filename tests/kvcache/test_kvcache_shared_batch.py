@@ -65,6 +65,12 @@ def _file(kv: KVCacheStore, shared: Path, key: bytes) -> Path:
     return shared / kv.shared.name(key)
 
 
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This test's own data directory: the quarantine records of its stalled tiers go there, not the host's."""
+    monkeypatch.setenv("SFSTORE_DATA_DIR", str(tmp_path / "data"))
+
+
 @pytest.fixture
 def submits(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """The ranges of each ``FilePath.submit`` batch (the real method runs; only its calls are noted)."""
