@@ -184,33 +184,11 @@ class StorageReader(CheckpointStorage, _DcpStorageReader):
         self._set_up_rank(kwargs)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Return ``plan`` unchanged (nothing storage-specific to plan).
-
-        Parameters
-        ----------
-        plan : LoadPlan
-            The planner's local plan.
-
-        Returns
-        -------
-        LoadPlan
-            The same plan.
-        """
+        """Return the planner's local ``plan`` unchanged: a load has nothing storage-specific to plan."""
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Return ``plans`` unchanged.
-
-        Parameters
-        ----------
-        plans : list of LoadPlan
-            One per rank.
-
-        Returns
-        -------
-        list of LoadPlan
-            The same plans.
-        """
+        """Return ``plans`` (one per rank) unchanged: every rank reads its own items."""
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
