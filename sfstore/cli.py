@@ -696,7 +696,7 @@ def _kv_each(args: argparse.Namespace, call: Callable[[str, Any], dict[str, Any]
 
 
 def _cmd_kv_du(args: argparse.Namespace) -> int:
-    from sfstore.probe import _grid
+    from sfstore.probe import _grid, quarantine_rows
 
     rows = _kv_each(args, lambda top, b: {**b.du(), "directory": os.path.join(b.fp.root, top)})
     if args.json:
@@ -712,6 +712,12 @@ def _cmd_kv_du(args: argparse.Namespace) -> int:
     over = [r for r in rows if r["budget"] and r["bytes"] > r["budget"]]
     if over:
         print(f"over budget: {', '.join(r['namespace'] or '(default)' for r in over)} (sfstore kv gc enforces it)")
+    quarantined = [[r["namespace"] or "(default)", *row] for r in rows for row in quarantine_rows(r["quarantined"])]
+    if quarantined:
+        print("quarantined by processes whose I/O to it missed its deadline:")
+        for line in _grid(["NAMESPACE", "HOST", "PID", "TIER", "TARGET", "SINCE", "LEFT", "STUCK", "REASON"],
+                          quarantined, indent="  "):
+            print(line)
     return 0
 
 

@@ -10,7 +10,12 @@ store's read or write.
 from __future__ import annotations
 
 import contextlib
+import json
+import multiprocessing
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,10 +25,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from sfstore import cli, defaults, probe
 from sfstore.blocks import BlockStore
 from sfstore.kvcache import KVCacheStore
-from sfstore.kvcache.deadline import TierGuard
+from sfstore.kvcache.deadline import QuarantineRecorder, TierGuard
+from sfstore.kvcache.shared_budget import META
 from tests.kvcache import shared_workers as w
+
+REPO = Path(__file__).resolve().parents[2]
 
 DEADLINE_MS = 100
 SLACK_S = 0.050  # the acceptance bound: a miss within the deadline + 50 ms
@@ -70,6 +79,14 @@ def _simulated_stall(obj: Any, attr: str, where: Path) -> Iterator[_Stall]:
     finally:
         stall.close()
         setattr(obj, attr, real)
+
+
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's own data directory: the quarantine records its processes leave go there."""
+    data = tmp_path / "data"
+    monkeypatch.setenv("SFSTORE_DATA_DIR", str(data))
+    return data
 
 
 def wait_for(cond: Callable[[], bool], seconds: float = 10.0) -> None:
@@ -254,3 +271,198 @@ def test_the_guard_backs_off_exponentially_and_runs_inline_without_a_deadline() 
     finally:
         release.set()
         g.close()
+
+
+# -- the quarantine as other processes see it --------------------------------------------------------------------
+
+
+def _record_shared_tier(kv: KVCacheStore) -> None:
+    """Record the shared tier's quarantine in its directory too, as :class:`SharedTier` is to wire it."""
+    assert kv.shared is not None
+    kv.shared.guard.record_to(QuarantineRecorder.for_shared(kv.shared.budget))
+
+
+def quarantined_worker(shared: str, stall_dir: str, backoff_ms: int, conn: Any) -> None:
+    """A process whose shared tier stalls: it gets a miss, is quarantined, says so and waits; told to, it ends
+    the stall, probes the tier back once the back-off is over, says so, and closes."""
+    kv = KVCacheStore(w.GEOM, model_id="deadline-test", pinned_bytes=0, shared_dir=shared,
+                      io_timeout_ms=DEADLINE_MS, quarantine_ms=backoff_ms)
+    assert kv.shared is not None
+    _record_shared_tier(kv)
+    guard = kv.shared.guard
+    assert guard.recorder is not None
+    key = w.key(kv, 0)
+    kv.put([key], [w.block(0)])
+    dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
+    with _simulated_stall(kv.shared, "_open", Path(stall_dir)) as stall:
+        t0 = time.monotonic()
+        got = kv.get_into([key], [dest])
+        took = time.monotonic() - t0
+        guard.recorder.flush(10.0)
+        conn.send(("quarantined", got, took, guard.describe()))
+        conn.recv()  # "recover"
+        stall.end()
+        wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+    wait_for(lambda: kv.get_into([key], [dest]) == ["shared"], 30.0)
+    guard.recorder.flush(10.0)
+    conn.send(("recovered", guard.describe()))
+    conn.recv()  # "close"
+    kv.close()
+
+
+def _start_quarantined(tmp_path: Path, backoff_ms: int) -> tuple[multiprocessing.process.BaseProcess, Any, tuple]:
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=quarantined_worker, args=(str(tmp_path / "shared"), str(tmp_path), backoff_ms, there))
+    p.start()
+    assert here.poll(120), "the worker did not report"
+    msg = here.recv()
+    assert msg[0] == "quarantined" and msg[1] == [None], msg
+    assert msg[2] <= DEADLINE_MS / 1000 + SLACK_S, msg[2]
+    return p, here, msg
+
+
+def _du(shared: Path, capsys: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
+    capsys.readouterr()
+    assert cli.main(["kv", "du", str(shared), "--json"]) == 0
+    rows: list[dict[str, Any]] = json.loads(capsys.readouterr().out)
+    return rows[0]["quarantined"]
+
+
+def test_the_probe_and_kv_du_report_a_quarantine_until_it_is_lifted(tmp_path: Path, _state_dir: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    shared = tmp_path / "shared"
+    p, conn, (_, _, _, seen) = _start_quarantined(tmp_path, backoff_ms=2000)
+    try:
+        assert seen["quarantined"] and seen["since"] is not None and "deadline" in seen["reason"]
+        # another process: `sfstore probe` as a user runs it
+        env = {**os.environ, "SFSTORE_DATA_DIR": str(_state_dir), "PYTHONPATH": str(REPO)}
+        done = subprocess.run([sys.executable, "-m", "sfstore.cli", "probe", "--json"], capture_output=True,
+                              text=True, env=env, cwd=REPO, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        (rec,) = json.loads(done.stdout)["kvcache"]["quarantined"]
+        assert (rec["host"], rec["pid"], rec["tier"]) == (probe.host_name(), p.pid, "shared")
+        assert rec["target"] == str(shared) and rec["deadline_ms"] == DEADLINE_MS and "deadline" in rec["reason"]
+        assert rec["since"] <= time.time() < rec["until"] <= rec["since"] + 2.5
+        table = subprocess.run([sys.executable, "-m", "sfstore.cli", "probe"], capture_output=True, text=True,
+                               env=env, cwd=REPO, timeout=120, check=False).stdout
+        assert "quarantined  1 tier(s)" in table and f" {p.pid} " in table
+        # `sfstore kv du` of the directory: the record in it (and this host's) names the same quarantine
+        (in_dir,) = list((shared / META / "quarantine").glob("*.json"))
+        assert in_dir.stem == rec["name"]
+        (q,) = _du(shared, capsys)
+        assert (q["pid"], q["until"]) == (p.pid, rec["until"])
+        assert cli.main(["kv", "du", str(shared)]) == 0
+        assert "quarantined by processes" in capsys.readouterr().out
+        conn.send("recover")
+        assert conn.poll(60) and conn.recv()[0] == "recovered"
+        # lifted: both records are gone, and neither command reports it
+        assert probe.probe_kvcache()["quarantined"] == [] and _du(shared, capsys) == []
+        assert not list((shared / META / "quarantine").glob("*.json"))
+        assert not list(Path(probe.quarantine_dir()).glob("*.json"))
+        conn.send("close")
+        p.join(60)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def test_a_quarantine_killed_with_its_process_is_ignored_and_cleaned(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    shared = tmp_path / "shared"
+    p, _conn, _ = _start_quarantined(tmp_path, backoff_ms=60_000)  # in force for a minute, were it alive
+    (rec,) = probe.probe_kvcache()["quarantined"]
+    assert rec["pid"] == p.pid and rec["until"] > time.time() + 30
+    assert p.pid is not None
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    # its records outlive it, but a dead process's quarantine holds no more: ignored, then removed
+    assert len(list(Path(probe.quarantine_dir()).glob("*.json"))) == 1
+    assert _du(shared, capsys) == []
+    assert probe.probe_kvcache()["quarantined"] == []
+    assert not list(Path(probe.quarantine_dir()).glob("*.json"))  # the probe cleaned this host's
+    assert len(list((shared / META / "quarantine").glob("*.json"))) == 1
+    assert cli.main(["kv", "gc", str(shared), "--json"]) == 0  # gc cleans the directory's
+    assert json.loads(capsys.readouterr().out)[0]["quarantined"] == []
+    assert not list((shared / META / "quarantine").glob("*.json"))
+
+
+def test_another_nodes_quarantine_holds_until_its_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A record from another host (its pid cannot be checked from here) is in force until its ``until``."""
+    shared = tmp_path / "shared"
+    kv = w.open_store(str(shared), 0)
+    kv.put([w.key(kv, 0)], [w.block(0)])
+    assert kv.shared is not None
+    budget = kv.shared.budget
+    kv.close()
+    now = time.time()
+    base = {"host": "node-b", "pid": 4242, "tier": "shared", "target": "/mnt/kv", "namespace": "",
+            "reason": "a read missed its deadline", "abandoned": 1, "deadline_ms": 500, "written": now}
+    budget.write_quarantine("node-b-4242-shared-1", {**base, "since": now - 5, "until": now + 30})
+    budget.write_quarantine("node-b-4243-shared-1", {**base, "pid": 4243, "since": now - 90, "until": now - 1})
+    (d := shared / META / "quarantine").joinpath("torn.json").write_bytes(b'{"v": 1, "host": "x"')
+    (q,) = _du(shared, capsys)
+    assert (q["host"], q["pid"]) == ("node-b", 4242)
+    assert cli.main(["kv", "gc", str(shared)]) == 0
+    assert sorted(f.name for f in d.iterdir()) == ["node-b-4242-shared-1.json", "torn.json"]  # torn: not yet a
+    # minute old (a writer may be mid-write); the ended record is gone
+
+
+def test_the_record_never_waits_for_the_stalled_mount(tmp_path: Path) -> None:
+    """The shared directory's record is written into the stalled mount: its thread waits there, the caller does
+    not, and this host's record (which the probe reads) is written meanwhile."""
+    kv = store(tmp_path, quarantine_ms=5000)
+    try:
+        assert kv.shared is not None
+        _record_shared_tier(kv)
+        key = w.key(kv, 0)
+        kv.put([key], [w.block(0)])
+        dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
+        with _simulated_stall(kv.shared, "_open", tmp_path) as stall, \
+                _simulated_stall(kv.shared.budget, "write_quarantine", tmp_path) as record_stall:
+            t0 = time.monotonic()
+            assert kv.get_into([key], [dest]) == [None]
+            assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
+            wait_for(lambda: len(probe.probe_kvcache()["quarantined"]) == 1)
+            assert not (tmp_path / "shared" / META / "quarantine").exists()  # its writer is stuck
+            t0 = time.monotonic()
+            for _ in range(20):  # quarantined: answered at once, the stuck record writer or not
+                assert kv.get_into([key], [dest]) == [None]
+            assert time.monotonic() - t0 < 0.05
+            record_stall.end()
+            stall.end()
+            wait_for(lambda: len(list((tmp_path / "shared" / META / "quarantine").glob("*.json"))) == 1)
+    finally:
+        kv.close()
+    wait_for(lambda: not list(Path(probe.quarantine_dir()).glob("*.json")))  # closed: withdrawn
+
+
+# -- the default deadline ----------------------------------------------------------------------------------------
+
+
+def test_the_default_deadline_is_on_and_zero_still_means_none(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    assert defaults.SETTINGS["kvcache_io_timeout_ms"].default == 500
+    kv = KVCacheStore(w.GEOM, model_id="deadline-test", pinned_bytes=0, shared_dir=tmp_path / "s1")
+    try:
+        assert kv.shared is not None and kv.shared.guard.timeout_s == 0.5
+        assert kv.stats()["quarantine"]["shared"]["timeout_ms"] == 500
+        thread = kv.shared.guard.run(threading.get_ident)[1]
+        assert thread != threading.get_ident()  # the tier's own worker: the caller can stop waiting
+    finally:
+        kv.close()
+
+    def inline(kv: KVCacheStore) -> bool:
+        assert kv.shared is not None
+        try:
+            return not kv.shared.guard.enabled and kv.shared.guard.run(threading.get_ident)[1] == threading.get_ident()
+        finally:
+            kv.close()
+
+    assert inline(KVCacheStore(w.GEOM, model_id="d", pinned_bytes=0, shared_dir=tmp_path / "s2", io_timeout_ms=0))
+    with defaults.set(kvcache_io_timeout_ms=0):
+        assert inline(KVCacheStore(w.GEOM, model_id="d", pinned_bytes=0, shared_dir=tmp_path / "s3"))
+    monkeypatch.setenv("SFSTORE_KVCACHE_IO_TIMEOUT_MS", "0")
+    assert inline(KVCacheStore(w.GEOM, model_id="d", pinned_bytes=0, shared_dir=tmp_path / "s4"))
