@@ -148,23 +148,11 @@ def _ratio(x: float | None, base: float | None) -> float | None:
     return round(x / base, 2) if x is not None and base else None
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _drop_cache(path: str) -> bool:
-    """fsync ``path`` and drop its pages from the page cache (so the next read comes from storage)."""
+    """fsync ``path`` and drop its pages from the page cache, as the benches do (so the next read comes from
+    storage); False where that failed."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        _tools_bench("common").drop_cache(path)
         return True
     except (OSError, AttributeError):
         return False
@@ -716,12 +704,13 @@ def _route_devicepath(run: Run, libname: str, mode: str) -> Outcome:
                 except Exception as exc:
                     notes.append(f"cuFile registration failed ({type(exc).__name__}: {exc}); unregistered")
             srcb, dstb = lib.blocks(src, run.nblocks, B), lib.blocks(dst, run.nblocks, B)
+            fsync_path = _tools_bench("common").fsync_path
             lib.sync()
             t0 = time.perf_counter()
             futs = [dp.write_async(SLAB, blk, i * B) for i, blk in enumerate(srcb)]
             short = [i for i, fut in enumerate(futs) if fut.get() != B]
             dp.flush()
-            _fsync(path)
+            fsync_path(path)
             put_s = time.perf_counter() - t0
             if short:
                 raise AssertionError(f"short writes in blocks {short[:5]}")
@@ -841,54 +830,92 @@ def _route_kvcache(run: Run) -> Outcome:
     return Outcome(detail, ok=not problems, metrics=metrics, rows=rows)
 
 
+class _KvShared:
+    """What both KV device routes stand on: bfloat16 blocks over the source and a destination array, and a
+    ``KVCacheStore`` (fsynced shared tier in a work directory, ``pinned_bytes`` as given, the device path when
+    one is wanted). Made by :func:`_kv_shared`, which releases it all."""
+
+    def __init__(self, run: Run, lib: TorchLib, kv: Any, dp: Any, root: str, src: Any, dst: Any) -> None:
+        torch = lib.torch
+        geom = kv.geometry
+        self.run, self.lib, self.kv, self.dp, self.src, self.dst = run, lib, kv, dp, src, dst
+        self.shared = os.path.join(root, "shared")
+        self.srcb = list(src.view(torch.bfloat16).view(run.nblocks, *geom.block_shape).unbind(0))
+        self.dstb = list(dst.view(torch.bfloat16).view(run.nblocks, *geom.block_shape).unbind(0))
+        self.keys = kv.keys_for(list(range(run.nblocks * geom.block_tokens)))
+        self.problems: list[str] = []
+
+    def cold_get(self, what: str) -> tuple[float, bool, bool]:
+        """The shared tier's files dropped from the page cache, then every block got back into the destination,
+        timed: ``(seconds, bit-exact, cold)``; a block from another tier, or other bytes, is a problem."""
+        cold = _drop_tree(self.shared)
+        t0 = time.perf_counter()
+        tiers = self.kv.get_into(self.keys, self.dstb)
+        self.lib.sync()
+        get_s = time.perf_counter() - t0
+        if set(tiers) != {"shared"}:
+            self.problems.append(f"{what} came from tiers {sorted(map(str, set(tiers)))}, not the shared tier")
+        exact, why = _exactness(self.run, self.lib, self.src, self.dst)
+        if why:
+            self.problems.append(why)
+        return get_s, exact, cold
+
+    def detail(self, row: dict[str, Any], note: str) -> str:
+        """The route's line: its row, ``note`` and the problems found."""
+        return _describe_rows([row]) + f" [{note}]" + (f"; {'; '.join(self.problems)}" if self.problems else "")
+
+
+@contextlib.contextmanager
+def _kv_shared(run: Run, name: str, pinned_bytes: int, device_path: bool) -> Iterator[_KvShared]:
+    """A :class:`_KvShared` in the work directory ``name``; everything it holds is released on the way out."""
+    lib = run.torch_lib()
+    from sfstore.kvcache import KVCacheStore
+    from sfstore.paths.device import DevicePath
+
+    geom = _kv_geometry(run.block_bytes)
+    src = run.src(lib)
+    dst = lib.alloc(run.total)
+    root = run.workdir(name)
+    dp = DevicePath() if device_path else None
+    kv: Any = None
+    try:
+        # fsynced, as the baseline: the cold get then reads storage
+        kv = KVCacheStore(geom, model_id="gpu-check", pinned_bytes=pinned_bytes,
+                          shared_dir=os.path.join(root, "shared"), fsync_shared=True, device=dp)
+        shared = _KvShared(run, lib, kv, dp, root, src, dst)
+        try:
+            yield shared
+        finally:
+            shared.srcb = shared.dstb = []
+            shared.dst = None
+    finally:
+        try:
+            if kv is not None:
+                kv.close()
+        finally:
+            if dp is not None:
+                dp.close()
+            shutil.rmtree(root, ignore_errors=True)
+            del dst
+            lib.release()
+
+
 def _route_kvcache_device(run: Run) -> Outcome:
     """KVCacheStore with the pinned tier off: CUDA blocks to the shared tier's files and back on the device path's
     route (gds: HBM to storage with no host copy; compat; staged), with the counters saying which bytes went direct."""
     if run.device != "cuda":
         raise Skip("the device path carries GPU blocks; --device cpu has none (its host path is kvcache_torch's)")
-    lib = run.torch_lib()
-    from sfstore.kvcache import KVCacheStore
-    from sfstore.paths.device import DevicePath
-
-    torch = lib.torch
-    B, N = run.block_bytes, run.nblocks
-    geom = _kv_geometry(B)
-    src = run.src(lib)
-    dst = lib.alloc(run.total)
-    srcb = list(src.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
-    dstb = list(dst.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
-    root = run.workdir("kvcache_device")
-    dp = DevicePath()
-    kv = KVCacheStore(geom, model_id="gpu-check", pinned_bytes=0, shared_dir=os.path.join(root, "shared"),
-                      fsync_shared=True, device=dp)  # fsynced, as the baseline: the cold get then reads storage
-    problems: list[str] = []
-    try:
-        registered = sum(dp.register(t) for t in (src, dst))
-        keys = kv.keys_for(list(range(N * geom.block_tokens)))
-        lib.sync()
+    N, B = run.nblocks, run.block_bytes
+    with _kv_shared(run, "kvcache_device", pinned_bytes=0, device_path=True) as s:
+        registered = sum(s.dp.register(t) for t in (s.src, s.dst))
+        s.lib.sync()
         t0 = time.perf_counter()
-        kv.put(keys, srcb)
+        s.kv.put(s.keys, s.srcb)
         put_s = time.perf_counter() - t0
-        cold = _drop_tree(os.path.join(root, "shared"))
-        t0 = time.perf_counter()
-        tiers = kv.get_into(keys, dstb)
-        lib.sync()
-        get_s = time.perf_counter() - t0
-        if set(tiers) != {"shared"}:
-            problems.append(f"get came from tiers {sorted(map(str, set(tiers)))}, not the shared tier")
-        exact, why = _exactness(run, lib, src, dst)
-        if why:
-            problems.append(why)
-        desc = kv.describe()
-        stats = kv.stats()
-    finally:
-        try:
-            kv.close()
-        finally:
-            dp.close()
-            shutil.rmtree(root, ignore_errors=True)
-            del dst, srcb, dstb
-            lib.release()
+        get_s, exact, cold = s.cold_get("get")
+        desc = s.kv.describe()
+        stats = s.kv.stats()
+    problems = s.problems
     route = desc["gpu_blocks"].get("shared", {})
     dev = stats.get("device", {}).get("shared", {})
     moved = 2 * N * B
@@ -899,8 +926,7 @@ def _route_kvcache_device(run: Run) -> Outcome:
     row = run.row("torch", f"KVCacheStore pinned off, shared tier ({route.get('route')})", put_s, get_s, exact, cold)
     metrics = {"table": [row], "route": route, "device_counters": dev, "registered_buffers": registered,
                "device": desc.get("device", {}).get("mode")}
-    detail = _describe_rows([row]) + f" [route {route.get('route')}: {route.get('why')}; {dev}]" + \
-        (f"; {'; '.join(problems)}" if problems else "")
+    detail = s.detail(row, f"route {route.get('route')}: {route.get('why')}; {dev}")
     return Outcome(detail, ok=not problems and exact, metrics=metrics, rows=[row])
 
 
@@ -908,61 +934,29 @@ def _route_kvcache_device_pinned(run: Run) -> Outcome:
     """KVCacheStore with the pinned tier on above the shared tier: blocks copied into pinned slots and written
     through to the shared tier's files; the get, after the pinned tier is evicted, reads them back from there (the
     "pinned on" row next to kvcache_torch_device's "pinned off")."""
-    lib = run.torch_lib()
-    from sfstore.kvcache import KVCacheStore
-    from sfstore.paths.device import DevicePath
-
-    torch = lib.torch
     cuda = run.device == "cuda"
     B, N = run.block_bytes, run.nblocks
-    geom = _kv_geometry(B)
-    src = run.src(lib)
-    dst = lib.alloc(run.total)
-    srcb = list(src.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
-    dstb = list(dst.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
-    root = run.workdir("kvcache_device_pinned")
-    shared = os.path.join(root, "shared")
-    dp = DevicePath() if cuda else None  # given, as an engine would: describe() then says what it would route
-    kv = KVCacheStore(geom, model_id="gpu-check", pinned_bytes=(N + 8) * (B + 8192), shared_dir=shared,
-                      fsync_shared=True, device=dp)
-    problems: list[str] = []
-    try:
-        keys = kv.keys_for(list(range(N * geom.block_tokens)))
+    # the device path given, as an engine would: describe() then says what it would route
+    with _kv_shared(run, "kvcache_device_pinned", pinned_bytes=(N + 8) * (B + 8192), device_path=cuda) as s:
+        kv = s.kv
         # warm-up: the pinned pool's slots are allocated and registered once, as in a serving engine
-        warm = kv.keys_for(list(range(N * geom.block_tokens)), extra=("warm-up",))
-        kv.put(warm, srcb)
+        warm = kv.keys_for(list(range(N * kv.geometry.block_tokens)), extra=("warm-up",))
+        kv.put(warm, s.srcb)
         kv.wait_for_puts()
         kv.evict(warm, tiers=("pinned", "shared"))
         before = kv.stats()
-        lib.sync()
+        s.lib.sync()
         t0 = time.perf_counter()
-        kv.put(keys, srcb)
+        kv.put(s.keys, s.srcb)
         kv.wait_for_puts()
         put_s = time.perf_counter() - t0
-        evicted = kv.evict(keys, tiers=("pinned",))
+        evicted = kv.evict(s.keys, tiers=("pinned",))
         if evicted != N:
-            problems.append(f"evicted {evicted} of {N} blocks from the pinned tier")
-        cold = _drop_tree(shared)
-        t0 = time.perf_counter()
-        tiers = kv.get_into(keys, dstb)
-        lib.sync()
-        get_s = time.perf_counter() - t0
-        if set(tiers) != {"shared"}:
-            problems.append(f"get after eviction came from tiers {sorted(map(str, set(tiers)))}, not the shared tier")
-        exact, why = _exactness(run, lib, src, dst)
-        if why:
-            problems.append(why)
+            s.problems.append(f"evicted {evicted} of {N} blocks from the pinned tier")
+        get_s, exact, cold = s.cold_get("get after eviction")
         desc = kv.describe()
         stats = kv.stats()
-    finally:
-        try:
-            kv.close()
-        finally:
-            if dp is not None:
-                dp.close()
-            shutil.rmtree(root, ignore_errors=True)
-            del dst, srcb, dstb
-            lib.release()
+    problems = s.problems
     staged = stats["bytes_device_staged"] - before["bytes_device_staged"]
     if staged != (2 * N * B if cuda else 0):  # each block copied into its slot on the put, out of it on the get
         problems.append(f"bytes_device_staged grew by {staged}, not {2 * N * B if cuda else 0}")
@@ -975,8 +969,7 @@ def _route_kvcache_device_pinned(run: Run) -> Outcome:
                "bytes_device_staged": staged, "hits_shared": stats["hits_shared"] - before["hits_shared"],
                "device": (desc.get("device") or {}).get("mode"),
                "blocks": "cuda" if cuda else "cpu (--device cpu: host blocks, nothing staged)"}
-    detail = _describe_rows([row]) + f" [GPU blocks: {routes}; staged {staged / MiB:.0f} MiB]" + \
-        (f"; {'; '.join(problems)}" if problems else "")
+    detail = s.detail(row, f"GPU blocks: {routes}; staged {staged / MiB:.0f} MiB")
     return Outcome(detail, ok=not problems and exact, metrics=metrics, rows=[row])
 
 
