@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -294,3 +295,54 @@ def test_probe_command_shows_routing_per_data_class(tmp_path: Path) -> None:
     text = _sp.run([_sys.executable, "-m", "sfstore.cli", "probe"], capture_output=True, text=True, env=env,
                    timeout=60, check=True).stdout
     assert "routing" in text and "dataset     file   local" in text
+
+
+# ---- KV tiers quarantined by processes on this host
+
+
+def test_kvcache_section_lists_the_quarantines_in_force_and_removes_the_others(tmp_path: Path) -> None:
+    where = probe_mod.quarantine_dir(str(tmp_path))
+    assert where == str(tmp_path / ".kvcache-state" / "quarantine")
+    assert probe_mod.probe_kvcache(str(tmp_path)) == {"status": "ok", "state_dir": where, "quarantined": []}
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    now = time.time()
+    me = probe_mod.host_name()
+    base = {"host": me, "pid": os.getpid(), "tier": "shared", "target": "/mnt/kv", "namespace": "",
+            "since": now - 3, "until": now + 60, "reason": "a read missed its deadline of 500 ms", "abandoned": 1,
+            "deadline_ms": 500, "written": now}
+    records = {
+        "live": base,
+        "elsewhere": {**base, "host": "node-b", "pid": 1, "namespace": "llama", "since": now - 1},
+        "ended": {**base, "until": now - 1},
+        "dead": {**base, "pid": int(dead.stdout)},  # its process is gone: its quarantine with it
+    }
+    for name, rec in records.items():
+        probe_mod.write_quarantine_record(where, name, rec)
+    (Path(where) / "torn.json").write_bytes(b'{"v": 1, "host": ')
+    (Path(where) / "fresh-torn.json").write_bytes(b'{"v": 1, "host": ')  # a writer may still be writing it
+    (Path(where) / ".x.json.tmp-1-ab").write_bytes(b"{")
+    for name in ("torn.json", ".x.json.tmp-1-ab"):
+        os.utime(Path(where) / name, (now - 120, now - 120))
+    report = probe(data_dir=str(tmp_path))["kvcache"]
+    assert report["status"] == "ok"
+    assert [(r["name"], r["host"], r["namespace"]) for r in report["quarantined"]] == [
+        ("live", me, ""), ("elsewhere", "node-b", "llama")]  # oldest first
+    assert sorted(os.listdir(where)) == ["elsewhere.json", "fresh-torn.json", "live.json"]
+    text = format_table({"kvcache": report})
+    lines = text.splitlines()
+    assert lines[:2] == ["kvcache  ok", "    quarantined  2 tier(s)"]
+    assert lines[2].split() == ["HOST", "PID", "TIER", "TARGET", "SINCE", "LEFT", "STUCK", "REASON"]
+    assert lines[4].split()[:4] == ["node-b", "1", "shared", "(llama)"] and "missed its deadline" in lines[3]
+    probe_mod.remove_quarantine_record(where, "live")
+    probe_mod.remove_quarantine_record(where, "live")  # gone already: nothing
+    assert [r["name"] for r in probe_mod.read_quarantine_records(where)] == ["elsewhere"]
+
+
+def test_a_quarantine_record_round_trips_and_foreign_ones_are_refused() -> None:
+    rec = {"host": "h", "pid": 7, "tier": "block", "target": "/dev/nvme1n1", "namespace": "", "since": 1.5,
+           "until": 2.5, "reason": "r", "abandoned": 0, "deadline_ms": 500, "written": 1.5}
+    assert probe_mod.parse_quarantine(probe_mod.encode_quarantine(rec)) == rec
+    for bad in (b"", b"[]", b'{"v": 2}', b'{"v": 1, "host": "h"}', b"\xff", b'{"v": 1, "pid": "x"}'):
+        assert probe_mod.parse_quarantine(bad) is None, bad
+    assert not probe_mod.quarantine_in_force(rec)  # ended long ago
