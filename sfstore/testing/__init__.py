@@ -1,4 +1,6 @@
-"""Reusable conformance suites (pytest) that every backend of a layer runs, as fsspec's ``tests.abstract``.
+"""Reusable conformance suites (pytest) that every backend of a layer runs, as fsspec's ``tests.abstract``, and the
+SIGKILL crash harnesses (:mod:`~sfstore.testing.block_crash`, :mod:`~sfstore.testing.checkpoint_crash`, which need no
+pytest).
 
 Subclass a suite in a test module and provide its fixtures::
 
