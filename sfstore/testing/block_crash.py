@@ -203,4 +203,4 @@ def run_trials(
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual entry point
-    main(run_trials)
+    main(run_trials, "sfstore.testing.block_crash")

@@ -186,4 +186,4 @@ def run_trials(
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual entry point
-    main(run_trials)
+    main(run_trials, "sfstore.testing.checkpoint_crash")

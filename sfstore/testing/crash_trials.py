@@ -4,6 +4,7 @@ share: the report's common part, the forkserver their children start from, and t
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import sys
@@ -36,8 +37,15 @@ def forkserver(*preload: str) -> Any:
     return ctx
 
 
-def main(run_trials: Callable[[str, int], TrialReport]) -> None:
+def main(run_trials: Callable[[str, int], TrialReport], module: str, argv: list[str] | None = None) -> None:
     """``python -m <harness> DIR [TRIALS]``: run ``TRIALS`` (default 30) trials in ``DIR``, print the report."""
-    where = sys.argv[1]
-    count = int(sys.argv[2]) if len(sys.argv) > 2 else 30
-    print(json.dumps(run_trials(where, count).as_dict(), indent=1))
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {module}",
+        description="SIGKILL a writer at random moments, then check what a reopen finds; prints a JSON report.",
+    )
+    parser.add_argument("dir", help="a directory for the trials' data (made if missing)")
+    parser.add_argument("trials", nargs="?", type=int, default=30, help="how many trials (default 30)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.trials < 1:
+        parser.error(f"trials must be at least 1, not {args.trials}")
+    print(json.dumps(run_trials(args.dir, args.trials).as_dict(), indent=1))
