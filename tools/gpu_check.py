@@ -754,150 +754,129 @@ def _kv_geometry(B: int) -> Any:
     return geom
 
 
-def _route_kvcache(run: Run) -> Outcome:
-    lib = run.torch_lib()
-    from sfstore.blocks import BlockStore
-    from sfstore.kvcache import KVCacheStore
+class _KvRoute:
+    """What every KV route stands on: bfloat16 blocks (``srcb``, ``dstb``) over the source and a destination array,
+    a work directory, the route's ``KVCacheStore`` (:meth:`use`) and what it found wrong (``problems``). Made by
+    :func:`_kv_route`, which closes what was registered in ``closing`` (last first) and releases the arrays."""
 
-    torch = lib.torch
-    B, N = run.block_bytes, run.nblocks
-    geom = _kv_geometry(B)
-    src = run.src(lib)
-    dst = lib.alloc(run.total)
-    srcb = list(src.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
-    dstb = list(dst.view(torch.bfloat16).view(N, *geom.block_shape).unbind(0))
-    root = run.workdir("kvcache")
-    image = os.path.join(root, "blocks.img")
-    store = BlockStore({"kind": "image", "path": image, "size": N * (B + 8192) + 64 * MiB}, size_classes=(B,),
-                       format=True)
-    kv = KVCacheStore(geom, model_id="gpu-check", pinned_bytes=(N + 8) * (B + 8192), block_store=store)
-    rows: list[dict[str, Any]] = []
-    problems: list[str] = []
-    try:
-        keys = kv.keys_for(list(range(N * geom.block_tokens)))
-        assert len(keys) == N
-        # warm-up: the pinned pool's slots are allocated and registered once, as in a serving engine
-        warm = kv.keys_for(list(range(N * geom.block_tokens)), extra=("warm-up",))
-        kv.put(warm, srcb)
-        kv.wait_for_puts()
-        kv.evict(warm, tiers=("pinned", "block"))
-        store.flush()
-        lib.sync()
-        t0 = time.perf_counter()
-        kv.put(keys, srcb)
-        kv.wait_for_puts()
-        store.flush()
-        put_s = time.perf_counter() - t0
-        evicted = kv.evict(keys, tiers=("pinned",))
-        if evicted != N:
-            problems.append(f"evicted {evicted} of {N} blocks from the pinned tier")
-        cold = _drop_cache(image)
-        t0 = time.perf_counter()
-        tiers = kv.get_into(keys, dstb)
-        lib.sync()
-        get_block_s = time.perf_counter() - t0
-        if set(tiers) != {"block"}:
-            problems.append(f"get after eviction came from tiers {sorted(map(str, set(tiers)))}, not the block tier")
-        exact_block, why = _exactness(run, lib, src, dst)
-        if why:
-            problems.append(f"block tier: {why}")
-        rows.append(run.row("torch", "KVCacheStore put + get (block tier)", put_s, get_block_s, exact_block, cold))
-        lib.zero(dst)
-        lib.sync()
-        t0 = time.perf_counter()
-        tiers = kv.get_into(keys, dstb)
-        lib.sync()
-        get_pinned_s = time.perf_counter() - t0
-        if set(tiers) != {"pinned"}:
-            problems.append(f"second get came from tiers {sorted(map(str, set(tiers)))}, not the pinned tier")
-        exact_pinned, why = _exactness(run, lib, src, dst)
-        if why:
-            problems.append(f"pinned tier: {why}")
-        rows.append(run.row("torch", "KVCacheStore get (pinned tier)", None, get_pinned_s, exact_pinned, None))
-        stats = kv.stats()
-    finally:
-        try:
-            kv.close()
-        finally:
-            store.close()
-            shutil.rmtree(root, ignore_errors=True)
-            del dst, srcb, dstb
-            lib.release()
-    keep = ("puts", "gets", "hits_pinned", "hits_block", "bytes_device_staged", "lower_tier_errors", "put_p50_s",
-            "get_p50_s")
-    metrics = {"table": rows, "geometry": str(geom), "stats": {k: stats.get(k) for k in keep}}
-    detail = _describe_rows(rows) + (f"; {'; '.join(problems)}" if problems else "")
-    return Outcome(detail, ok=not problems, metrics=metrics, rows=rows)
-
-
-class _KvShared:
-    """What both KV device routes stand on: bfloat16 blocks over the source and a destination array, and a
-    ``KVCacheStore`` (fsynced shared tier in a work directory, ``pinned_bytes`` as given, the device path when
-    one is wanted). Made by :func:`_kv_shared`, which releases it all."""
-
-    def __init__(self, run: Run, lib: TorchLib, kv: Any, dp: Any, root: str, src: Any, dst: Any) -> None:
+    def __init__(self, run: Run, lib: TorchLib, geom: Any, root: str, src: Any, dst: Any,
+                 closing: contextlib.ExitStack) -> None:
         torch = lib.torch
-        geom = kv.geometry
-        self.run, self.lib, self.kv, self.dp, self.src, self.dst = run, lib, kv, dp, src, dst
-        self.shared = os.path.join(root, "shared")
+        self.run, self.lib, self.geom, self.root, self.src, self.dst = run, lib, geom, root, src, dst
+        self.closing = closing
         self.srcb = list(src.view(torch.bfloat16).view(run.nblocks, *geom.block_shape).unbind(0))
         self.dstb = list(dst.view(torch.bfloat16).view(run.nblocks, *geom.block_shape).unbind(0))
-        self.keys = kv.keys_for(list(range(run.nblocks * geom.block_tokens)))
+        self.kv: Any = None
+        self.keys: list[bytes] = []
         self.problems: list[str] = []
 
-    def cold_get(self, what: str) -> tuple[float, bool, bool]:
-        """The shared tier's files dropped from the page cache, then every block got back into the destination,
-        timed: ``(seconds, bit-exact, cold)``; a block from another tier, or other bytes, is a problem."""
-        cold = _drop_tree(self.shared)
+    def use(self, kv: Any) -> Any:
+        """Make ``kv`` the route's store (closed on the way out) and take the keys of its ``nblocks`` blocks."""
+        self.closing.callback(kv.close)
+        self.kv = kv
+        self.keys = kv.keys_for(list(range(self.run.nblocks * self.geom.block_tokens)))
+        return kv
+
+    def warm_up(self, *tiers: str) -> None:
+        """Put and evict other keys' blocks once, so the pinned pool's slots are allocated and registered before any
+        clock, as in a serving engine."""
+        warm = self.kv.keys_for(list(range(self.run.nblocks * self.geom.block_tokens)), extra=("warm-up",))
+        self.kv.put(warm, self.srcb)
+        self.kv.wait_for_puts()
+        self.kv.evict(warm, tiers=tiers)
+
+    def timed_get(self, tier: str, what: str, label: str = "") -> tuple[float, bool]:
+        """Every block got back into the destination, timed: ``(seconds, bit-exact)``; a block from another tier
+        than ``tier``, or other bytes (``label`` in front), is a problem."""
         t0 = time.perf_counter()
         tiers = self.kv.get_into(self.keys, self.dstb)
         self.lib.sync()
-        get_s = time.perf_counter() - t0
-        if set(tiers) != {"shared"}:
-            self.problems.append(f"{what} came from tiers {sorted(map(str, set(tiers)))}, not the shared tier")
+        seconds = time.perf_counter() - t0
+        if set(tiers) != {tier}:
+            self.problems.append(f"{what} came from tiers {sorted(map(str, set(tiers)))}, not the {tier} tier")
         exact, why = _exactness(self.run, self.lib, self.src, self.dst)
         if why:
-            self.problems.append(why)
-        return get_s, exact, cold
+            self.problems.append(label + why)
+        return seconds, exact
 
-    def detail(self, row: dict[str, Any], note: str) -> str:
-        """The route's line: its row, ``note`` and the problems found."""
-        return _describe_rows([row]) + f" [{note}]" + (f"; {'; '.join(self.problems)}" if self.problems else "")
+    def detail(self, rows: list[dict[str, Any]], note: str = "") -> str:
+        """The route's line: its rows, ``note`` and the problems found."""
+        return (_describe_rows(rows) + (f" [{note}]" if note else "")
+                + (f"; {'; '.join(self.problems)}" if self.problems else ""))
 
 
 @contextlib.contextmanager
-def _kv_shared(run: Run, name: str, pinned_bytes: int, device_path: bool) -> Iterator[_KvShared]:
-    """A :class:`_KvShared` in the work directory ``name``; everything it holds is released on the way out."""
+def _kv_route(run: Run, name: str) -> Iterator[_KvRoute]:
+    """A :class:`_KvRoute` in the work directory ``name``; everything it holds is released on the way out."""
     lib = run.torch_lib()
-    from sfstore.kvcache import KVCacheStore
-    from sfstore.paths.device import DevicePath
-
     geom = _kv_geometry(run.block_bytes)
     src = run.src(lib)
     dst = lib.alloc(run.total)
     root = run.workdir(name)
-    dp = DevicePath() if device_path else None
-    kv: Any = None
+    route: _KvRoute | None = None
     try:
-        # fsynced, as the baseline: the cold get then reads storage
-        kv = KVCacheStore(geom, model_id="gpu-check", pinned_bytes=pinned_bytes,
-                          shared_dir=os.path.join(root, "shared"), fsync_shared=True, device=dp)
-        shared = _KvShared(run, lib, kv, dp, root, src, dst)
-        try:
-            yield shared
-        finally:
-            shared.srcb = shared.dstb = []
-            shared.dst = None
+        with contextlib.ExitStack() as closing:
+            route = _KvRoute(run, lib, geom, root, src, dst, closing)
+            yield route
     finally:
-        try:
-            if kv is not None:
-                kv.close()
-        finally:
-            if dp is not None:
-                dp.close()
-            shutil.rmtree(root, ignore_errors=True)
-            del dst
-            lib.release()
+        if route is not None:
+            route.srcb = route.dstb = []
+            route.dst = None
+        shutil.rmtree(root, ignore_errors=True)
+        del dst
+        lib.release()
+
+
+def _route_kvcache(run: Run) -> Outcome:
+    from sfstore.blocks import BlockStore
+    from sfstore.kvcache import KVCacheStore
+
+    B, N = run.block_bytes, run.nblocks
+    rows: list[dict[str, Any]] = []
+    with _kv_route(run, "kvcache") as r:
+        image = os.path.join(r.root, "blocks.img")
+        store = BlockStore({"kind": "image", "path": image, "size": N * (B + 8192) + 64 * MiB}, size_classes=(B,),
+                           format=True)
+        r.closing.callback(store.close)
+        kv = r.use(KVCacheStore(r.geom, model_id="gpu-check", pinned_bytes=(N + 8) * (B + 8192), block_store=store))
+        assert len(r.keys) == N
+        r.warm_up("pinned", "block")
+        store.flush()
+        r.lib.sync()
+        t0 = time.perf_counter()
+        kv.put(r.keys, r.srcb)
+        kv.wait_for_puts()
+        store.flush()
+        put_s = time.perf_counter() - t0
+        evicted = kv.evict(r.keys, tiers=("pinned",))
+        if evicted != N:
+            r.problems.append(f"evicted {evicted} of {N} blocks from the pinned tier")
+        cold = _drop_cache(image)
+        get_block_s, exact_block = r.timed_get("block", "get after eviction", "block tier: ")
+        rows.append(run.row("torch", "KVCacheStore put + get (block tier)", put_s, get_block_s, exact_block, cold))
+        r.lib.zero(r.dst)
+        r.lib.sync()
+        get_pinned_s, exact_pinned = r.timed_get("pinned", "second get", "pinned tier: ")
+        rows.append(run.row("torch", "KVCacheStore get (pinned tier)", None, get_pinned_s, exact_pinned, None))
+        stats = kv.stats()
+    keep = ("puts", "gets", "hits_pinned", "hits_block", "bytes_device_staged", "lower_tier_errors", "put_p50_s",
+            "get_p50_s")
+    metrics = {"table": rows, "geometry": str(r.geom), "stats": {k: stats.get(k) for k in keep}}
+    return Outcome(r.detail(rows), ok=not r.problems, metrics=metrics, rows=rows)
+
+
+def _shared_store(r: _KvRoute, pinned_bytes: int, device_path: bool) -> tuple[Any, Any]:
+    """The shared-tier routes' store, fsynced as the baseline (the cold get then reads storage), and its device
+    path (None without one): ``(kv, dp)``."""
+    from sfstore.kvcache import KVCacheStore
+    from sfstore.paths.device import DevicePath
+
+    dp = DevicePath() if device_path else None
+    if dp is not None:
+        r.closing.callback(dp.close)
+    kv = r.use(KVCacheStore(r.geom, model_id="gpu-check", pinned_bytes=pinned_bytes,
+                            shared_dir=os.path.join(r.root, "shared"), fsync_shared=True, device=dp))
+    return kv, dp
 
 
 def _route_kvcache_device(run: Run) -> Outcome:
@@ -906,28 +885,29 @@ def _route_kvcache_device(run: Run) -> Outcome:
     if run.device != "cuda":
         raise Skip("the device path carries GPU blocks; --device cpu has none (its host path is kvcache_torch's)")
     N, B = run.nblocks, run.block_bytes
-    with _kv_shared(run, "kvcache_device", pinned_bytes=0, device_path=True) as s:
-        registered = sum(s.dp.register(t) for t in (s.src, s.dst))
-        s.lib.sync()
+    with _kv_route(run, "kvcache_device") as r:
+        kv, dp = _shared_store(r, pinned_bytes=0, device_path=True)
+        registered = sum(dp.register(t) for t in (r.src, r.dst))
+        r.lib.sync()
         t0 = time.perf_counter()
-        s.kv.put(s.keys, s.srcb)
+        kv.put(r.keys, r.srcb)
         put_s = time.perf_counter() - t0
-        get_s, exact, cold = s.cold_get("get")
-        desc = s.kv.describe()
-        stats = s.kv.stats()
-    problems = s.problems
+        cold = _drop_tree(os.path.join(r.root, "shared"))
+        get_s, exact = r.timed_get("shared", "get")
+        desc = kv.describe()
+        stats = kv.stats()
     route = desc["gpu_blocks"].get("shared", {})
     dev = stats.get("device", {}).get("shared", {})
     moved = 2 * N * B
     if dev.get("bytes_gpu_direct", 0) + dev.get("bytes_staged", 0) != moved:
-        problems.append(f"device counters {dev} do not add up to the {moved} bytes moved")
+        r.problems.append(f"device counters {dev} do not add up to the {moved} bytes moved")
     if route.get("route") == "gds" and dev.get("bytes_staged", 0):
-        problems.append(f"route gds but {dev['bytes_staged']} bytes were staged")
+        r.problems.append(f"route gds but {dev['bytes_staged']} bytes were staged")
     row = run.row("torch", f"KVCacheStore pinned off, shared tier ({route.get('route')})", put_s, get_s, exact, cold)
     metrics = {"table": [row], "route": route, "device_counters": dev, "registered_buffers": registered,
                "device": desc.get("device", {}).get("mode")}
-    detail = s.detail(row, f"route {route.get('route')}: {route.get('why')}; {dev}")
-    return Outcome(detail, ok=not problems and exact, metrics=metrics, rows=[row])
+    detail = r.detail([row], f"route {route.get('route')}: {route.get('why')}; {dev}")
+    return Outcome(detail, ok=not r.problems and exact, metrics=metrics, rows=[row])
 
 
 def _route_kvcache_device_pinned(run: Run) -> Outcome:
@@ -936,41 +916,37 @@ def _route_kvcache_device_pinned(run: Run) -> Outcome:
     "pinned on" row next to kvcache_torch_device's "pinned off")."""
     cuda = run.device == "cuda"
     B, N = run.block_bytes, run.nblocks
-    # the device path given, as an engine would: describe() then says what it would route
-    with _kv_shared(run, "kvcache_device_pinned", pinned_bytes=(N + 8) * (B + 8192), device_path=cuda) as s:
-        kv = s.kv
-        # warm-up: the pinned pool's slots are allocated and registered once, as in a serving engine
-        warm = kv.keys_for(list(range(N * kv.geometry.block_tokens)), extra=("warm-up",))
-        kv.put(warm, s.srcb)
-        kv.wait_for_puts()
-        kv.evict(warm, tiers=("pinned", "shared"))
+    with _kv_route(run, "kvcache_device_pinned") as r:
+        # the device path given, as an engine would: describe() then says what it would route
+        kv, _ = _shared_store(r, pinned_bytes=(N + 8) * (B + 8192), device_path=cuda)
+        r.warm_up("pinned", "shared")
         before = kv.stats()
-        s.lib.sync()
+        r.lib.sync()
         t0 = time.perf_counter()
-        kv.put(s.keys, s.srcb)
+        kv.put(r.keys, r.srcb)
         kv.wait_for_puts()
         put_s = time.perf_counter() - t0
-        evicted = kv.evict(s.keys, tiers=("pinned",))
+        evicted = kv.evict(r.keys, tiers=("pinned",))
         if evicted != N:
-            s.problems.append(f"evicted {evicted} of {N} blocks from the pinned tier")
-        get_s, exact, cold = s.cold_get("get after eviction")
+            r.problems.append(f"evicted {evicted} of {N} blocks from the pinned tier")
+        cold = _drop_tree(os.path.join(r.root, "shared"))
+        get_s, exact = r.timed_get("shared", "get after eviction")
         desc = kv.describe()
         stats = kv.stats()
-    problems = s.problems
     staged = stats["bytes_device_staged"] - before["bytes_device_staged"]
     if staged != (2 * N * B if cuda else 0):  # each block copied into its slot on the put, out of it on the get
-        problems.append(f"bytes_device_staged grew by {staged}, not {2 * N * B if cuda else 0}")
+        r.problems.append(f"bytes_device_staged grew by {staged}, not {2 * N * B if cuda else 0}")
     if stats["lower_tier_errors"]:
-        problems.append(f"{stats['lower_tier_errors']} lower-tier error(s)")
+        r.problems.append(f"{stats['lower_tier_errors']} lower-tier error(s)")
     gpu = desc["gpu_blocks"]
-    routes = ", ".join(f"{t}: {r.get('route')}" for t, r in gpu.items())
+    routes = ", ".join(f"{t}: {v.get('route')}" for t, v in gpu.items())
     row = run.row("torch", "KVCacheStore pinned on, shared tier", put_s, get_s, exact, cold)
     metrics = {"table": [row], "gpu_blocks": gpu, "device_counters": stats.get("device"),
                "bytes_device_staged": staged, "hits_shared": stats["hits_shared"] - before["hits_shared"],
                "device": (desc.get("device") or {}).get("mode"),
                "blocks": "cuda" if cuda else "cpu (--device cpu: host blocks, nothing staged)"}
-    detail = s.detail(row, f"GPU blocks: {routes}; staged {staged / MiB:.0f} MiB")
-    return Outcome(detail, ok=not problems and exact, metrics=metrics, rows=[row])
+    detail = r.detail([row], f"GPU blocks: {routes}; staged {staged / MiB:.0f} MiB")
+    return Outcome(detail, ok=not r.problems and exact, metrics=metrics, rows=[row])
 
 
 def _overlap_geometry(B: int) -> Any:
