@@ -861,12 +861,13 @@ class BlockStore:
         sfstore.errors.InvalidRequestError
             ``keys`` and ``buffers`` differ in length, or a buffer is not contiguous.
         """
-        return self._get_into(keys, buffers, keep_on_miss)[0]
+        return self.get_into_counting_drops(keys, buffers, keep_on_miss=keep_on_miss)[0]
 
-    def _get_into(
-        self, keys: Sequence[Key], buffers: Sequence[Any], keep_on_miss: bool
+    def get_into_counting_drops(
+        self, keys: Sequence[Key], buffers: Sequence[Any], *, keep_on_miss: bool = False
     ) -> tuple[list[int | None], int]:
-        """:meth:`get_into`, and how many of the values were dropped as corrupt (for the KV cache's counters)."""
+        """:meth:`get_into`, and how many of the values were dropped as corrupt: a caller that keeps its own
+        counters (the KV cache's ``corrupt_dropped``) learns what this call found, not what others' did."""
         self._check_open()
         keys = as_batch(keys, "get_into: keys")
         buffers = as_batch(buffers, "get_into: buffers")

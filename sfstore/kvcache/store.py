@@ -850,14 +850,14 @@ class KVCacheStore:
                 v.release()
 
     def _block_get_views(self, keys: list[bytes], views: list[memoryview], keep: bool) -> tuple[list[int | None], int]:
-        """The block store's ``_get_into`` of ``keys`` into the caller's ``views``: ``(lengths, corrupt)``, a
-        length ``None`` for a miss (past the deadline, or quarantined, too).
+        """The block store's ``get_into_counting_drops`` of ``keys`` into the caller's ``views``:
+        ``(lengths, corrupt)``, a length ``None`` for a miss (past the deadline, or quarantined, too).
 
         Under a deadline the values land in staging buffers and are copied into ``views`` on this thread, once
         in time: an abandoned read never writes the caller's memory."""
         assert self.block is not None
         if not self._block_guard.enabled:
-            return self.block._get_into(keys, views, keep_on_miss=keep)
+            return self.block.get_into_counting_drops(keys, views, keep_on_miss=keep)
         n = self.geometry.block_bytes
         got: list[int | None] = [None] * len(keys)
         corrupt = 0
@@ -891,14 +891,14 @@ class KVCacheStore:
     def _get_slots(self, keys: list[bytes], slots: list[Slot]) -> tuple[list[int | None], int]:
         assert self.block is not None
         n = self.geometry.block_bytes
-        return self.block._get_into(keys, [s.data(n) for s in slots], keep_on_miss=False)
+        return self.block.get_into_counting_drops(keys, [s.data(n) for s in slots], keep_on_miss=False)
 
     def _get_buffers(self, keys: list[bytes], bufs: list[Any]) -> tuple[list[int | None], int]:
         n = self.geometry.block_bytes
         views = [memoryview(b)[:n] for b in bufs]
         try:
             assert self.block is not None
-            return self.block._get_into(keys, views, keep_on_miss=False)
+            return self.block.get_into_counting_drops(keys, views, keep_on_miss=False)
         finally:
             for v in views:
                 v.release()
