@@ -131,6 +131,8 @@ def test_a_stalled_shared_tier_misses_within_the_deadline_and_recovers(tmp_path:
         q = kv.stats()["quarantine"]["shared"]
         assert q["deadline_misses"] == 100 and q["recoveries"] == 100 and q["late_returns"] == 100
         assert kv.stats()["deadline_misses"] == 100 and kv.stats()["misses"] >= 200
+        assert guard.recorder is not None and guard.recorder.flush(10.0)
+        assert not list(Path(probe.quarantine_dir()).glob("*.json"))  # each recovery withdrew its record
     finally:
         kv.close()
 
@@ -466,3 +468,33 @@ def test_the_default_deadline_is_on_and_zero_still_means_none(tmp_path: Path,
         assert inline(KVCacheStore(w.GEOM, model_id="d", pinned_bytes=0, shared_dir=tmp_path / "s3"))
     monkeypatch.setenv("SFSTORE_KVCACHE_IO_TIMEOUT_MS", "0")
     assert inline(KVCacheStore(w.GEOM, model_id="d", pinned_bytes=0, shared_dir=tmp_path / "s4"))
+
+
+def test_the_record_follows_the_quarantine_stuck_workers_back_off_and_recovery(tmp_path: Path) -> None:
+    where = str(tmp_path / "records")
+    rec = QuarantineRecorder("t", target="/dev/x", state_dir=where)
+    g = TierGuard("t", 0.02, 0.3, workers=1, max_abandoned=1, recorder=rec)
+    release = threading.Event()
+
+    def records() -> list[dict[str, Any]]:
+        assert rec.flush(10.0)
+        return probe.read_quarantine_records(where)
+
+    try:
+        t0 = time.time()
+        assert g.run(release.wait) == ("timeout", None)
+        (r,) = records()  # the worker is stuck, at the bound: open-ended, so the longest back-off, renewed
+        assert (r["tier"], r["target"], r["abandoned"], r["pid"]) == ("t", "/dev/x", 1, os.getpid())
+        assert "stuck" in r["reason"] and r["until"] >= t0 + 0.3 * 64 - 1 and r["since"] >= t0 - 1
+        release.set()  # the I/O returns: what is left is the back-off of the miss
+        wait_for(lambda: g.describe()["abandoned_now"] == 0)
+        wait_for(lambda: [x["abandoned"] for x in records()] == [0])
+        (r2,) = records()
+        assert r2["until"] <= t0 + 0.3 + 1 and r2["since"] == r["since"] and "missed its deadline" in r2["reason"]
+        wait_for(lambda: not g.quarantined())
+        assert g.run(lambda: 1) == ("ok", 1)  # the probe: lifted, and the record with it
+        assert records() == [] and not os.listdir(where)
+        assert g.describe()["since"] is None
+    finally:
+        release.set()
+        g.close()
