@@ -300,14 +300,20 @@ class Lib:
         return -1
 
 
+def _numpy() -> Any:
+    """numpy (every library's host side), or Skip saying how to install it."""
+    try:
+        import numpy
+    except ImportError:
+        raise Skip(f"numpy is not installed: {PIP['numpy']}") from None
+    return numpy
+
+
 class TorchLib(Lib):
     name = "torch"
 
     def __init__(self, device: str) -> None:
-        try:
-            import numpy  # noqa: F401
-        except ImportError:
-            raise Skip(f"numpy is not installed: {PIP['numpy']}") from None
+        _numpy()
         try:
             import torch
         except ImportError as exc:
@@ -359,10 +365,7 @@ class CupyLib(Lib):
     def __init__(self, device: str) -> None:
         if device != "cuda":
             raise Skip("cupy arrays live on a GPU (--device cpu runs CPU torch tensors only)")
-        try:
-            import numpy as np
-        except ImportError:
-            raise Skip(f"numpy is not installed: {PIP['numpy']}") from None
+        np = _numpy()
         try:
             import cupy
         except Exception as exc:
@@ -1187,6 +1190,17 @@ def _canonical(m: dict[str, Any], caches: list[Any], page: int) -> Any:
                                group_data_refs=[[b.CanonicalKVCacheRef(i, page) for i in range(len(caches))]])
 
 
+def _offload_engine(m: dict[str, Any], spec: Any, caches: list[Any], page: int,
+                    owned: list[Any]) -> tuple[Any, Any, Any]:
+    """One engine's side of the offloading check: ``spec``'s worker over ``caches`` and its manager (both added to
+    ``owned``, to be shut down) and the manager's sfstore tier: ``(worker, manager, tier)``."""
+    worker = spec.get_worker(_canonical(m, caches, page))
+    owned.append(worker)
+    manager = spec.get_manager()
+    owned.append(manager)
+    return worker, manager, manager.secondary_tiers[0]
+
+
 def _offload_settle(manager: Any, tier: Any, m: dict[str, Any], deadline_s: float = 60.0) -> None:
     """End scheduler steps until the sfstore tier's jobs are done and the tiering manager took their results."""
     end = time.monotonic() + deadline_s
@@ -1257,11 +1271,7 @@ def _check_vllm_offload(run: Run) -> Outcome:
             gen = torch.Generator(device="cuda").manual_seed(16)
             caches_a = [torch.randint(-128, 128, (OFFLOAD_GPU_BLOCKS, attn_page), dtype=torch.int8, device="cuda",
                                       generator=gen) for _ in range(OFFLOAD_LAYERS)]
-            worker_a = spec_a.get_worker(_canonical(m, caches_a, attn_page))
-            owned.append(worker_a)
-            manager_a = spec_a.get_manager()
-            owned.append(manager_a)
-            tier_a = manager_a.secondary_tiers[0]
+            worker_a, manager_a, tier_a = _offload_engine(m, spec_a, caches_a, attn_page, owned)
             t0 = time.monotonic()
             with manager_a.lock:
                 ctx = m["base"].ReqContext(req_id="r1")
@@ -1283,11 +1293,7 @@ def _check_vllm_offload(run: Run) -> Outcome:
             _cfg_b, spec_b, _page = _offload_spec(m, torch, model_dir, shared, f"sfstore-gpu-check-b-{tag}")
             caches_b = [torch.zeros((OFFLOAD_GPU_BLOCKS, attn_page), dtype=torch.int8, device="cuda")
                         for _ in range(OFFLOAD_LAYERS)]
-            worker_b = spec_b.get_worker(_canonical(m, caches_b, attn_page))
-            owned.append(worker_b)
-            manager_b = spec_b.get_manager()
-            owned.append(manager_b)
-            tier_b = manager_b.secondary_tiers[0]
+            worker_b, manager_b, tier_b = _offload_engine(m, spec_b, caches_b, attn_page, owned)
             t0 = time.monotonic()
             with manager_b.lock:
                 ctx = m["base"].ReqContext(req_id="r2")
@@ -1524,26 +1530,31 @@ def _check_bench(run: Run, which: str) -> Outcome:
     return outcome
 
 
+Check = tuple[str, bool, Callable[[Run], Outcome]]
+
+
+def _lib_routes(libname: str) -> list[Check]:
+    """The routes of one library: its baseline, then the device path in gds, compat and staged mode (``host``)."""
+    modes = (("gds", "gds"), ("compat", "compat"), ("host", "staged"))
+    return [(f"{libname}_baseline", True, partial(_route_baseline, libname=libname)),
+            *((f"{libname}_devicepath_{name}", True, partial(_route_devicepath, libname=libname, mode=mode))
+              for name, mode in modes)]
+
+
 # name, heavy (moves the route's data: the budget estimate applies), function
-CHECKS: list[tuple[str, bool, Callable[[Run], Outcome]]] = [
+CHECKS: list[Check] = [
     ("probe", False, _check_probe),
     ("cuda_registration", False, _check_cuda_registration),
     ("read_into_cuda", False, _check_read_into_cuda),
     ("fio_odirect", True, _check_fio),
-    ("torch_baseline", True, partial(_route_baseline, libname="torch")),
-    ("torch_devicepath_gds", True, partial(_route_devicepath, libname="torch", mode="gds")),
-    ("torch_devicepath_compat", True, partial(_route_devicepath, libname="torch", mode="compat")),
-    ("torch_devicepath_host", True, partial(_route_devicepath, libname="torch", mode="staged")),
+    *_lib_routes("torch"),
     ("kvcache_torch", True, _route_kvcache),
     ("kvcache_torch_device", True, _route_kvcache_device),
     ("kvcache_torch_device_pinned", True, _route_kvcache_device_pinned),
     ("per_layer_overlap", True, _check_per_layer_overlap),
     ("vllm_offload_spec", True, _check_vllm_offload),
     ("checkpoint_cuda", True, _check_checkpoint),
-    ("cupy_baseline", True, partial(_route_baseline, libname="cupy")),
-    ("cupy_devicepath_gds", True, partial(_route_devicepath, libname="cupy", mode="gds")),
-    ("cupy_devicepath_compat", True, partial(_route_devicepath, libname="cupy", mode="compat")),
-    ("cupy_devicepath_host", True, partial(_route_devicepath, libname="cupy", mode="staged")),
+    *_lib_routes("cupy"),
     ("bench_checkpoint_save_async", True, partial(_check_bench, which="checkpoint")),
     ("bench_kvcache_nixl", True, partial(_check_bench, which="kvcache")),
 ]
