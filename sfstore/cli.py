@@ -27,7 +27,6 @@ import errno
 import json
 import os
 import posixpath
-import secrets
 import stat
 import sys
 import time
@@ -37,6 +36,7 @@ from typing import IO, TYPE_CHECKING, Any
 import sfstore
 from sfstore import errors
 from sfstore.errors import SfstoreError
+from sfstore.temp_names import temp_name
 
 if TYPE_CHECKING:
     from sfstore.fs import SFFileSystem
@@ -329,7 +329,7 @@ def _write_local(path: str, data: bytes) -> None:
             os.close(fd)
         return
     head, tail = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(head, f".{tail}.sfstore-part-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = os.path.join(head, temp_name(tail, "part"))
     try:
         with open(tmp, "wb") as f:
             f.write(data)

@@ -24,7 +24,6 @@ import hashlib
 import mmap
 import os
 import posixpath
-import secrets
 import stat
 from collections.abc import Callable, Sequence
 from glob import has_magic
@@ -42,6 +41,7 @@ from sfstore.integrations import webdataset_gopen
 from sfstore.paths.base import Range
 from sfstore.paths.beneath import fold_parts
 from sfstore.paths.file import AtomicWriter, FilePath, OpenFile
+from sfstore.temp_names import temp_name
 
 __all__ = ["SFFileSystem", "SFFile", "local_path"]
 
@@ -828,7 +828,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 return
             os.makedirs(os.path.dirname(lpath), exist_ok=True)
             head, tail = os.path.split(lpath)
-            tmp = os.path.join(head, f".{tail}.sfstore-part-{os.getpid()}-{secrets.token_hex(4)}")
+            tmp = os.path.join(head, temp_name(tail, "part"))
             fd = _open_local(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
                 try:

@@ -1,13 +1,14 @@
 """Where checkpoints live, and how they are published: staging directories, renameat2, cleanup, recovery.
 
-A checkpoint ``<parent>/<name>`` is written into ``<parent>/.<name>.sfstore-staging-<host>-<pid>-<rand>`` and
-published by a rename: ``renameat2(RENAME_NOREPLACE)`` for a new name, ``renameat2(RENAME_EXCHANGE)`` to
-replace an existing one (the old one then sits at the staging name and is removed). Filesystems without
-renameat2 flags (NFS refuses them with EINVAL) get a two-step replace: the old checkpoint is renamed to
-``.<name>.sfstore-old-<host>-<pid>-<rand>``, the new one into place. A crash between the two steps leaves no
-``<name>``; :func:`cleanup` (run by every save, list and load in that parent) renames such an old checkpoint
-back, so the previous checkpoint is what readers find. Staging and old directories of dead processes of this
-host are removed by the next save in the parent; other hosts' are left alone for :data:`FOREIGN_STALE_SECONDS`.
+A checkpoint ``<parent>/<name>`` is written into ``<parent>/.<name>.sfstore-staging-<host>-<pid>-<rand>`` (a
+:mod:`sfstore.temp_names` name) and published by a rename: ``renameat2(RENAME_NOREPLACE)`` for a new name,
+``renameat2(RENAME_EXCHANGE)`` to replace an existing one (the old one then sits at the staging name and is
+removed). Filesystems without renameat2 flags (NFS refuses them with EINVAL) get a two-step replace: the old
+checkpoint is renamed to ``.<name>.sfstore-old-<host>-<pid>-<rand>``, the new one into place. A crash between
+the two steps leaves no ``<name>``; :func:`cleanup` (run by every save, list and load in that parent) renames
+such an old checkpoint back, so the previous checkpoint is what readers find. Staging and old directories of
+dead processes of this host are removed by the next save in the parent; other hosts' are left alone for
+:data:`FOREIGN_STALE_SECONDS`.
 
 Names are never acted on by their full path: the parent directory is opened beneath the file path's root
 (:class:`~sfstore.paths.beneath.Beneath`), and the staging directory, its shards, the publishing renames and
@@ -22,18 +23,17 @@ import errno
 import os
 import platform
 import posixpath
-import re
-import secrets
-import socket
 import stat
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from sfstore import errors
 from sfstore.paths.base import Range
-from sfstore.paths.file import FilePath, file_kind, pid_alive
+from sfstore.paths.file import FilePath, file_kind
+from sfstore.temp_names import FOREIGN_STALE_SECONDS as FOREIGN_STALE_SECONDS
+from sfstore.temp_names import is_leftover, temp_name
+from sfstore.temp_names import parse as parse_temp_name
 
 __all__ = [
     "DATA_CLASS",
@@ -58,12 +58,7 @@ __all__ = [
 DATA_CLASS = "checkpoint"
 """The data class every byte a checkpoint moves is counted under on its file path (``counters.for_class``)."""
 
-FOREIGN_STALE_SECONDS = 24 * 3600
-"""Staging/old directories of other hosts are removed only when untouched this long."""
-
-_MARK = re.compile(
-    r"^\.(?P<name>.+)\.sfstore-(?P<kind>staging|old)-(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$"
-)
+_STAGING_KINDS = ("staging", "old")  # the kinds of temporary name (sfstore.temp_names) checkpoints are written under
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -72,10 +67,6 @@ _SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347, "
 
 _fp_cache: dict[tuple[str, bool], FilePath] = {}
 _fp_lock = threading.Lock()
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:64] or "host"
 
 
 @dataclass(frozen=True)
@@ -300,7 +291,7 @@ def read_regular(fp: FilePath, path: str, *, limit: int, what: str) -> bytes:
 
 def staging_name(loc: Location, kind: str = "staging") -> str:
     """A fresh staging (or old) directory name next to ``loc`` (a name in its parent directory)."""
-    return f".{loc.name}.sfstore-{kind}-{_host()}-{os.getpid()}-{secrets.token_hex(6)}"
+    return temp_name(loc.name, kind)
 
 
 def staging_path(loc: Location, kind: str = "staging") -> str:
@@ -514,26 +505,21 @@ def cleanup(parent: int, *, fp: FilePath, full: str, remove: bool = True) -> int
     never completed: the previous checkpoint is restored). Returns the number of entries handled. Errors
     (permissions, races with other cleaners) are ignored: cleanup is best effort.
     """
-    host = _host()
     handled = 0
     try:
         with os.scandir(parent) as it:
             entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
     except OSError:
         return 0
-    now = time.time()
     for name, is_dir in sorted(entries):
-        m = _MARK.match(name)
-        if m is None or not is_dir:
+        tn = parse_temp_name(name)
+        if tn is None or tn.kind not in _STAGING_KINDS or tn.final is None or not is_dir:
             continue
         try:
-            if m["host"] == host:
-                if pid_alive(int(m["pid"])):
-                    continue
-            elif now - os.stat(name, dir_fd=parent, follow_symlinks=False).st_mtime < FOREIGN_STALE_SECONDS:
+            if not is_leftover(tn, name, dir_fd=parent):
                 continue
-            if m["kind"] == "old" and not exists_at(parent, m["name"]):
-                os.rename(name, m["name"], src_dir_fd=parent, dst_dir_fd=parent)
+            if tn.kind == "old" and not exists_at(parent, tn.final):
+                os.rename(name, tn.final, src_dir_fd=parent, dst_dir_fd=parent)
                 os.fsync(parent)
                 handled += 1
             elif remove:

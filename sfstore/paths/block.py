@@ -29,6 +29,7 @@ from sfstore import defaults, errors
 from sfstore.arguments import as_batch
 from sfstore.engine import IOEngine, Request, describe_engines, get_engine, open_fd
 from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, split_ranges
+from sfstore.temp_names import temp_name
 
 __all__ = ["BlockPath"]
 
@@ -193,7 +194,7 @@ class BlockPath(StoragePath):
     def _create_image(path: str, size: int) -> None:
         """Create the image file preallocated (``posix_fallocate``), atomically under its name."""
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
+        tmp = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path), "image"))
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:

@@ -28,7 +28,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import secrets
 import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -42,11 +41,14 @@ from sfstore.futures import DoneFuture, Future, MappedFuture
 from sfstore.mounts import MountInfo, mount_for
 from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, descriptor_of, split_ranges
 from sfstore.paths.beneath import Beneath, Location
+from sfstore.temp_names import is_leftover, temp_name
+from sfstore.temp_names import parse as parse_temp_name
+from sfstore.temp_names import pid_alive as pid_alive  # importable from here too, where its users had it
 
 __all__ = ["FilePath", "MountFacts", "AtomicWriter", "OpenFile", "ReadFuture", "file_kind"]
 
 MiB = 1 << 20
-_TMP_MARK = ".sfstore-tmp-"
+_TMP_KIND = "tmp"  # the kind of temporary name (sfstore.temp_names) a file path writes under
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,7 @@ class FilePath(StoragePath):
         if mode == "off":
             self.fallbacks.append("O_DIRECT off by setting (direct_io=off): page-cache I/O")
             return False
-        name = f"{_TMP_MARK}probe-{os.getpid()}-{secrets.token_hex(4)}"
+        name = temp_name("direct-io-probe", _TMP_KIND)
         probe = os.path.join(self.root, name)
         rootfd = self.beneath.root_fd()
         try:
@@ -667,11 +669,17 @@ class FilePath(StoragePath):
         removed = 0
         try:
             with os.scandir(dirfd) as it:
-                names = [de.name for de in it if _TMP_MARK in de.name and de.is_file(follow_symlinks=False)]
-            for name in names:
-                pid = _tmp_pid(name)
-                if pid is not None and pid != os.getpid() and pid_alive(pid):
+                found = [(de.name, parse_temp_name(de.name)) for de in it if de.is_file(follow_symlinks=False)]
+            for name, tn in found:
+                if tn is None or tn.kind != _TMP_KIND:
                     continue
+                try:
+                    if not is_leftover(tn, name, dir_fd=dirfd):
+                        continue
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    raise errors.os_error(exc.errno or errno.EIO, "cannot stat", os.path.join(full, name)) from None
                 try:
                     os.unlink(name, dir_fd=dirfd)
                 except FileNotFoundError:
@@ -685,7 +693,8 @@ class FilePath(StoragePath):
 
     def is_temporary(self, name: str) -> bool:
         """Whether ``name`` is one of sfstore's in-progress temporary files (hidden from listings)."""
-        return _TMP_MARK in os.path.basename(name)
+        tn = parse_temp_name(name)
+        return tn is not None and tn.kind == _TMP_KIND
 
 
 class AtomicWriter:
@@ -700,7 +709,7 @@ class AtomicWriter:
         assert loc.name is not None
         self._fp, self.path, self._fsync, self._overwrite = fp, loc.full, fsync, overwrite
         self._name = loc.name
-        self._tmp = f".{loc.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(6)}"
+        self._tmp = temp_name(loc.name, _TMP_KIND)
         tmp_full = os.path.join(os.path.dirname(loc.full), self._tmp)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
@@ -1012,23 +1021,3 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _tmp_pid(name: str) -> int | None:
-    tail = name.split(_TMP_MARK, 1)[1]
-    head = tail.split("-", 1)[0]
-    return int(head) if head.isdigit() else None
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (ours included): owners of temporary files are checked before cleanup."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-

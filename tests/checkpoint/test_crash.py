@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfstore import checkpoint
+from sfstore import checkpoint, temp_names
 from sfstore.checkpoint import _fs
 from sfstore.testing.checkpoint_crash import run_trials
 
@@ -42,9 +42,9 @@ def test_sigkill_at_random_moments_leaves_the_last_commit_loadable(tmp_path: Pat
 def test_an_interrupted_two_step_replace_brings_the_previous_checkpoint_back(tmp_path: Path) -> None:
     checkpoint.save({"v": torch.tensor(1)}, tmp_path / "ck", metadata={"step": 1})
     # A replace killed between its two renames: the old checkpoint moved aside, the new one not yet in place.
-    old = tmp_path / f".ck.sfstore-old-{_fs._host()}-{dead_pid()}-abc123"
+    old = tmp_path / f".ck.sfstore-old-{temp_names.host()}-{dead_pid()}-abc123"
     os.rename(tmp_path / "ck", old)
-    staging = tmp_path / f".ck.sfstore-staging-{_fs._host()}-{dead_pid()}-def456"
+    staging = tmp_path / f".ck.sfstore-staging-{temp_names.host()}-{dead_pid()}-def456"
     staging.mkdir()
     (staging / "shard-00000.safetensors").write_bytes(b"half written")
     assert int(checkpoint.load(tmp_path / "ck")["v"]) == 1  # load finds it back
@@ -67,7 +67,7 @@ def test_replace_without_renameat2_flags(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_cleanup_spares_live_savers_and_young_foreign_ones(tmp_path: Path) -> None:
-    host = _fs._host()
+    host = temp_names.host()
     live = tmp_path / f".a.sfstore-staging-{host}-{os.getpid()}-aa"
     dead = tmp_path / f".a.sfstore-staging-{host}-{dead_pid()}-bb"
     foreign_young = tmp_path / ".a.sfstore-staging-otherhost-1-cc"
@@ -75,7 +75,7 @@ def test_cleanup_spares_live_savers_and_young_foreign_ones(tmp_path: Path) -> No
     unrelated = tmp_path / ".a.something-else"
     for d in (live, dead, foreign_young, foreign_old, unrelated):
         d.mkdir()
-    long_ago = time.time() - _fs.FOREIGN_STALE_SECONDS - 60
+    long_ago = time.time() - temp_names.FOREIGN_STALE_SECONDS - 60
     os.utime(foreign_old, (long_ago, long_ago))
     checkpoint.save({"x": torch.zeros(1)}, tmp_path / "b")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["b", live.name, foreign_young.name, unrelated.name])
