@@ -61,6 +61,10 @@ _SUB = re.compile(r"^[0-9a-f]{2}$")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A temporary name's writer: ``.{final}.sfstore-{kind}-{host}-{pid}-{rand}`` (a file path's, a block file
+# being written; older writers wrote no host) or ``.{name}.tmp-{pid}-{rand}`` (this module's records)
+_TEMPORARY = re.compile(r"(?:\.sfstore-[a-z]+-(?:(?P<host>[A-Za-z0-9_]+)-)?|\.tmp-)(?P<pid>\d+)-[0-9a-f]+$")
+_TEMP_HOST = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:64] or "host"  # as such names spell it
 
 
 def check_namespace(name: Any) -> str:
@@ -750,14 +754,17 @@ class SharedBudget:
 
     def _temporary_gone(self, name: str, live: dict[int, list[WriterRecord]], now: float, age: float,
                         grace_s: float) -> bool:
-        """Whether a temporary file belongs to a writer that is gone: its pid is dead here and no live record of
-        another host has that pid, or it is older than ``grace_s``."""
+        """Whether a temporary file belongs to a writer that is gone: it is older than ``grace_s``, or its name
+        says this host (or no host: an older writer's) and a pid that is dead here, which no live record of
+        another host has either."""
         if age > grace_s:
             return True
-        m = re.search(r"(?:sfstore-tmp-|\.tmp-)(\d+)-", name)
+        m = _TEMPORARY.search(name)
         if m is None:
             return False
-        pid = int(m.group(1))
+        if m.group("host") is not None and m.group("host") != _TEMP_HOST:
+            return False  # another node's writer: its pid means nothing here
+        pid = int(m.group("pid"))
         if pid == os.getpid() or pid_alive(pid):
             return False
         return not any(r.host != self.host for r in live.get(pid, []))

@@ -432,7 +432,7 @@ def test_the_record_never_waits_for_the_stalled_mount(tmp_path: Path) -> None:
             t0 = time.monotonic()
             for _ in range(20):  # quarantined: answered at once, the stuck record writer or not
                 assert kv.get_into([key], [dest]) == [None]
-            assert time.monotonic() - t0 < 0.05
+            assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S  # (the writer's wait is endless)
             record_stall.end()
             stall.end()
             wait_for(lambda: len(list((tmp_path / "shared" / META / "quarantine").glob("*.json"))) == 1)
