@@ -18,9 +18,9 @@ from tools.bench.common import (
     check_bench_dir,
     format_size,
     mount_of,
-    parse_size,
     summarize_pairs,
 )
+from tools.bench.options import parse_size
 from tools.bench.registry import Suite
 from tools.bench.suites.engine import QUICK_CASES, Case, all_cases, plan_offsets, select_cases
 from tools.bench.testing import run_bench

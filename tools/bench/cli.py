@@ -16,17 +16,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from tools.bench.common import BenchSetupError, machine_info, utc_now
+from tools.bench.options import positive_int
 from tools.bench.registry import Suite, all_suites, unavailable_suites
 from tools.bench.report import write_report
 
 __all__ = ["common_parser", "build_parser", "main", "write_json"]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def common_parser() -> argparse.ArgumentParser:
@@ -43,7 +37,7 @@ def common_parser() -> argparse.ArgumentParser:
     g.add_argument("--report", metavar="DIR",
                    help="write a report into DIR: each suite's JSON, text table and chart (PNG, needs matplotlib), "
                         "and index.md with the tables, date, machine and command")
-    g.add_argument("--repeat", type=_positive_int, default=3, metavar="N",
+    g.add_argument("--repeat", type=positive_int, default=3, metavar="N",
                    help="interleaved sfstore/reference pairs per case (default 3; BENCHMARKING.md asks for >= 3)")
     g.add_argument("--quick", action="store_true", help="run each suite's short list of headline cases only")
     g.add_argument("--cases", action="append", metavar="GLOB",

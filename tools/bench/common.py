@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 __all__ = [
+    "MIB",
     "GIB",
     "BenchSetupError",
     "Mount",
     "RunResult",
     "CpuMeter",
     "PeakRss",
-    "parse_size",
     "format_size",
     "drop_cache",
     "resident_bytes",
@@ -50,14 +50,13 @@ __all__ = [
     "evaluate_ratio_goals",
     "fsync_path",
     "io_engine",
-    "positive_int",
-    "nonneg_int",
     "import_for_bench",
     "BUILD_HINT",
     "percentile",
     "batch_latency",
 ]
 
+MIB = 1 << 20
 GIB = 1 << 30
 
 #: Filesystems that keep data in RAM and accept any O_DIRECT alignment: a benchmark there measures memcpy.
@@ -79,36 +78,6 @@ def warn(message: str, stream: TextIO | None = None) -> None:
         Where to print; ``sys.stderr`` when None.
     """
     print(f"warning: {message}", file=stream or sys.stderr, flush=True)
-
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte count such as ``4096``, ``64k``, ``16m``, ``1g`` or ``2GiB`` (binary units).
-
-    Parameters
-    ----------
-    text : str
-        The size.
-
-    Returns
-    -------
-    int
-        The number of bytes.
-
-    Raises
-    ------
-    ValueError
-        When ``text`` is not a size.
-    """
-    t = text.strip().lower()
-    digits = t.rstrip("kmgtib")
-    unit = t[len(digits):]
-    if unit not in _UNITS or not digits.isdigit():
-        raise ValueError(f"not a size: {text!r} (examples: 4096, 64k, 16m, 1g)")
-    return int(digits) * _UNITS[unit]
 
 
 def format_size(n: int) -> str:
@@ -827,26 +796,6 @@ def evaluate_ratio_goals(
                                   f"{best}{note}"})
         out.append(entry)
     return out
-
-
-def positive_int(text: str) -> int:
-    """An ``argparse`` type: an int of at least 1."""
-    import argparse
-
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def nonneg_int(text: str) -> int:
-    """An ``argparse`` type: an int of 0 or more."""
-    import argparse
-
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
 
 
 def import_for_bench(name: str, why: str) -> Any:

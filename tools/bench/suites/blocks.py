@@ -79,6 +79,7 @@ from typing import Any
 from tools.bench.common import (
     BUILD_HINT,
     GIB,
+    MIB,
     BenchSetupError,
     CpuMeter,
     PeakRss,
@@ -95,9 +96,6 @@ from tools.bench.common import (
     io_engine,
     machine_info,
     median_extras,
-    nonneg_int,
-    parse_size,
-    positive_int,
     resident_bytes,
     side_summary,
     summarize_pairs,
@@ -105,6 +103,7 @@ from tools.bench.common import (
     warn,
 )
 from tools.bench.fio import PEAK_RSS_NOTE, FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.options import add_fio, add_warmup, parse_size, positive_int
 from tools.bench.pairs import run_pairs, warn_if_few_pairs
 from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
@@ -112,7 +111,6 @@ from tools.bench.registry import Suite, register
 __all__ = ["BLOCK_SIZES", "SIZE_CLASSES", "GOALS", "QUICK_CASES", "Case", "Goal", "all_cases", "select_cases",
            "working_set", "evaluate_goals", "run"]
 
-MIB = 1 << 20
 #: The classes every run formats the store with (the issue's two value sizes).
 SIZE_CLASSES = (4096, 262144)
 BLOCK_SIZES = (262144, 4096)
@@ -250,9 +248,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "fio's; 1: put_many / get_into, one batch at a time). -sync cases always use 1")
     g.add_argument("--buffers", choices=("registered", "numpy"), default="registered",
                    help="put sources and get destinations: RegisteredBufferPool buffers (default) or numpy arrays")
-    g.add_argument("--warmup", type=nonneg_int, default=1, metavar="N",
-                   help="pairs run first and discarded (default 1)")
-    g.add_argument("--fio", metavar="PATH", help="fio executable (default: fio on PATH)")
+    add_warmup(g)
+    add_fio(g)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------

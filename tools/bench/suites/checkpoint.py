@@ -55,6 +55,7 @@ from typing import Any
 
 from tools.bench.common import (
     GIB,
+    MIB,
     BenchSetupError,
     CpuMeter,
     PeakRss,
@@ -66,7 +67,6 @@ from tools.bench.common import (
     format_size,
     fsync_path,
     machine_info,
-    parse_size,
     resident_bytes,
     side_summary,
     summarize_pairs,
@@ -74,6 +74,7 @@ from tools.bench.common import (
     warn,
 )
 from tools.bench.fio import PEAK_RSS_NOTE, FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.options import add_fio, add_warmup, parse_size
 from tools.bench.pairs import SideFailed, run_pairs, warn_if_few_pairs
 from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
@@ -81,7 +82,6 @@ from tools.bench.suites.engine import prepare_file
 
 __all__ = ["CaseSpec", "all_cases", "select_cases", "llm_layout", "evaluate_goals", "run", "QUICK_CASES"]
 
-MIB = 1 << 20
 NOT_BUILT = "not built yet"
 #: Default ``max_shard_bytes`` of ``sfstore.checkpoint.save`` when the settings do not say (design: 1 GiB).
 DEFAULT_SHARD_BYTES = 1 << 30
@@ -878,9 +878,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--keep", action="store_true", help="keep the checkpoints written (default: remove them at the end)")
     g.add_argument("--reliability", type=int, default=0, metavar="N",
                    help="after the cases, N SIGKILL trials of a saving process (the issue asks for 300)")
-    g.add_argument("--warmup", type=int, default=1, metavar="N",
-                   help="pairs run first and discarded per case (default 1): fresh guest memory is slow to touch")
-    g.add_argument("--fio", metavar="PATH", help="fio executable (default: fio on PATH)")
+    add_warmup(g, "fresh guest memory is slow to touch")
+    add_fio(g)
 
 
 def _import_core() -> tuple[Any, str]:

@@ -48,8 +48,6 @@ from tools.bench.common import (
     format_size,
     io_engine,
     machine_info,
-    nonneg_int,
-    parse_size,
     resident_bytes,
     side_summary,
     summarize_pairs,
@@ -57,6 +55,7 @@ from tools.bench.common import (
     warn,
 )
 from tools.bench.fio import PEAK_RSS_NOTE, FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.options import add_fio, nonneg_int, parse_size
 from tools.bench.pairs import run_pairs, warn_if_few_pairs
 from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
@@ -252,7 +251,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="batches kept submitted at once (default 2)")
     g.add_argument("--threads", type=_threads_arg, default="qd", metavar="qd|N",
                    help="worker threads of thread-based engines (default 'qd': the case's queue depth)")
-    g.add_argument("--fio", metavar="PATH", help="fio executable (default: fio on PATH)")
+    add_fio(g)
 
 
 def _import(name: str, needs: str | None = None) -> Any:

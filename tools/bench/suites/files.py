@@ -67,6 +67,7 @@ from typing import Any
 from tools.bench.common import (
     BUILD_HINT,
     GIB,
+    MIB,
     BenchSetupError,
     CpuMeter,
     PeakRss,
@@ -79,7 +80,6 @@ from tools.bench.common import (
     fsync_path,
     import_for_bench,
     machine_info,
-    parse_size,
     resident_bytes,
     side_summary,
     summarize_pairs,
@@ -87,13 +87,13 @@ from tools.bench.common import (
     warn,
 )
 from tools.bench.fio import FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.options import add_fio, add_warmup, parse_size
 from tools.bench.pairs import run_pairs, warn_if_few_pairs
 from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
 
 __all__ = ["Case", "Dataset", "GOALS", "all_cases", "select_cases", "prepare_dataset", "run"]
 
-MIB = 1 << 20
 #: The memory acceptance: ``read_into`` may add at most this much to peak RSS beyond its destination.
 RSS_LIMIT = 64 * MIB
 _SAMPLE_BLOCK = 4096
@@ -559,10 +559,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--small-count", type=int, default=10000, metavar="N", help="number of small files (default 10000)")
     g.add_argument("--small-size", type=parse_size, default=64 << 10, metavar="SIZE",
                    help="size of each small file (default 64k)")
-    g.add_argument("--warmup", type=int, default=1, metavar="N",
-                   help="pairs run first and discarded, each side cold as usual (default 1): on a VM the first "
-                        "touch of fresh guest memory and the host's cache make a case's first run an outlier")
-    g.add_argument("--fio", metavar="PATH", help="fio executable (default: fio on PATH)")
+    add_warmup(g, "on a VM the first touch of fresh guest memory and the host's cache make a case's first run an "
+                  "outlier")
+    add_fio(g)
 
 
 def _sf_filesystem(directory: str) -> tuple[Any, str | None, str | None]:

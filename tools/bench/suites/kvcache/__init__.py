@@ -78,6 +78,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tools.bench.common import (
+    MIB,
     BenchSetupError,
     PeakRss,
     RatioGoal,
@@ -90,9 +91,6 @@ from tools.bench.common import (
     format_size,
     machine_info,
     median_extras,
-    nonneg_int,
-    parse_size,
-    positive_int,
     resident_bytes,
     side_summary,
     summarize_pairs,
@@ -100,6 +98,7 @@ from tools.bench.common import (
     warn,
 )
 from tools.bench.fio import PEAK_RSS_NOTE, find_fio, fio_command, fio_version
+from tools.bench.options import add_fio, add_warmup, parse_size, positive_int
 from tools.bench.pairs import SideFailed, run_pairs, warn_if_few_pairs
 from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
@@ -111,7 +110,6 @@ from tools.bench.suites.kvcache.workload import ENV_HINT, MODEL_ID, Bench, PeerK
 __all__ = ["TIERS", "REFERENCES", "PEERS", "GOALS", "QUICK_CASES", "Case", "Goal", "all_cases", "select_cases",
            "evaluate_goals", "probe_nixl", "probe_lmcache", "run"]
 
-MIB = 1 << 20
 TIERS = ("pinned", "block")
 #: reference -> its name in the JSON (``reference_tool``)
 REFERENCES = {"memcpy": "numpy.copyto", "fio": "fio", "nixl": "NIXL POSIX", "lmcache": "LMCache local disk"}
@@ -203,9 +201,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--head-dim", type=positive_int, default=128, metavar="N", help="KVGeometry.head_dim (default 128)")
     g.add_argument("--lmcache-odirect", action="store_true",
                    help="LMCache's local disk backend with use_odirect (default: its default, buffered files)")
-    g.add_argument("--warmup", type=nonneg_int, default=1, metavar="N",
-                   help="pairs run first and discarded per case (default 1)")
-    g.add_argument("--fio", metavar="PATH", help="fio executable (default: fio on PATH)")
+    add_warmup(g)
+    add_fio(g)
 
 
 # -- the suite -------------------------------------------------------------------------------------------------

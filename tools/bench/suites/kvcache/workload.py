@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from tools.bench.common import (
     BUILD_HINT,
     GIB,
+    MIB,
     BenchSetupError,
     CpuMeter,
     RunResult,
@@ -34,7 +35,6 @@ from tools.bench.pairs import SideFailed
 __all__ = ["MODEL_ID", "ENV_HINT", "Peer", "PeerKind", "HostBlocks", "Bench", "PinnedSide", "BlockTier",
            "block_latency", "timed_batches"]
 
-MIB = 1 << 20
 MODEL_ID = "sfstore-bench"
 #: How to get the third-party references (NIXL, LMCache): their own environment.
 ENV_HINT = "create .venv-kvbench with tools/kvbench-env.sh and run the suite with .venv-kvbench/bin/python"
