@@ -18,8 +18,8 @@ fails to. The callback marks the checkpoints whose save finished: once the ``Tra
 checkpoint with a record whose files match it, the one to resume from.
 
 What sfstore reads: the commit record (JSON) and the checkpoint's bytes, to check them. It does not unpickle
-anything: ``optimizer.pt``, ``scheduler.pt`` and ``rng_state.pth`` are the ``Trainer``'s own ``torch.save``
-files, which it (not sfstore) loads on resume.
+anything: ``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth`` and ``training_args.bin`` are the ``Trainer``'s
+own ``torch.save`` files, which it (not sfstore) loads on resume.
 
 Rotation (``save_total_limit``): the ``Trainer`` removes old checkpoints at the end of its save, before the
 callback commits the new one, and always keeps the newest. With ``save_total_limit=1`` that removes the last
@@ -219,14 +219,16 @@ class SfstoreTrainerCallback(TrainerCallback):
     save cut short there is never taken for the old, committed one.
 
     Only the process that writes the ``Trainer``'s own files (``args.should_save``: world rank 0, or each
-    node's first process with ``save_on_each_node``) writes records; in a distributed run every rank first
-    waits for the others (``torch.distributed.barrier``), as each writes files of its own into the checkpoint.
+    node's first process with ``save_on_each_node``) writes records. In a distributed run
+    (``torch.distributed`` initialized) the ranks meet at a ``torch.distributed.barrier`` before the commit, as
+    each writes files of its own into the checkpoint, and after an old record's removal, before any rank writes.
 
     Notes
     -----
     Commit costs one read of the checkpoint's bytes (just written, so mostly from the page cache) and the
     ``fsync`` the ``Trainer`` never does. ``sfstore`` does not read the ``Trainer``'s pickled files
-    (``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``) other than as bytes to checksum.
+    (``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth``, ``training_args.bin``) other than as bytes to
+    checksum.
 
     With ``save_strategy="best"`` the ``Trainer`` decides to save only after evaluating, so a record of the step
     being evaluated is removed at each evaluation (a save may follow) and rewritten when it does.
@@ -272,6 +274,8 @@ class SfstoreTrainerCallback(TrainerCallback):
             directory = self._directory(args, state)
             if os.path.isdir(directory):
                 _uncommit(directory)
+        # No rank starts writing its own files over the folder while the record may still be there.
+        _barrier()
 
     @staticmethod
     def _directory(args: TrainingArguments, state: TrainerState) -> str:

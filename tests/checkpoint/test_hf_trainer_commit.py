@@ -87,10 +87,10 @@ class _Steps(transformers.TrainerCallback):
 
 
 def _trainer(output_dir: str, max_steps: int, *, callbacks: list[Any] | None = None, data_seed: int = 1,
-             save_total_limit: int | None = None, cls: Any = None) -> Any:
+             save_total_limit: int | None = None, cls: Any = None, save_strategy: str = "steps") -> Any:
     # A constant rate: a decaying one follows max_steps, so a resumed run could not be compared with one run.
     args = transformers.TrainingArguments(
-        output_dir=output_dir, max_steps=max_steps, save_strategy="steps", save_steps=SAVE_EVERY,
+        output_dir=output_dir, max_steps=max_steps, save_strategy=save_strategy, save_steps=SAVE_EVERY,
         save_total_limit=save_total_limit, per_device_train_batch_size=4, learning_rate=1e-2,
         lr_scheduler_type="constant", report_to=[], use_cpu=True, seed=0, data_seed=0,
         logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
@@ -309,6 +309,15 @@ def test_rotation_keeps_committed_checkpoints(root: Path, caplog: pytest.LogCapt
     assert last_committed_checkpoint(one) == os.path.join(one, "checkpoint-4")
 
 
+def test_epoch_saves_are_committed(root: Path) -> None:
+    """``save_strategy="epoch"`` (16 samples, batches of 4: a save every 4 steps): each is committed too."""
+    out = local_path("sf://runs/epochs")
+    _trainer(out, 8, save_strategy="epoch").train()
+    assert sorted(os.listdir(out)) == ["checkpoint-4", "checkpoint-8"]
+    assert all(os.path.exists(os.path.join(out, d, COMMIT_NAME)) for d in ("checkpoint-4", "checkpoint-8"))
+    assert last_committed_checkpoint(out) == os.path.join(out, "checkpoint-8")
+
+
 class _FailSecondSave(transformers.Trainer):
     """A Trainer whose save of ``checkpoint-4`` fails after writing the model and optimizer (as a crash would
     leave it, in this process)."""
@@ -373,6 +382,39 @@ def test_commit_checkpoint_by_hand_and_bad_input(root: Path, tmp_path: Path) -> 
         last_committed_checkpoint("sf://../elsewhere")
     assert last_committed_checkpoint(tmp_path / "not-yet") is None
     assert last_committed_checkpoint("sf://runs/not-yet") is None
+
+
+_DDP_CHILD = """
+import json, os, sys
+sys.path.insert(0, sys.argv[2])
+import torch, transformers
+import test_hf_trainer_commit as t
+from sfstore.checkpoint.hf_trainer import SfstoreTrainerCallback
+args = transformers.TrainingArguments(
+    output_dir=sys.argv[1], max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=2,
+    learning_rate=1e-2, lr_scheduler_type="constant", report_to=[], use_cpu=True, seed=0,
+    logging_strategy="no", disable_tqdm=True, ddp_backend="gloo")
+trainer = transformers.Trainer(model=t._model(), args=args, train_dataset=t._Tokens(),
+                               callbacks=[SfstoreTrainerCallback()])
+trainer.train()
+assert torch.distributed.get_world_size() == 2
+"""
+
+
+def test_two_ranks_commit_once_with_both_ranks_files(root: Path, tmp_path: Path) -> None:
+    """Two ranks (``torchrun``, gloo on the CPU): no rank hangs at the callback's barriers, and rank 0's record
+    names each rank's own file (``rng_state_0.pth``, ``rng_state_1.pth``), written before it committed."""
+    script = tmp_path / "ddp_child.py"
+    script.write_text(_DDP_CHILD)
+    out = local_path("sf://runs/ddp")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    str(script), out, os.path.dirname(__file__)], check=True, timeout=300, capture_output=True)
+    for step in (2, 4):
+        directory = os.path.join(out, f"checkpoint-{step}")
+        files = json.loads(Path(directory, COMMIT_NAME).read_text())["files"]
+        assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "trainer_state.json"} <= set(files)
+        assert set(files) == set(_files(directory)) - {COMMIT_NAME}
+    assert last_committed_checkpoint(out) == os.path.join(out, "checkpoint-4")
 
 
 def test_sfstore_imports_without_transformers() -> None:
