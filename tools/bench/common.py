@@ -36,6 +36,8 @@ __all__ = [
     "mount_of",
     "check_bench_dir",
     "default_bench_dir",
+    "bench_dir",
+    "drop_and_check",
     "summarize_pairs",
     "median_extras",
     "side_summary",
@@ -242,6 +244,55 @@ def check_bench_dir(directory: str | os.PathLike[str]) -> Mount | None:
                               "filesystems do not do O_DIRECT the way disks do; give --dir a directory on a disk "
                               "filesystem")
     return mount
+
+
+def bench_dir(given: str | None, *under: str) -> tuple[str, Mount | None]:
+    """The benchmark directory of a suite: ``given`` (``--dir``), else :func:`default_bench_dir` joined with
+    ``under``; created and checked by :func:`check_bench_dir`.
+
+    Parameters
+    ----------
+    given : str or None
+        ``--dir``.
+    *under : str
+        Sub-directories of the default one (e.g. ``files``).
+
+    Returns
+    -------
+    tuple
+        ``(directory, mount)``.
+    """
+    directory = given or os.path.join(default_bench_dir(), *under)
+    return directory, check_bench_dir(directory)
+
+
+def drop_and_check(label: str, paths: Iterable[str | os.PathLike[str]],
+                   probe: Iterable[str | os.PathLike[str]] | None = None) -> int | None:
+    """Make every file of ``paths`` cold (:func:`drop_cache`) and say what the page cache still holds of ``probe``
+    (default: the same files), warning under ``label`` when it holds something.
+
+    Parameters
+    ----------
+    label : str
+        The case, for the warning.
+    paths : iterable of str or os.PathLike
+        The files a run reads or writes.
+    probe : iterable of str or os.PathLike, optional
+        The files to ask ``fincore`` about (a sample, where there are many).
+
+    Returns
+    -------
+    int or None
+        Resident bytes of ``probe`` (:func:`resident_bytes`), None when it cannot tell.
+    """
+    files = list(paths)
+    for path in files:
+        drop_cache(path)
+    counts = [resident_bytes(p) for p in (files if probe is None else probe)]
+    resident = None if any(n is None for n in counts) else sum(int(n or 0) for n in counts)
+    if resident:
+        warn(f"{label}: {resident} bytes stay in the page cache after fsync + DONTNEED (fincore)")
+    return resident
 
 
 def default_bench_dir() -> str:

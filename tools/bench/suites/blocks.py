@@ -87,8 +87,8 @@ from tools.bench.common import (
     RunResult,
     Table,
     batch_latency,
-    check_bench_dir,
-    default_bench_dir,
+    bench_dir,
+    drop_and_check,
     drop_cache,
     evaluate_ratio_goals,
     format_size,
@@ -96,7 +96,6 @@ from tools.bench.common import (
     io_engine,
     machine_info,
     median_extras,
-    resident_bytes,
     side_summary,
     summarize_pairs,
     utc_now,
@@ -568,8 +567,7 @@ def _target(args: argparse.Namespace, size: int) -> tuple[str, int | None, str, 
         if not stat.S_ISBLK(mode):
             raise BenchSetupError(f"--device {dev}: not a block device (give an image directory with --dir instead)")
         return dev, None, "", None
-    directory = args.dir or default_bench_dir()
-    mount = check_bench_dir(directory)
+    directory, mount = bench_dir(args.dir)
     path = os.path.join(directory, f"blocks-{format_size(size)}.img")
     if not os.path.exists(path):
         st = os.statvfs(directory)
@@ -653,10 +651,9 @@ def _run_case(bench: _Bench, fio: str, case: Case) -> dict[str, Any]:
     outstanding = 1 if case.sync else bench.outstanding
     rss = PeakRss()
     rss.start()
-    bench.drop()
-    resident = resident_bytes(bench.target) if not args.device else None
-    if resident:
-        warn(f"{case.name}: {resident} bytes of {bench.target} stay in the page cache after fsync + DONTNEED")
+    resident = drop_and_check(case.name, [bench.target], probe=() if args.device else None)
+    if args.device:
+        resident = None  # fincore reads files, not devices
 
     def run_ours(run: int) -> RunResult:
         ws.order_gets(run)

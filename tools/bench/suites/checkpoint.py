@@ -61,13 +61,12 @@ from tools.bench.common import (
     PeakRss,
     RunResult,
     Table,
-    check_bench_dir,
-    default_bench_dir,
+    bench_dir,
+    drop_and_check,
     drop_cache,
     format_size,
     fsync_path,
     machine_info,
-    resident_bytes,
     side_summary,
     summarize_pairs,
     utc_now,
@@ -608,12 +607,7 @@ def _run_case(ctx: _Context, spec: CaseSpec, label: str, saved: set[str]) -> dic
     if spec.op == "load":
         tool = _SAVE_OF.get(spec.ours)
         if tool and os.path.exists(ctx.out(tool)):
-            for f in _files_of(ctx.out(tool)):
-                drop_cache(f)
-            counts = [resident_bytes(f) for f in _files_of(ctx.out(tool))]
-            resident = None if any(c is None for c in counts) else sum(int(c or 0) for c in counts)
-            if resident:
-                warn(f"{spec.name(label)}: {resident} bytes stay in the page cache after fsync + DONTNEED")
+            resident = drop_and_check(spec.name(label), _files_of(ctx.out(tool)))
     warmup = max(0, int(getattr(ctx.args, "warmup", 0)))
 
     def run_ours(pair: int) -> RunResult:
@@ -927,8 +921,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         import xxhash  # noqa: F401
     except ImportError as exc:
         raise BenchSetupError(f"the checkpoint suite needs torch, safetensors and xxhash: {exc}") from None
-    directory = args.dir or default_bench_dir()
-    mount = check_bench_dir(directory)
+    directory, mount = bench_dir(args.dir)
     work = os.path.join(directory, f"checkpoint-{label}")
     os.makedirs(work, exist_ok=True)
     need_fio = any(s.reference == "fio" for s in specs)

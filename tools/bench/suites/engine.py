@@ -41,14 +41,13 @@ from tools.bench.common import (
     RatioGoal,
     RunResult,
     Table,
-    check_bench_dir,
-    default_bench_dir,
+    bench_dir,
+    drop_and_check,
     drop_cache,
     evaluate_ratio_goals,
     format_size,
     io_engine,
     machine_info,
-    resident_bytes,
     side_summary,
     summarize_pairs,
     utc_now,
@@ -413,8 +412,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = int(args.size)
     if size < _MIN_ALIGN or size % _MIN_ALIGN:
         raise BenchSetupError(f"--size {size}: must be a positive multiple of 4k (O_DIRECT works in whole sectors)")
-    directory = args.dir or default_bench_dir()
-    mount = check_bench_dir(directory)
+    directory, mount = bench_dir(args.dir)
     fio = find_fio(args.fio)
     engine_mod = _import("sfstore.engine", "get_engine")
     path, reused = prepare_file(directory, size)
@@ -467,10 +465,7 @@ def _run_case(engine_mod: Any, fio: str, args: argparse.Namespace, case: Case, p
     rss.start()
     side = _SfstoreSide(engine_mod, args, case, path, offsets)
     try:
-        drop_cache(path)
-        resident = resident_bytes(path)
-        if resident:
-            warn(f"{case.name}: {resident} bytes of {path} stay in the page cache after fsync + DONTNEED (fincore)")
+        resident = drop_and_check(case.name, [path])
 
         def run_ours(pair: int) -> RunResult:
             drop_cache(path)

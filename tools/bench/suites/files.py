@@ -73,14 +73,13 @@ from tools.bench.common import (
     PeakRss,
     RunResult,
     Table,
-    check_bench_dir,
-    default_bench_dir,
+    bench_dir,
+    drop_and_check,
     drop_cache,
     format_size,
     fsync_path,
     import_for_bench,
     machine_info,
-    resident_bytes,
     side_summary,
     summarize_pairs,
     utc_now,
@@ -726,8 +725,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchSetupError("--small-count and --small-size must be at least 1")
     cases = select_cases(all_cases(size, count, small_size), args.cases, args.quick,
                          quick_names(size, count, small_size))
-    directory = args.dir or os.path.join(default_bench_dir(), "files")
-    mount = check_bench_dir(directory)
+    directory, mount = bench_dir(args.dir, "files")
     skipped: list[dict[str, str]] = []
     fio: str | None = None
     if any(c.reference_tool == "fio" for c in cases):
@@ -847,12 +845,8 @@ def _run_case(runner: _Runner, case: Case, dest: _Destination | None) -> dict[st
         ref_fn = runner.cat_many(lambda: local.cat(paths), "LocalFileSystem.cat(list)",
                                  lambda d: [d[k] for k in local_keys])
     drop = runner.drop_big if big else runner.drop_small
-    drop()
-    probe = [data.big_path] if big else data.small_paths[:16]
-    res = [resident_bytes(p) for p in probe]
-    resident = None if any(r is None for r in res) else sum(int(r or 0) for r in res)
-    if resident:
-        warn(f"{case.name}: {resident} bytes stay in the page cache after fsync + DONTNEED (fincore)")
+    resident = drop_and_check(case.name, [data.big_path] if big else data.small_paths,
+                              probe=None if big else data.small_paths[:16])
     def run_ours(pair: int) -> RunResult:
         drop()
         try:

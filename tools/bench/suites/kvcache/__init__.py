@@ -84,14 +84,12 @@ from tools.bench.common import (
     RatioGoal,
     RunResult,
     Table,
-    check_bench_dir,
-    default_bench_dir,
-    drop_cache,
+    bench_dir,
+    drop_and_check,
     evaluate_ratio_goals,
     format_size,
     machine_info,
     median_extras,
-    resident_bytes,
     side_summary,
     summarize_pairs,
     utc_now,
@@ -217,8 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """
     cases = select_cases(args.cases, args.quick)
     size = int(args.size if args.size is not None else (_QUICK_SIZE if args.quick else _DEFAULT_SIZE))
-    directory = args.dir or default_bench_dir()
-    mount = check_bench_dir(directory)
+    directory, mount = bench_dir(args.dir)
     warn_if_few_pairs(args.repeat)
     if any(c.reference == "fio" for c in cases):
         find_fio(args.fio)
@@ -309,10 +306,7 @@ def _run_case(bench: Bench, case: Case) -> dict[str, Any]:
     rss = PeakRss()
     resident = None
     if case.tier == "block":
-        drop_cache(bench.block_tier().image)
-        resident = resident_bytes(bench.block_tier().image)
-        if resident:
-            warn(f"{case.name}: {resident} bytes of the image stay in the page cache after fsync + DONTNEED")
+        resident = drop_and_check(case.name, [bench.block_tier().image])
 
     def run_ours(pair: int) -> RunResult:
         try:
