@@ -97,9 +97,14 @@ def _ours(name: str) -> bool:
 
 
 def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
-    """Each directory under ``top`` (``top`` included, symlinked directories not followed) with its file names
-    (relative to ``top``, ``/``-separated), the commit record and its temporary names left out at the top."""
+    """Each directory under ``top`` (``top`` included) with its file names (relative to ``top``,
+    ``/``-separated), the commit record and its temporary names left out at the top. A symlink is an ``ELOOP``
+    error: what it points to is not part of the folder, and could change without the folder changing."""
     for here, dirs, files in os.walk(top, onerror=_raise):
+        for name in dirs + files:
+            if os.path.islink(os.path.join(here, name)):
+                raise OSError(errno.ELOOP, "a symbolic link in the checkpoint (only files and directories are "
+                              "recorded)", os.path.join(here, name))
         dirs.sort()
         rel = os.path.relpath(here, top)
         if rel == ".":
@@ -116,11 +121,11 @@ def commit_checkpoint(directory: str | os.PathLike[str]) -> str:
     """Make the checkpoint ``directory`` durable and publish its commit record; return the record's path.
 
     Every file under ``directory`` is read (its size and xxh3-64 recorded) and ``fsync``-ed, then every
-    directory, ``directory``'s own entry in its parent included; then the record is written under a temporary
-    name, ``fsync``-ed, renamed to :data:`COMMIT_NAME` and the directory ``fsync``-ed again. A crash at any
-    moment leaves either no record or a complete one over durable files. :class:`SfstoreTrainerCallback` calls
-    this after each ``Trainer`` save; call it yourself after writing a checkpoint by other means (one
-    ``checkpoint-N`` folder, all its writers finished).
+    directory, ``directory``'s own entry in its parent included (a symlink among them is refused); then the
+    record is written under a temporary name, ``fsync``-ed, renamed to :data:`COMMIT_NAME` and the directory
+    ``fsync``-ed again. A crash at any moment leaves either no record or a complete one over durable files.
+    :class:`SfstoreTrainerCallback` calls this after each ``Trainer`` save; call it yourself after writing a
+    checkpoint by other means (one ``checkpoint-N`` folder, all its writers finished).
 
     Parameters
     ----------

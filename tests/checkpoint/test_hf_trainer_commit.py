@@ -364,6 +364,11 @@ def test_commit_checkpoint_by_hand_and_bad_input(root: Path, tmp_path: Path) -> 
     (d / "sub" / "b.json").write_text("[]")
     assert last_committed_checkpoint(tmp_path / "out") is None
 
+    (d / "link").symlink_to(d / "a.bin")
+    with pytest.raises(errors.SfstoreOSError, match="symbolic link"):
+        commit_checkpoint(d)
+    (d / "link").unlink()
+
     (tmp_path / "plain").mkdir()
     with pytest.raises(errors.InvalidRequestError, match="checkpoint-<step>"):
         commit_checkpoint(tmp_path / "plain")
