@@ -5,17 +5,28 @@ The guest is Debian bookworm with Debian's stock kernel, booted under QEMU TCG (
 cannot boot that kernel). Inside it ``guest-init`` brings up soft-RoCE (``rxe0``), an NVMe-oF target on an
 ``rdma`` port and an NFS server exporting over ``rdma 20049`` with a ``proto=rdma`` mount, then runs pytest.
 
+Scenarios (``--scenario``, default ``all``: one, then the other):
+
+- ``single``: one guest runs ``tests/integration`` (the pytest args given) against its own endpoints.
+- ``two-node``: two guests boot the same base image and payload with a role each on the kernel command line:
+  node A, ``prefill``, is also the storage server (NFS over RDMA export, NVMe-oF target with one subsystem per
+  node) and node B, ``decode``, mounts A's export over RDMA; each has its own soft-RoCE device on its one NIC,
+  and the two NICs are joined by QEMU's UDP socket netdev on the host's loopback (a network with nothing else
+  on it). Both run ``tests/integration/test_two_nodes.py``, each its role's half of every test, meeting at a
+  coordinator on node A; the steps' timings come back as stages of the summary.
+
 Caching (``.testbed/`` in the repository, or ``$SFSTORE_TESTBED_DIR``):
 
 - ``base-<hash>/``: root image, uncompressed kernel, busybox initramfs. ``<hash>`` covers ``base.toml`` and
   ``initramfs-init``; it is rebuilt only when they change (or with ``--rebuild``). The guest boots it with
   ``snapshot=on``, so runs never modify it.
 - ``debs/``: debootstrap's package cache, kept across base rebuilds.
-- ``run/``: this run's payload disk (sfstore wheel, ``tests/``, ``guest-init``, settings) and console log,
-  made anew on every run.
+- ``run/``: this run's payload disk (sfstore wheel, ``tests/``, ``guest-init``, settings) and console logs
+  (``console.log``, ``console-prefill.log``, ``console-decode.log``), made anew on every run.
 
 Usage: ``tools/testbed/run [testbed options] [--] [pytest args]`` (see ``--help``). The exit status is
-pytest's inside the guest, or one of :data:`EXIT_CODES` when no pytest result came back.
+pytest's inside the guests (the first scenario's that failed), or one of :data:`EXIT_CODES` when no pytest
+result came back.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import queue
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -81,10 +93,21 @@ GUEST_SETTINGS = {
     "NFS_EXPORT": "/export",
     "NFS_MOUNT": "/mnt/nfs",
     "NFS_PORT": "20049",
+    # the two-node scenario: node A (prefill) serves NFS and NVMe-oF on its NIC, one NVMe-oF subsystem per node;
+    # the tests' coordinator (a torch TCPStore, also gloo's rendezvous) listens on node A
+    "PREFILL_IP": "10.0.3.1",
+    "DECODE_IP": "10.0.3.2",
+    "NQN_PREFILL": "nqn.2024-01.io.sfstore:prefill",
+    "NQN_DECODE": "nqn.2024-01.io.sfstore:decode",
+    "TWO_NODE_NVME_SIZE": "64M",
+    "COORD_PORT": "29500",
 }
+# What both guests of the two-node scenario run (each its own role's half of every test).
+TWO_NODE_PYTEST_ARGS = ["tests/integration/test_two_nodes.py", "-v", "-p", "no:randomly"]
+SCENARIOS = ("all", "single", "two-node")
 
 STAGE_BEGIN = re.compile(r"SFSTORE-STAGE-BEGIN (\S+)")
-STAGE_END = re.compile(r"SFSTORE-STAGE-END (\S+) (-?\d+) ([\d.]+)")
+STAGE_END = re.compile(r"SFSTORE-STAGE-END (\S+) (-?\d+) ([\d.]+)(?: (.*))?")
 SETUP_FAILED = re.compile(r"SFSTORE-SETUP-FAILED (\S+)")
 PYTEST_EXIT = re.compile(r"SFSTORE-PYTEST-EXIT=(-?\d+)")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1bc")
@@ -114,6 +137,7 @@ class Options:
     rebuild: bool = False
     build_only: bool = False
     require_wheel: bool = False
+    scenario: str = "all"
     pytest_args: list[str] = field(default_factory=list)
 
 
@@ -227,17 +251,21 @@ def default_python() -> str:
 
 USAGE = """usage: tools/testbed/run [testbed options] [--] [pytest args]
 
-Build (once, cached) and boot the sfstore testbed guest and run pytest tests/integration in it.
-pytest args that name no path under tests/ run tests/integration with those options (e.g. -k probe -x).
+Build (once, cached) and boot the sfstore testbed guest and run pytest tests/integration in it; then boot two
+guests, node A (prefill, also the NFS and NVMe-oF server) and node B (decode), on a network of their own, and
+run tests/integration/test_two_nodes.py on both (each node its half of every test).
+pytest args that name no path under tests/ run tests/integration with those options (e.g. -k probe -x); they
+apply to the single-node run only.
 
 testbed options (each also read from the variable shown):
   --rebuild          rebuild the cached base image even if its recipe did not change
   --build-only       build the base image, wheel and payload, but do not boot
   --require-wheel    fail when sfstore's wheel does not build (SFSTORE_TESTBED_REQUIRE_WHEEL=1); without it
                      the guest falls back to the pure-Python source tree, with a warning
-  --timeout SECONDS  kill the guest after this long (SFSTORE_TESTBED_TIMEOUT, default 1200)
-  --cpus N           guest CPUs (SFSTORE_TESTBED_CPUS, default 2)
-  --memory SIZE      guest memory (SFSTORE_TESTBED_MEMORY, default 2G)
+  --scenario NAME    all (the default: single, then two-node), single or two-node (SFSTORE_TESTBED_SCENARIO)
+  --timeout SECONDS  kill the guests of a scenario after this long (SFSTORE_TESTBED_TIMEOUT, default 1200)
+  --cpus N           CPUs of each guest (SFSTORE_TESTBED_CPUS, default 2)
+  --memory SIZE      memory of each guest (SFSTORE_TESTBED_MEMORY, default 2G)
   --dir PATH         cache folder (SFSTORE_TESTBED_DIR, default .testbed in the repository)
   -h, --help         show this and exit
 other variables: SFSTORE_TESTBED_MIRROR (Debian mirror), SFSTORE_TESTBED_PYTHON (host Python building the
@@ -256,9 +284,10 @@ def parse_args(argv: Sequence[str]) -> Options:
         mirror=default_mirror(),
         python=default_python(),
         require_wheel=env.get("SFSTORE_TESTBED_REQUIRE_WHEEL", "") not in ("", "0"),
+        scenario=env.get("SFSTORE_TESTBED_SCENARIO") or "all",
     )
     args = list(argv)
-    valued = {"--timeout", "--cpus", "--memory", "--dir"}
+    valued = {"--timeout", "--cpus", "--memory", "--dir", "--scenario"}
     while args:
         arg = args[0]
         if arg in ("-h", "--help"):
@@ -285,6 +314,8 @@ def parse_args(argv: Sequence[str]) -> Options:
                 opts.cpus = int(value)
             elif name == "--memory":
                 opts.memory = value
+            elif name == "--scenario":
+                opts.scenario = value
             else:
                 opts.cache_dir = Path(value)
         else:
@@ -294,6 +325,8 @@ def parse_args(argv: Sequence[str]) -> Options:
         args.insert(0, "tests/integration")
     opts.pytest_args = args
     opts.cache_dir = opts.cache_dir.resolve()
+    if opts.scenario not in SCENARIOS:
+        raise SystemExit(f"testbed: --scenario must be one of {', '.join(SCENARIOS)}, not {opts.scenario!r}")
     return opts
 
 
@@ -550,6 +583,7 @@ def build_payload(opts: Options, wheels: Path, run_dir: Path) -> Path:
     (tree / "guest-init").chmod(0o755)
     (tree / "testbed.env").write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in GUEST_SETTINGS.items()))
     (tree / "pytest-args").write_bytes(b"".join(a.encode() + b"\0" for a in opts.pytest_args))
+    (tree / "pytest-args-two-node").write_bytes(b"".join(a.encode() + b"\0" for a in TWO_NODE_PYTEST_ARGS))
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
     if any(wheels.glob("sfstore-*.whl")):
         shutil.copytree(wheels, tree / "wheels")
@@ -573,26 +607,69 @@ def build_payload(opts: Options, wheels: Path, run_dir: Path) -> Path:
 
 @dataclass
 class GuestResult:
-    """What the guest's console said."""
+    """What a guest's console said."""
 
     pytest_exit: int | None = None
     setup_failed: list[str] = field(default_factory=list)
     boot_failure: str | None = None
-    stages: dict[str, float] = field(default_factory=dict)
+    stages: dict[str, tuple[float, str]] = field(default_factory=dict)
     first_marker: float | None = None
     last_stage: str = "boot"
+    seconds: float = 0.0
+    killed: str = ""
 
 
-def qemu_command(opts: Options, base: Path, payload: Path) -> list[str]:
+@dataclass
+class Guest:
+    """One QEMU guest of a scenario: its name in the summary and the console, role and network."""
+
+    name: str
+    role: str  # guest-init's sfstore.role: single, prefill, decode
+    netdev: str  # QEMU -netdev value (id n0)
+    mac: str = "52:54:00:12:34:56"
+
+
+def qemu_command(opts: Options, base: Path, payload: Path, guest: Guest | None = None) -> list[str]:
     """The QEMU command line booting the base image (read-only, snapshot) with the payload disk."""
+    guest = guest or single_guest()
     return [
         "qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", "max",
         "-m", opts.memory, "-smp", str(opts.cpus), "-nographic", "-no-reboot",
         "-kernel", str(base / "vmlinux"), "-initrd", str(base / "initramfs.cpio.gz"),
         "-drive", f"file={base / 'rootfs.img'},if=virtio,format=raw,snapshot=on,cache=unsafe",
         "-drive", f"file={payload},if=virtio,format=raw,readonly=on",
-        "-netdev", "user,id=n0,restrict=on", "-device", "virtio-net-pci,netdev=n0",
-        "-append", "console=ttyS0 panic=-1 loglevel=4 quiet",
+        "-netdev", guest.netdev, "-device", f"virtio-net-pci,netdev=n0,mac={guest.mac}",
+        "-append", f"console=ttyS0 panic=-1 loglevel=4 quiet sfstore.role={guest.role}",
+    ]
+
+
+def single_guest() -> Guest:
+    """The one-guest scenario: qemu user networking (the NIC gets 10.0.2.15), restricted to the guest."""
+    return Guest("guest", "single", "user,id=n0,restrict=on")
+
+
+def free_udp_ports(count: int) -> list[int]:
+    """``count`` distinct UDP ports of 127.0.0.1 free right now."""
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def two_node_guests() -> list[Guest]:
+    """The two-node scenario: node A (prefill, NFS and NVMe-oF server too) and node B (decode), each with one NIC
+    on a network of their own (QEMU's socket netdev over UDP on the host's loopback: one guest's frames are the
+    other's, and nothing else is on it)."""
+    a, b = free_udp_ports(2)
+    return [
+        Guest("prefill", "prefill", f"socket,id=n0,udp=127.0.0.1:{b},localaddr=127.0.0.1:{a}", "52:54:00:5f:00:01"),
+        Guest("decode", "decode", f"socket,id=n0,udp=127.0.0.1:{a},localaddr=127.0.0.1:{b}", "52:54:00:5f:00:02"),
     ]
 
 
@@ -603,7 +680,7 @@ def watch_console(line: str, result: GuestResult, t0: float) -> None:
             result.first_marker = time.monotonic() - t0
         result.last_stage = m.group(1)
     elif m := STAGE_END.search(line):
-        result.stages[m.group(1)] = float(m.group(3))
+        result.stages[m.group(1)] = (float(m.group(3)), (m.group(4) or "").strip())
     elif m := SETUP_FAILED.search(line):
         result.setup_failed.append(m.group(1))
     elif m := PYTEST_EXIT.search(line):
@@ -612,57 +689,112 @@ def watch_console(line: str, result: GuestResult, t0: float) -> None:
         result.boot_failure = (m.group(1) or m.group(2) or "").strip()
 
 
-def boot(opts: Options, base: Path, payload: Path, run_dir: Path, timer: Timer) -> GuestResult:
-    """Boot the guest, stream its console, and return what it reported (killing it at the timeout)."""
-    cmd = qemu_command(opts, base, payload)
-    console_path = run_dir / "console.log"
-    say(f"boot: {shlex.join(cmd)}")
-    say(f"boot: console log {console_path}; timeout {opts.timeout:.0f}s")
-    result = GuestResult()
-    lines: queue.Queue[str | None] = queue.Queue()
+# A guest whose peer stopped gets this long to finish on its own before it is killed (node B waits on node A's
+# NFS server; node A on node B's tests).
+PEER_GRACE_S = 90.0
+
+
+def boot(opts: Options, base: Path, payload: Path, run_dir: Path, timer: Timer,
+         guests: Sequence[Guest] | None = None) -> dict[str, GuestResult]:
+    """Boot the guests together, stream their consoles, and return what each reported (killing them at the
+    timeout, and one whose peer stopped after :data:`PEER_GRACE_S`)."""
+    guests = list(guests or [single_guest()])
+    env = dict(os.environ, TMPDIR=str(run_dir))  # qemu's snapshot overlays go here
+    lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    results = {g.name: GuestResult() for g in guests}
+    width = max(len(g.name) for g in guests)
     t0 = time.monotonic()
-    env = dict(os.environ, TMPDIR=str(run_dir))  # qemu's snapshot overlay goes here
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=env)
-    assert proc.stdout is not None
+    for g in guests:
+        cmd = qemu_command(opts, base, payload, g)
+        say(f"boot {g.name}: {shlex.join(cmd)}")
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=env)
+        procs[g.name] = proc
 
-    def reader() -> None:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            lines.put(raw.decode("utf-8", "replace").rstrip("\r\n").replace("\r", ""))
-        lines.put(None)
+        def reader(name: str = g.name, out: Any = proc.stdout) -> None:
+            for raw in out:
+                lines.put((name, raw.decode("utf-8", "replace").rstrip("\r\n").replace("\r", "")))
+            lines.put((name, None))
 
-    threading.Thread(target=reader, daemon=True).start()
+        threading.Thread(target=reader, daemon=True).start()
+    say(f"boot: console logs {run_dir}/console*.log; timeout {opts.timeout:.0f}s")
     timed_out = False
+    running = {g.name for g in guests}
+    first_stop: float | None = None
     plain = not sys.stdout.isatty()  # logs (CI) get no terminal escapes from the BIOS or pytest's colours
-    with console_path.open("w") as console:
-        while True:
-            remaining = opts.timeout - (time.monotonic() - t0)
-            try:
-                line = lines.get(timeout=max(remaining, 0.01))
-            except queue.Empty:
+    consoles = {g.name: (run_dir / ("console.log" if len(guests) == 1 else f"console-{g.name}.log")).open("w")
+                for g in guests}
+    try:
+        while running:
+            now = time.monotonic()
+            remaining = opts.timeout - (now - t0)
+            if remaining <= 0:
                 timed_out = True
                 break
+            if first_stop is not None and now - first_stop > PEER_GRACE_S:
+                for name in sorted(running):
+                    procs[name].kill()
+                    results[name].killed = f"killed {PEER_GRACE_S:.0f}s after its peer stopped"
+                    say(f"{name}: still running {PEER_GRACE_S:.0f}s after its peer stopped; killed it")
+                first_stop = None
+            try:
+                name, line = lines.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
             if line is None:
-                break
-            console.write(line + "\n")
-            print(f"  | {ANSI.sub('', line) if plain else line}", flush=True)
-            watch_console(line, result, t0)
+                running.discard(name)
+                results[name].seconds = time.monotonic() - t0
+                first_stop = first_stop or time.monotonic()
+                continue
+            consoles[name].write(line + "\n")
+            prefix = "  | " if len(guests) == 1 else f"  {name:<{width}} | "
+            print(f"{prefix}{ANSI.sub('', line) if plain else line}", flush=True)
+            watch_console(line, results[name], t0)
+    finally:
+        for f in consoles.values():
+            f.close()
     if timed_out:
-        proc.kill()
-        say(f"TIMEOUT: the guest did not finish within {opts.timeout:.0f}s (last stage: {result.last_stage}); "
-            f"killed it. Console log: {console_path}")
-    proc.wait()
-    elapsed = time.monotonic() - t0
-    boot_s = result.first_marker if result.first_marker is not None else elapsed
-    timer.add("guest: boot", boot_s, "qemu start to guest-init")
-    for name, seconds in result.stages.items():
-        timer.add(f"guest: {name}", seconds)
-    timer.add("guest: total", elapsed, "qemu start to power-off" + (" (killed at timeout)" if timed_out else ""))
-    if timed_out:
-        result.pytest_exit = None
-        result.boot_failure = "timeout"
-    return result
+        for name in sorted(running):
+            procs[name].kill()
+            say(f"TIMEOUT: {name} did not finish within {opts.timeout:.0f}s (last stage: "
+                f"{results[name].last_stage}); killed it")
+    for name, proc in procs.items():
+        proc.wait()
+        if not results[name].seconds:
+            results[name].seconds = time.monotonic() - t0
+    for g in guests:
+        r = results[g.name]
+        boot_s = r.first_marker if r.first_marker is not None else r.seconds
+        timer.add(f"{g.name}: boot", boot_s, "qemu start to guest-init")
+        for stage, (seconds, note) in r.stages.items():
+            timer.add(f"{g.name}: {stage}", seconds, note)
+        timer.add(f"{g.name}: total", r.seconds, "qemu start to power-off" + (
+            " (killed at timeout)" if timed_out and g.name in running else f" ({r.killed})" if r.killed else ""))
+        if timed_out and g.name in running:
+            r.pytest_exit = None
+            r.boot_failure = "timeout"
+    return results
+
+
+def verdict(scenario: str, results: dict[str, GuestResult], run_dir: Path, timeout: float) -> int:
+    """The exit status of one scenario from its guests' results (the first failing guest's), saying why."""
+    for name, r in results.items():
+        if r.boot_failure == "timeout":
+            say(f"FAILED ({scenario}): {name} was killed after {timeout:.0f}s in stage {r.last_stage}")
+            return EXIT_TIMEOUT
+        if r.pytest_exit is None:
+            why = r.boot_failure or r.killed or "it stopped without printing SFSTORE-PYTEST-EXIT"
+            say(f"FAILED ({scenario}): no pytest result from {name}: {why}. Console logs in {run_dir}")
+            return EXIT_NO_RESULT
+    for name, r in results.items():
+        if r.setup_failed:
+            say(f"{scenario}: {name}'s setup failed in: {', '.join(r.setup_failed)} (see its console log)")
+            if r.pytest_exit == 0:
+                return EXIT_SETUP_FAILED
+    for name, r in results.items():
+        say(f"{scenario}: pytest in {name} exited with {r.pytest_exit}")
+    return next((r.pytest_exit for r in results.values() if r.pytest_exit), 0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -711,22 +843,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"built; not booting (--build-only). Base {base}, payload {payload}")
             print(timer.summary(), flush=True)
             return 0
-        say(f"guest: running pytest {shlex.join(opts.pytest_args)}")
-        result = boot(opts, base, payload, run_dir, timer)
+        runs: list[tuple[str, dict[str, GuestResult]]] = []
+        if opts.scenario in ("all", "single"):
+            say(f"single-node scenario: running pytest {shlex.join(opts.pytest_args)}")
+            runs.append(("single-node", boot(opts, base, payload, run_dir, timer)))
+        if opts.scenario in ("all", "two-node"):
+            say(f"two-node scenario: prefill and decode guests running pytest {shlex.join(TWO_NODE_PYTEST_ARGS)}")
+            runs.append(("two-node", boot(opts, base, payload, run_dir, timer, two_node_guests())))
     print(timer.summary(), flush=True)
-    if result.boot_failure == "timeout":
-        say(f"FAILED: the guest was killed after {opts.timeout:.0f}s in stage {result.last_stage}")
-        return EXIT_TIMEOUT
-    if result.pytest_exit is None:
-        why = result.boot_failure or "it stopped without printing SFSTORE-PYTEST-EXIT"
-        say(f"FAILED: no pytest result from the guest: {why}. Console log: {run_dir / 'console.log'}")
-        return EXIT_NO_RESULT
-    if result.setup_failed:
-        say(f"guest setup failed in: {', '.join(result.setup_failed)} (see the console log above)")
-        if result.pytest_exit == 0:
-            return EXIT_SETUP_FAILED
-    say(f"pytest in the guest exited with {result.pytest_exit}")
-    return result.pytest_exit
+    codes = [verdict(name, results, run_dir, opts.timeout) for name, results in runs]
+    return next((c for c in codes if c), 0)
 
 
 if __name__ == "__main__":
