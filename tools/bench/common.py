@@ -32,6 +32,7 @@ __all__ = [
     "PeakRss",
     "format_size",
     "drop_cache",
+    "random_file",
     "resident_bytes",
     "mount_of",
     "check_bench_dir",
@@ -136,6 +137,59 @@ def fsync_path(path: str | os.PathLike[str], directory: bool = False) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def random_file(path: str, size: int, suite: str) -> bool:
+    """Make ``path`` hold ``size`` bytes of random data, or reuse it when it has that size already.
+
+    The data is written (so no unwritten extent reads as zeros for free and no first write pays for allocation),
+    through a ``.partial`` file renamed into place, and fsynced with its directory.
+
+    Parameters
+    ----------
+    path : str
+        The file.
+    size : int
+        Bytes.
+    suite : str
+        The suite that needs it (for the message when space is short).
+
+    Returns
+    -------
+    bool
+        Whether an existing file of that size was reused.
+
+    Raises
+    ------
+    BenchSetupError
+        When the filesystem lacks the space.
+    """
+    try:
+        if os.stat(path).st_size == size:
+            return True
+    except FileNotFoundError:
+        pass
+    directory = os.path.dirname(os.path.abspath(path))
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if free < size + 64 * MIB:
+        raise BenchSetupError(f"{directory} has {free / GIB:.2f} GiB free; the {suite} bench needs {size / GIB:.2f} "
+                              f"GiB for {os.path.basename(path)} (use --size or --dir)")
+    print(f"preparing {path}: {format_size(size)} of random data (once; later runs reuse it)", flush=True)
+    tmp = f"{path}.partial"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = 0
+        while done < size:
+            n = min(16 * MIB, size - done)
+            os.pwrite(fd, os.urandom(n), done)
+            done += n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_path(directory, directory=True)
+    return False
 
 
 def resident_bytes(path: str | os.PathLike[str]) -> int | None:

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tools.bench.common import (
-    GIB,
     BenchSetupError,
     CpuMeter,
     PeakRss,
@@ -48,6 +47,7 @@ from tools.bench.common import (
     format_size,
     io_engine,
     machine_info,
+    random_file,
     side_summary,
     summarize_pairs,
     utc_now,
@@ -175,55 +175,10 @@ def plan_offsets(case: Case, file_size: int, ops: int, seed: int) -> list[int]:
 
 
 def prepare_file(directory: str, size: int) -> tuple[str, bool]:
-    """Create ``<directory>/engine-<size>.dat`` with ``size`` bytes of random data, or reuse it.
-
-    Parameters
-    ----------
-    directory : str
-        An existing benchmark directory.
-    size : int
-        Bytes.
-
-    Returns
-    -------
-    tuple of (str, bool)
-        The path, and whether an existing file of the right size was reused.
-
-    Raises
-    ------
-    BenchSetupError
-        When the filesystem lacks the space.
-    """
+    """``<directory>/engine-<size>.dat`` with ``size`` bytes of random data (:func:`~tools.bench.common.random_file`):
+    ``(path, whether an existing file was reused)``."""
     path = os.path.join(directory, f"engine-{format_size(size)}.dat")
-    try:
-        if os.stat(path).st_size == size:
-            return path, True
-    except FileNotFoundError:
-        pass
-    st = os.statvfs(directory)
-    if st.f_bavail * st.f_frsize < size + (64 << 20):
-        raise BenchSetupError(f"{directory} has {st.f_bavail * st.f_frsize / GIB:.2f} GiB free; the engine bench "
-                              f"needs a {size / GIB:.2f} GiB file (use --size or --dir)")
-    print(f"preparing {path}: {format_size(size)} of random data (once; later runs reuse it)", flush=True)
-    tmp = path + ".partial"
-    chunk = min(size, 16 << 20)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        done = 0
-        while done < size:
-            n = min(chunk, size - done)
-            os.pwrite(fd, os.urandom(n), done)
-            done += n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return path, False
+    return path, random_file(path, size, "engine")
 
 
 def _threads_arg(text: str) -> int | str:

@@ -80,6 +80,7 @@ from tools.bench.common import (
     fsync_path,
     import_for_bench,
     machine_info,
+    random_file,
     side_summary,
     summarize_pairs,
     utc_now,
@@ -286,27 +287,7 @@ class Dataset:
 
 def _prepare_big(directory: str, size: int) -> tuple[str, bool]:
     name = f"big-{format_size(size)}.dat"
-    path = os.path.join(directory, name)
-    try:
-        if os.stat(path).st_size == size:
-            return name, True
-    except FileNotFoundError:
-        pass
-    print(f"preparing {path}: {format_size(size)} of random data (once; later runs reuse it)", flush=True)
-    tmp = path + ".partial"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        done = 0
-        while done < size:
-            n = min(16 * MIB, size - done)
-            os.pwrite(fd, os.urandom(n), done)
-            done += n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_path(directory, directory=True)
-    return name, False
+    return name, random_file(os.path.join(directory, name), size, "files")
 
 
 def _small_names(count: int, small_size: int) -> tuple[str, list[str]]:

@@ -17,7 +17,6 @@ from typing import Any, Protocol
 
 from tools.bench.common import (
     BUILD_HINT,
-    GIB,
     MIB,
     BenchSetupError,
     CpuMeter,
@@ -27,6 +26,7 @@ from tools.bench.common import (
     format_size,
     import_for_bench,
     io_engine,
+    random_file,
     warn,
 )
 from tools.bench.fio import FioJob, find_fio, run_fio
@@ -131,35 +131,6 @@ class HostBlocks:
             self.map.close()
         except BufferError:
             pass  # a library still holds a view: the mapping goes with the last one
-
-
-def _prepare_file(path: str, size: int) -> None:
-    """Create ``path`` with ``size`` bytes of random data (written, so no unwritten extent reads as zeros for
-    free and no first write pays for allocation), or reuse it when it has that size."""
-    try:
-        if os.stat(path).st_size == size:
-            return
-    except FileNotFoundError:
-        pass
-    directory = os.path.dirname(path)
-    st = os.statvfs(directory)
-    if st.f_bavail * st.f_frsize < size + 64 * MIB:
-        raise BenchSetupError(f"{directory} has {st.f_bavail * st.f_frsize / GIB:.2f} GiB free; the kvcache bench "
-                              f"needs {size / GIB:.2f} GiB more for {os.path.basename(path)} (use --size or --dir)")
-    print(f"preparing {path}: {format_size(size)} of random data (once; later runs reuse it)", flush=True)
-    tmp = f"{path}.partial"
-    chunk = os.urandom(min(size, 16 * MIB))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        done = 0
-        while done < size:
-            n = min(len(chunk), size - done)
-            os.pwrite(fd, chunk[:n] if n < len(chunk) else chunk, done)
-            done += n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def _run_fio(exe: str, job: FioJob) -> RunResult:
@@ -405,7 +376,7 @@ class BlockTier:
         stride_guess = bench.block + 4096
         self.image_size = -(-(bench.n * stride_guess + 16 * MIB) // MIB) * MIB
         self.image = os.path.join(bench.dir, f"kvcache-{bench.label}.img")
-        _prepare_file(self.image, self.image_size)
+        random_file(self.image, self.image_size, "kvcache")
         errors = bench.errors
         try:
             self.bp = bp_mod.BlockPath(self.image, size=self.image_size, engine=self.engine)
