@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from tools.bench.common import BenchSetupError, RunResult
-from tools.bench.pairs import SideFailed, run_pairs, select_cases
+from tools.bench.pairs import Case, SideFailed, run_pairs, select_cases, warn_short_runs
 
 
 def _recorder(log: list[str], side: str, fail_at: int | None = None) -> Callable[[int], RunResult]:
@@ -65,3 +65,23 @@ def test_select_by_globs_and_quick() -> None:
     assert [c.name for c in named] == ["read-1m", "write-1m"]
     with pytest.raises(BenchSetupError, match=r"no t case matches nope \(the cases are read-4k, read-1m, write-1m\)"):
         select_cases("t", cases, ["nope"], (), False)
+
+
+@dataclass(frozen=True)
+class _OpCase(Case):
+    op: str
+
+
+def test_case_writes_for_every_writing_op() -> None:
+    assert [_OpCase(op).writes for op in ("put", "save", "write", "randwrite")] == [True] * 4
+    assert [_OpCase(op).writes for op in ("get", "load", "read", "randread")] == [False] * 4
+
+
+def test_short_runs_are_named(capsys: pytest.CaptureFixture[str]) -> None:
+    def case(name: str, *seconds: float) -> dict[str, object]:
+        return {"name": name, "sfstore": {"runs": [{"seconds": s} for s in seconds]}, "reference": {"status": "n/a"}}
+
+    warn_short_runs([case("fast", 0.5, 0.05), case("slow", 0.5, 0.2)], "; use a bigger --size")
+    assert capsys.readouterr().err == "warning: runs under 0.1s in fast: noisy; use a bigger --size\n"
+    warn_short_runs([case("slow", 0.5)], "")
+    assert capsys.readouterr().err == ""

@@ -15,14 +15,29 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tools.bench.common import BenchSetupError, RunResult, match_any, warn
 
-__all__ = ["SideFailed", "SideRuns", "select_cases", "run_pairs", "warn_if_few_pairs", "MIN_PAIRS"]
+__all__ = ["Case", "SideFailed", "SideRuns", "select_cases", "run_pairs", "warn_if_few_pairs", "warn_short_runs",
+           "MIN_PAIRS", "SHORT_RUN_S"]
 
 #: ``BENCHMARKING.md`` rule 4: at least this many pairs before a ratio is worth quoting.
 MIN_PAIRS = 3
+#: A run shorter than this is noisy (fio times whole milliseconds).
+SHORT_RUN_S = 0.1
+
+
+class Case:
+    """The base of a suite's case: a frozen dataclass of the suite's own, whose fields are the case's shape, whose
+    ``name`` is what ``--cases`` globs match, and whose ``op`` is what sfstore's side does."""
+
+    op: str
+
+    @property
+    def writes(self) -> bool:
+        """Whether sfstore's side writes (``put``, ``save``, ``write``, ``randwrite``)."""
+        return self.op in ("put", "save") or self.op.endswith("write")
 
 
 C = TypeVar("C")
@@ -146,6 +161,14 @@ def run_pairs(ours: Callable[[int], RunResult], theirs: Callable[[int], RunResul
                 continue
             (side.warmup if pair < warmup else side.runs).append(result)
     return sides
+
+
+def warn_short_runs(cases: Iterable[dict[str, Any]], advice: str) -> None:
+    """Warn, with ``advice``, naming the case documents with a run of either side under :data:`SHORT_RUN_S`."""
+    short = [c["name"] for c in cases
+             if any(r["seconds"] < SHORT_RUN_S for r in c["sfstore"].get("runs", []) + c["reference"].get("runs", []))]
+    if short:
+        warn(f"runs under {SHORT_RUN_S}s in {', '.join(short)}: noisy{advice}")
 
 
 def warn_if_few_pairs(repeat: int) -> None:

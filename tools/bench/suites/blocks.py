@@ -76,6 +76,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tools.bench import pairs
 from tools.bench.common import (
     BUILD_HINT,
     GIB,
@@ -103,7 +104,7 @@ from tools.bench.common import (
 )
 from tools.bench.fio import PEAK_RSS_NOTE, FioJob, find_fio, fio_command, fio_version, run_fio
 from tools.bench.options import add_fio, add_warmup, parse_size, positive_int
-from tools.bench.pairs import run_pairs, warn_if_few_pairs
+from tools.bench.pairs import run_pairs, warn_if_few_pairs, warn_short_runs
 from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
 
@@ -117,13 +118,12 @@ OPS = ("put", "get")
 KEY_BYTES = 16
 #: Keys read back and compared after every put run.
 _PUT_SAMPLES = 8
-_SLOW_RUN_S = 0.1
 _DEFAULT_SIZE = 1 << 30
 _QUICK_SIZE = 512 << 20
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(pairs.Case):
     """One pair of sides: ``op`` (``put`` or ``get``) of ``block_size``-byte values; ``sync``: the store side
     makes one synchronous call at a time whatever ``--outstanding`` says."""
 
@@ -135,11 +135,6 @@ class Case:
     def name(self) -> str:
         """``<op>-<block size>[-sync]``, e.g. ``get-256k``, ``get-4k-sync``."""
         return f"{self.op}-{format_size(self.block_size)}" + ("-sync" if self.sync else "")
-
-    @property
-    def writes(self) -> bool:
-        """Whether the case writes."""
-        return self.op == "put"
 
     @property
     def fio_rw(self) -> str:
@@ -632,10 +627,7 @@ def _run(args: argparse.Namespace, bench: _Bench, cases: list[Case], fio: str, d
         results.append(result)
         print(table.row(result), flush=True)
     _print_details(results)
-    short = [c["name"] for c in results
-             if any(r["seconds"] < _SLOW_RUN_S for r in c["sfstore"]["runs"] + c["reference"]["runs"])]
-    if short:
-        warn(f"runs under {_SLOW_RUN_S}s in {', '.join(short)}: noisy (fio times whole ms); use a bigger --size")
+    warn_short_runs(results, " (fio times whole ms); use a bigger --size")
     acceptance = evaluate_goals(results, size=bench.size, batch=bench.batch, qd=bench.qd,
                                 outstanding=bench.outstanding)
     for line in acceptance:

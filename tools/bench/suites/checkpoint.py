@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tools.bench import pairs
 from tools.bench.common import (
     GIB,
     MIB,
@@ -87,7 +88,7 @@ DEFAULT_SHARD_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
-class CaseSpec:
+class CaseSpec(pairs.Case):
     """One pair of sides.
 
     Attributes

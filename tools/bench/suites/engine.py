@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from tools.bench import pairs
 from tools.bench.common import (
     BenchSetupError,
     CpuMeter,
@@ -55,7 +56,7 @@ from tools.bench.common import (
 )
 from tools.bench.fio import PEAK_RSS_NOTE, FioJob, find_fio, fio_command, fio_version, run_fio
 from tools.bench.options import add_fio, nonneg_int, parse_size
-from tools.bench.pairs import run_pairs, warn_if_few_pairs
+from tools.bench.pairs import run_pairs, warn_if_few_pairs, warn_short_runs
 from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
 
@@ -75,11 +76,10 @@ GOALS = (
 QUICK_CASES = tuple(g.case for g in GOALS)
 #: O_DIRECT needs offsets and lengths in whole sectors; every block size here is a multiple of this.
 _MIN_ALIGN = 4096
-_SLOW_RUN_S = 0.1
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(pairs.Case):
     """One I/O shape.
 
     Attributes
@@ -100,11 +100,6 @@ class Case:
     def name(self) -> str:
         """``<op>-<block size>-qd<depth>``, e.g. ``randread-4k-qd32``."""
         return f"{self.op}-{format_size(self.block_size)}-qd{self.queue_depth}"
-
-    @property
-    def writes(self) -> bool:
-        """Whether the case writes."""
-        return self.op.endswith("write")
 
     @property
     def random(self) -> bool:
@@ -384,7 +379,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(table.header(), flush=True)
 
     results: list[dict[str, Any]] = []
-    short_runs: list[str] = []
     unequal: list[str] = []
     for case in cases:
         if case.block_size > size or (alignment and case.block_size % alignment[1]):
@@ -394,13 +388,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result = _run_case(engine_mod, fio, args, case, path, size)
         results.append(result)
         print(table.row(result), flush=True)
-        runs = result["sfstore"]["runs"] + result["reference"]["runs"]
-        if any(r["seconds"] < _SLOW_RUN_S for r in runs):
-            short_runs.append(case.name)
         if not result["same_bytes"]:
             unequal.append(case.name)
-    if short_runs:
-        warn(f"runs under {_SLOW_RUN_S}s in {', '.join(short_runs)}: noisy (fio times whole ms); use a bigger --size")
+    warn_short_runs(results, " (fio times whole ms); use a bigger --size")
     if unequal:
         warn(f"sfstore and fio moved different byte counts in {', '.join(unequal)}: those ratios are not comparable")
     acceptance = evaluate_ratio_goals(GOALS, results)

@@ -88,7 +88,7 @@ from tools.bench.common import (
 )
 from tools.bench.fio import FioJob, find_fio, fio_command, fio_version, run_fio
 from tools.bench.options import add_fio, add_warmup, parse_size
-from tools.bench.pairs import run_pairs, warn_if_few_pairs
+from tools.bench.pairs import run_pairs, warn_if_few_pairs, warn_short_runs
 from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
 
@@ -99,7 +99,6 @@ RSS_LIMIT = 64 * MIB
 _SAMPLE_BLOCK = 4096
 _SAMPLES = 8
 _SMALL_SAMPLES = 16
-_SLOW_RUN_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -758,10 +757,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             d.close()
 
     _print_memory(results)
-    short = [c["name"] for c in results
-             if any(r["seconds"] < _SLOW_RUN_S for r in c["sfstore"]["runs"] + c["reference"]["runs"])]
-    if short:
-        warn(f"runs under {_SLOW_RUN_S}s in {', '.join(short)}: noisy; use a bigger --size / --small-count")
+    warn_short_runs(results, "; use a bigger --size / --small-count")
     unequal = [c["name"] for c in results if not c["same_bytes"]]
     if unequal:
         warn(f"the two sides moved different byte counts in {', '.join(unequal)}: those ratios are not comparable")

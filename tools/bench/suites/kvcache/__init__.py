@@ -77,6 +77,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tools.bench import pairs
 from tools.bench.common import (
     MIB,
     BenchSetupError,
@@ -97,7 +98,7 @@ from tools.bench.common import (
 )
 from tools.bench.fio import PEAK_RSS_NOTE, find_fio, fio_command, fio_version
 from tools.bench.options import add_fio, add_warmup, parse_size, positive_int
-from tools.bench.pairs import SideFailed, run_pairs, warn_if_few_pairs
+from tools.bench.pairs import SideFailed, run_pairs, warn_if_few_pairs, warn_short_runs
 from tools.bench.pairs import select_cases as select_from
 from tools.bench.registry import Suite, register
 from tools.bench.suites.kvcache import lmcache, nixl
@@ -115,11 +116,10 @@ REFERENCES = {"memcpy": "numpy.copyto", "fio": "fio", "nixl": "NIXL POSIX", "lmc
 PEERS: dict[str, PeerKind] = {"nixl": (nixl.probe, nixl.NixlPeer), "lmcache": (lmcache.probe, lmcache.LMCachePeer)}
 _DEFAULT_SIZE = 1 << 30
 _QUICK_SIZE = 256 << 20
-_SLOW_RUN_S = 0.1
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(pairs.Case):
     """One pair of sides: ``op`` (``put``/``get``) of blocks in ``tier`` against ``reference``."""
 
     op: str
@@ -131,10 +131,6 @@ class Case:
         """``<op>-<tier>-vs-<reference>``, e.g. ``get-block-vs-fio``."""
         return f"{self.op}-{self.tier}-vs-{self.reference}"
 
-    @property
-    def writes(self) -> bool:
-        """Whether the case writes."""
-        return self.op == "put"
 
 
 Goal = RatioGoal
@@ -241,10 +237,8 @@ def _run(args: argparse.Namespace, bench: Bench, cases: list[Case], mount: Any) 
         results.append(result)
         print(table.row(result), flush=True)
     _print_details(results)
-    short = [c["name"] for c in results if c["params"]["reference"] == "fio" and c["sfstore"].get("runs")
-             and any(r["seconds"] < _SLOW_RUN_S for r in c["sfstore"]["runs"] + c["reference"]["runs"])]
-    if short:
-        warn(f"runs under {_SLOW_RUN_S}s in {', '.join(short)}: noisy (fio times whole ms); use a bigger --size")
+    warn_short_runs([c for c in results if c["params"]["reference"] == "fio" and c["sfstore"].get("runs")],
+                    " (fio times whole ms); use a bigger --size")
     acceptance = evaluate_goals(results, size=bench.size, batch=bench.batch, qd=bench.qd,
                                 outstanding=bench.outstanding)
     for line in acceptance:
