@@ -33,6 +33,7 @@ __all__ = [
     "format_size",
     "drop_cache",
     "random_file",
+    "check_space",
     "resident_bytes",
     "mount_of",
     "check_bench_dir",
@@ -139,6 +140,15 @@ def fsync_path(path: str | os.PathLike[str], directory: bool = False) -> None:
         os.close(fd)
 
 
+def check_space(directory: str, need: int, what: str, fix: str = "use --size or --dir") -> None:
+    """Refuse a run whose files would not fit: :class:`BenchSetupError` unless ``directory``'s filesystem has
+    ``need`` bytes free; the message says ``what`` needs them and how to ``fix`` it."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise BenchSetupError(f"{directory} has {free / GIB:.2f} GiB free; {what} ({fix})")
+
+
 def random_file(path: str, size: int, suite: str) -> bool:
     """Make ``path`` hold ``size`` bytes of random data, or reuse it when it has that size already.
 
@@ -170,11 +180,8 @@ def random_file(path: str, size: int, suite: str) -> bool:
     except FileNotFoundError:
         pass
     directory = os.path.dirname(os.path.abspath(path))
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
-    if free < size + 64 * MIB:
-        raise BenchSetupError(f"{directory} has {free / GIB:.2f} GiB free; the {suite} bench needs {size / GIB:.2f} "
-                              f"GiB for {os.path.basename(path)} (use --size or --dir)")
+    check_space(directory, size + 64 * MIB,
+                f"the {suite} bench needs {size / GIB:.2f} GiB for {os.path.basename(path)}")
     print(f"preparing {path}: {format_size(size)} of random data (once; later runs reuse it)", flush=True)
     tmp = f"{path}.partial"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -89,6 +89,7 @@ from tools.bench.common import (
     Table,
     batch_latency,
     bench_dir,
+    check_space,
     drop_and_check,
     drop_cache,
     evaluate_ratio_goals,
@@ -565,11 +566,7 @@ def _target(args: argparse.Namespace, size: int) -> tuple[str, int | None, str, 
     directory, mount = bench_dir(args.dir)
     path = os.path.join(directory, f"blocks-{format_size(size)}.img")
     if not os.path.exists(path):
-        st = os.statvfs(directory)
-        free = st.f_bavail * st.f_frsize
-        if free < size + 64 * MIB:
-            raise BenchSetupError(f"{directory} has {free / GIB:.2f} GiB free; the blocks bench needs a "
-                                  f"{size / GIB:.2f} GiB image (use --size or --dir)")
+        check_space(directory, size + 64 * MIB, f"the blocks bench needs a {size / GIB:.2f} GiB image")
         print(f"preparing {path}: a preallocated {format_size(size)} image (once; later runs reuse it)", flush=True)
     return path, size, directory, mount
 

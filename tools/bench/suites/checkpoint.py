@@ -63,6 +63,7 @@ from tools.bench.common import (
     RunResult,
     Table,
     bench_dir,
+    check_space,
     drop_and_check,
     drop_cache,
     format_size,
@@ -927,11 +928,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(work, exist_ok=True)
     need_fio = any(s.reference == "fio" for s in specs)
     fio = find_fio(args.fio) if need_fio else None
-    st = os.statvfs(directory)
     need = 7 * size + 256 * MIB
-    if st.f_bavail * st.f_frsize < need:
-        raise BenchSetupError(f"{directory} has {st.f_bavail * st.f_frsize / GIB:.2f} GiB free; the checkpoint bench "
-                              f"needs about {need / GIB:.2f} GiB (use --size or --dir)")
+    check_space(directory, need, f"the checkpoint bench needs about {need / GIB:.2f} GiB")
     warn_if_few_pairs(args.repeat)
 
     from sfstore.paths.file import FilePath

@@ -74,6 +74,7 @@ from tools.bench.common import (
     RunResult,
     Table,
     bench_dir,
+    check_space,
     drop_and_check,
     drop_cache,
     format_size,
@@ -359,14 +360,12 @@ def prepare_dataset(directory: str, size: int, small_count: int, small_size: int
         When the filesystem lacks the space.
     """
     need = (size if big else 0) + (small_count * max(small_size, 4096) if small else 0)
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
     have = 0
     if big and os.path.exists(os.path.join(directory, f"big-{format_size(size)}.dat")):
         have += size
-    if need - have > 0 and free < need - have + 64 * MIB:
-        raise BenchSetupError(f"{directory} has {free / GIB:.2f} GiB free; the files bench needs "
-                              f"{need / GIB:.2f} GiB of data (use --size, --small-count or --dir)")
+    if need - have > 0:
+        check_space(directory, need - have + 64 * MIB, f"the files bench needs {need / GIB:.2f} GiB of data",
+                    "use --size, --small-count or --dir")
     reused: dict[str, bool] = {}
     big_name = f"big-{format_size(size)}.dat"
     if big:
