@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import threading
-import weakref
 from collections.abc import Iterable
 
-__all__ = ["Counters"]
+from sfstore import forks
 
-_live: weakref.WeakSet[Counters] = weakref.WeakSet()
+__all__ = ["Counters"]
 
 
 class Counters:
@@ -23,7 +21,10 @@ class Counters:
         self._keys = tuple(keys)
         self._lock = threading.Lock()
         self._values = dict.fromkeys(self._keys, 0)
-        _live.add(self)
+        forks.after_fork(self._new_lock)
+
+    def _new_lock(self) -> None:
+        self._lock = threading.Lock()
 
     def add(self, **deltas: int) -> None:
         """Add ``deltas`` (one keyword per counter)."""
@@ -40,12 +41,3 @@ class Counters:
         """Set every counter to 0."""
         with self._lock:
             self._values = dict.fromkeys(self._keys, 0)
-
-
-def _after_fork_in_child() -> None:
-    for c in list(_live):
-        c._lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from sfstore import defaults, errors
+from sfstore import defaults, errors, forks
 from sfstore.buffers import RegisteredBufferPool, native_available
 from sfstore.checkpoint._fs import DATA_CLASS
 from sfstore.paths.base import Range
@@ -97,17 +97,17 @@ class LoadBuffers:
         self._pools: dict[int, RegisteredBufferPool] = {}
         self._taken: dict[int, int] = {}
         self._active = 0
-        self._pid = os.getpid()
+        forks.after_fork(self._after_fork_in_child)
 
-    def _check_pid(self) -> None:
-        if self._pid != os.getpid():  # a forked child: the parent's pools are not ours to hand out
-            self._pools, self._taken, self._active, self._pid = {}, {}, 0, os.getpid()
+    def _after_fork_in_child(self) -> None:
+        # The parent's pools are not the child's to hand out, nor are its sessions running here.
+        self._lock = threading.Lock()
+        self._pools, self._taken, self._active = {}, {}, 0
 
     @contextmanager
     def session(self) -> Iterator[LoadBuffers]:
         """Take buffers with :meth:`take` inside; the kept buffers are trimmed when the last session ends."""
         with self._lock:
-            self._check_pid()
             self._active += 1
         try:
             yield self
@@ -121,7 +121,6 @@ class LoadBuffers:
             return HostBuffer(nbytes)
         size = round_size(nbytes)
         with self._lock:
-            self._check_pid()
             pool = self._pools.get(size)
             if pool is None:
                 pool = self._pools[size] = RegisteredBufferPool(size)
@@ -151,7 +150,6 @@ class LoadBuffers:
         """``idle_bytes`` (kept for the next load), ``in_use_bytes`` (held by loads' tensors) and ``pools``."""
         idle = in_use = 0
         with self._lock:
-            self._check_pid()
             pools = list(self._pools.items())
         for size, pool in pools:
             st = pool.stats()
@@ -163,7 +161,6 @@ class LoadBuffers:
         """Free every idle buffer now (buffers still held by tensors are freed when those die); returns the
         bytes freed."""
         with self._lock:
-            self._check_pid()
             pools, self._pools, self._taken = self._pools, {}, {}
         freed = 0
         for size, pool in pools.items():

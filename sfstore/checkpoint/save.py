@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from sfstore import defaults, errors
+from sfstore import defaults, errors, forks
 from sfstore.arguments import check_timeout
 from sfstore.checkpoint import _fs, hf
 from sfstore.checkpoint import safetensors_format as stf
@@ -584,15 +584,17 @@ class _IdleBuffers:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.idle: list[HostBuffer] = []
-        self.pid = os.getpid()
+        forks.after_fork(self._after_fork_in_child)
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's buffers are not the child's to hand out.
+        self.lock = threading.Lock()
+        self.idle = []
 
     def take(self, nbytes: int) -> HostBuffer:
         """An idle buffer of the same rounded size as ``nbytes`` if there is one, else a new one."""
         want = round_size(nbytes)
         with self.lock:
-            if self.pid != os.getpid():  # a forked child: the parent's buffers are not ours to hand out
-                self.idle = []
-                self.pid = os.getpid()
             for i, hb in enumerate(self.idle):
                 if hb.capacity == want:
                     del self.idle[i]
@@ -606,7 +608,7 @@ class _IdleBuffers:
         keep = ok and bool(defaults.get("checkpoint_reuse_buffers"))
         with self.lock:
             old, self.idle = self.idle, []
-            if keep and self.pid == os.getpid():
+            if keep:
                 self.idle = list(buffers)
         for hb in old + ([] if keep else buffers):
             hb.release()
@@ -614,12 +616,12 @@ class _IdleBuffers:
     def idle_bytes(self) -> int:
         """Bytes of the buffers kept for the next save."""
         with self.lock:
-            return sum(hb.capacity for hb in self.idle) if self.pid == os.getpid() else 0
+            return sum(hb.capacity for hb in self.idle)
 
     def free(self) -> int:
         """Free the kept buffers now; returns their bytes."""
         with self.lock:
-            old, self.idle = (self.idle if self.pid == os.getpid() else []), []
+            old, self.idle = self.idle, []
         for hb in old:
             hb.release()
         return sum(hb.capacity for hb in old)

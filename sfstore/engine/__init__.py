@@ -21,7 +21,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from sfstore import defaults, errors
+from sfstore import defaults, errors, forks
 from sfstore.engine.base import IOEngine, IOFuture, Request, direct_io_alignment
 
 __all__ = [
@@ -51,8 +51,7 @@ def _after_fork_in_child() -> None:
     _cache.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forks.after_fork(_after_fork_in_child)
 
 
 def _native_module() -> ModuleType:

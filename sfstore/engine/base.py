@@ -16,14 +16,13 @@ import math
 import os
 import stat
 import struct
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NamedTuple
 
-from sfstore import defaults, errors
+from sfstore import defaults, errors, forks
 from sfstore.buffers import as_buffer
 from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
@@ -107,21 +106,6 @@ def fd_path(fd: int) -> str | None:
         return os.readlink(f"/proc/self/fd/{fd}")
     except (OSError, ValueError, OverflowError):
         return None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Fork handling: objects that own threads or locks reset themselves in a forked child.
-
-_fork_targets: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for target in list(_fork_targets):
-        target._after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class EngineStats(Counters):
@@ -289,7 +273,7 @@ class IOEngine(ABC):
         self.supports_direct_io = supports_direct_io
         self._closed = False
         self._counters = EngineStats()
-        _fork_targets.add(self)
+        forks.after_fork(self._after_fork_in_child)
 
     @property
     def closed(self) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import thread as _futures_thread
 
-from sfstore import defaults, errors
+from sfstore import defaults, errors, forks
 from sfstore.engine.base import (
     CheckedRequest,
     IOEngine,
@@ -43,7 +43,8 @@ class _PythonFuture(IOFuture):
         self._event = threading.Event()
         self._causes: dict[int, BaseException] = {}
         self._moved = [0, 0]  # direct, bounced; updated under the batch lock
-        self._pid = os.getpid()
+        self._forked = False
+        forks.after_fork(self._after_fork_in_child)
 
     def transferred(self) -> tuple[int, int]:
         return (self._moved[0], self._moved[1])
@@ -51,9 +52,12 @@ class _PythonFuture(IOFuture):
     def done(self) -> bool:
         return self._event.is_set()
 
+    def _after_fork_in_child(self) -> None:
+        self._forked = True
+
     def _check_process(self) -> None:
         # In a forked child the workers running this batch stayed in the parent: it never finishes here.
-        if not self._event.is_set() and os.getpid() != self._pid:
+        if self._forked and not self._event.is_set():
             raise errors.EngineUnavailableError(
                 "this batch was still running in the parent process at fork(); its results stay there"
             )

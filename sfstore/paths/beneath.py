@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from sfstore import errors
+from sfstore import errors, forks
 
 __all__ = ["Beneath", "Location", "fold_parts"]
 
@@ -135,37 +135,39 @@ class Beneath:
         self.root = root
         self._aliases = tuple(a for a in {os.path.normpath(a) for a in aliases} if a != root)
         self._fd = -1
-        self._pid = 0
         self._lock = threading.Lock()
         self._openat2 = _native_openat2()
+        forks.after_fork(self._after_fork_in_child)
+
+    def _after_fork_in_child(self) -> None:
+        # The child opens the root again on first use. The parent's descriptor, inherited, is left open as any
+        # inherited descriptor is: the child's code may hold that number as its own.
+        self._fd = -1
+        self._lock = threading.Lock()
 
     # -- the root --------------------------------------------------------------------------------------------
 
     def root_fd(self) -> int:
         """The root's ``O_PATH`` descriptor (opened on first use; reopened in a forked child)."""
-        pid = os.getpid()
-        if self._fd >= 0 and self._pid == pid:
+        if self._fd >= 0:
             return self._fd
         with self._lock:
-            if self._fd < 0 or self._pid != pid:
-                # The parent's descriptor, inherited across fork, is left open: the child may have closed
-                # and reused that number for something else.
+            if self._fd < 0:
                 self._fd = os.open(self.root, _DIR_FLAGS)
-                self._pid = pid
         return self._fd
 
     def close(self) -> None:
         """Close the root's descriptor (a later operation opens it again)."""
         with self._lock:
             fd, self._fd = self._fd, -1
-            if fd >= 0 and self._pid == os.getpid():  # a forked child's number may be another file's
+            if fd >= 0:
                 os.close(fd)
 
     def __del__(self) -> None:
         # Every FilePath has one of these: without this, each FilePath made and dropped (one per DCP
         # writer or reader, per DevicePath) would keep its root's descriptor open until the process ends.
         fd = getattr(self, "_fd", -1)
-        if fd >= 0 and getattr(self, "_pid", 0) == os.getpid():
+        if fd >= 0:
             try:
                 os.close(fd)
             except OSError:

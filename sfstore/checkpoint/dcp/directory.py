@@ -10,7 +10,7 @@ import re
 import stat
 from typing import Any
 
-from sfstore import errors
+from sfstore import errors, forks
 from sfstore.checkpoint import _fs
 from sfstore.paths.file import FilePath
 
@@ -121,7 +121,12 @@ class CheckpointDir:
     def __init__(self, fp: FilePath, prefix: str) -> None:
         self.fp, self.prefix = fp, prefix
         self._fd = -1
-        self._pid = 0
+        forks.after_fork(self._after_fork_in_child)
+
+    def _after_fork_in_child(self) -> None:
+        # The child opens the directory again on first use; the inherited descriptor is left open, as the
+        # file path's root is (sfstore.paths.beneath).
+        self._fd = -1
 
     def name(self, file: str) -> str:
         """``file`` of the directory, named below the root."""
@@ -133,7 +138,7 @@ class CheckpointDir:
 
     def dirfd(self) -> int:
         """The directory's ``O_PATH`` descriptor, opened beneath the root on first use (again after a fork)."""
-        if self._fd < 0 or self._pid != os.getpid():
+        if self._fd < 0:
             try:
                 self._fd = self.fp.beneath.open(self.prefix or ".", _O_PATH | os.O_DIRECTORY)
             except errors.SfstoreError:
@@ -141,7 +146,6 @@ class CheckpointDir:
             except OSError as exc:
                 raise errors.os_error(exc.errno or errno.EIO, "cannot open the checkpoint directory",
                                       self.full()) from None
-            self._pid = os.getpid()
         return self._fd
 
     def open_readable(self) -> int:
@@ -153,7 +157,7 @@ class CheckpointDir:
 
     def close(self) -> None:
         """Close :meth:`dirfd` (a descriptor inherited over a fork is the parent's: left alone)."""
-        if self._fd >= 0 and self._pid == os.getpid():
+        if self._fd >= 0:
             os.close(self._fd)
         self._fd = -1
 
