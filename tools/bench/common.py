@@ -16,6 +16,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -30,6 +31,7 @@ __all__ = [
     "RunResult",
     "CpuMeter",
     "PeakRss",
+    "Meters",
     "format_size",
     "drop_cache",
     "random_file",
@@ -501,6 +503,44 @@ class PeakRss:
             if hwm is not None:
                 return max(0, hwm * 1024 - self._base)
         return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self._base)
+
+
+class Meters:
+    """The meters of one timed region, started together when made: peak RSS growth (:class:`PeakRss`), CPU of the
+    whole process (:class:`CpuMeter`) and wall time; :meth:`stop` reads them into ``seconds``, ``cpu_s`` and
+    ``rss_growth``."""
+
+    def __init__(self) -> None:
+        self._rss = PeakRss()
+        self._cpu = CpuMeter()
+        self._rss.start()
+        self._cpu.start()
+        self._t0 = time.perf_counter()
+        self.seconds = 0.0
+        self.cpu_s = 0.0
+        self.rss_growth = 0
+
+    @property
+    def rss_method(self) -> str:
+        """How the peak RSS is measured (:attr:`PeakRss.method`)."""
+        return self._rss.method
+
+    def elapsed(self) -> float:
+        """Wall seconds since the start (the meters go on)."""
+        return time.perf_counter() - self._t0
+
+    def stop(self) -> Meters:
+        """Stop: wall time first, then CPU, then the peak RSS growth.
+
+        Returns
+        -------
+        Meters
+            Itself.
+        """
+        self.seconds = self.elapsed()
+        self.cpu_s = self._cpu.stop()
+        self.rss_growth = self._rss.growth()
+        return self
 
 
 def _median(values: Sequence[float]) -> float:

@@ -47,7 +47,6 @@ import importlib
 import math
 import os
 import shutil
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,8 +57,7 @@ from tools.bench.common import (
     GIB,
     MIB,
     BenchSetupError,
-    CpuMeter,
-    PeakRss,
+    Meters,
     RunResult,
     Table,
     bench_dir,
@@ -335,23 +333,17 @@ def _timed(ctx: _Context, body: Callable[[], Any], after: Callable[[Any], None] 
     ``kept``: the kind of sfstore's kept buffers (:func:`_kept`) the run reuses, counted in its growth."""
     _settle()
     reused = _kept(ctx, kept) if kept else 0
-    rss = PeakRss()
-    rss.start()
-    meter = CpuMeter()
-    meter.start()
-    t0 = time.perf_counter()
+    meters = Meters()
     result = body()
     if after is not None:
         after(result)
-    seconds = time.perf_counter() - t0
-    cpu = meter.stop()
-    growth = rss.growth()
+    meters.stop()
     del result
     _settle()
-    extra: dict[str, Any] = {"peak_rss_growth_bytes": growth + reused, "peak_rss_method": rss.method}
+    extra: dict[str, Any] = {"peak_rss_growth_bytes": meters.rss_growth + reused, "peak_rss_method": meters.rss_method}
     if kept:
         extra["reused_buffer_bytes"] = reused
-    return RunResult(bytes=ctx.tensor_bytes, ops=1, seconds=seconds, cpu_s=cpu, extra=extra)
+    return RunResult(bytes=ctx.tensor_bytes, ops=1, seconds=meters.seconds, cpu_s=meters.cpu_s, extra=extra)
 
 
 def _prepare_save(path: str) -> None:
@@ -396,21 +388,16 @@ def side_save_async(ctx: _Context) -> RunResult:
     _prepare_save(path)
     _settle()
     reused = _kept(ctx, "save_async")
-    rss = PeakRss()
-    rss.start()
-    meter = CpuMeter()
-    meter.start()
-    t0 = time.perf_counter()
+    meters = Meters()
     fut = core.save_async(ctx.sd, path, **_core_kwargs(ctx))
-    blocking = time.perf_counter() - t0
+    blocking = meters.elapsed()
     fut.get()
-    completed = time.perf_counter() - t0
-    cpu = meter.stop()
-    growth = rss.growth()
-    return RunResult(bytes=ctx.tensor_bytes, ops=1, seconds=blocking, cpu_s=cpu,
-                     extra={"blocking_seconds": blocking, "completed_seconds": completed,
-                            "cpu_note": "CPU until .get() completed", "peak_rss_growth_bytes": growth + reused,
-                            "reused_buffer_bytes": reused, "peak_rss_method": rss.method})
+    meters.stop()
+    return RunResult(bytes=ctx.tensor_bytes, ops=1, seconds=blocking, cpu_s=meters.cpu_s,
+                     extra={"blocking_seconds": blocking, "completed_seconds": meters.seconds,
+                            "cpu_note": "CPU until .get() completed",
+                            "peak_rss_growth_bytes": meters.rss_growth + reused, "reused_buffer_bytes": reused,
+                            "peak_rss_method": meters.rss_method})
 
 
 def side_load(ctx: _Context) -> RunResult:

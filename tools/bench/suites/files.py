@@ -59,7 +59,6 @@ import json
 import os
 import random
 import shutil
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,8 +68,7 @@ from tools.bench.common import (
     GIB,
     MIB,
     BenchSetupError,
-    CpuMeter,
-    PeakRss,
+    Meters,
     RunResult,
     Table,
     bench_dir,
@@ -393,15 +391,10 @@ class _Outcome:
 
 def _timed(fn: Callable[[], _Outcome], check: Callable[[_Outcome], None]) -> RunResult:
     """Run ``fn`` once, timed, with CPU and peak RSS; then ``check`` its result outside the timed region."""
-    rss = PeakRss()
-    meter = CpuMeter()
-    rss.start()
-    meter.start()
-    t0 = time.perf_counter()
+    meters = Meters()
     out = fn()
-    seconds = time.perf_counter() - t0
-    cpu = meter.stop()
-    growth = rss.growth()
+    meters.stop()
+    growth = meters.rss_growth
     try:
         check(out)
     finally:
@@ -409,8 +402,8 @@ def _timed(fn: Callable[[], _Outcome], check: Callable[[_Outcome], None]) -> Run
     # RSS can grow less than the result's size when it reuses memory the process already held: never below 0
     extra = {**out.extra, "peak_rss_growth_bytes": growth,
              "peak_rss_beyond_data_bytes": max(0, growth - out.held_bytes),
-             "peak_rss_method": rss.method}
-    return RunResult(bytes=out.bytes, ops=out.ops, seconds=seconds, cpu_s=cpu, extra=extra)
+             "peak_rss_method": meters.rss_method}
+    return RunResult(bytes=out.bytes, ops=out.ops, seconds=meters.seconds, cpu_s=meters.cpu_s, extra=extra)
 
 
 class _Samples:
