@@ -48,22 +48,9 @@ _loaded = False
 
 
 def register(suite: Suite) -> Suite:
-    """Add ``suite`` to the registry (a suite module calls this when it is imported).
+    """Add ``suite`` to the registry and return it (a suite module calls this when it is imported).
 
-    Parameters
-    ----------
-    suite : Suite
-        The suite.
-
-    Returns
-    -------
-    Suite
-        The same suite.
-
-    Raises
-    ------
-    ValueError
-        When another suite already has that name, or the name is reserved (``all``).
+    Raises :class:`ValueError` when another suite already has that name, or the name is reserved (``all``).
     """
     if suite.name == "all":
         raise ValueError("'all' is reserved for running every suite")

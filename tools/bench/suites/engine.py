@@ -125,19 +125,9 @@ def select_cases(patterns: Sequence[str] | None = None, quick: bool = False) -> 
 
 
 def default_ops(case: Case) -> int:
-    """Requests per run unless ``--ops`` says otherwise: 4096 x QD, at least 8192 (the file bounds it too).
-
-    Parameters
-    ----------
-    case : Case
-        The case.
-
-    Returns
-    -------
-    int
-        The request count cap. Large blocks always cover the whole file; 4 KiB random reads at QD1 stop at
-        32 MiB instead of crawling through 1 GiB.
-    """
+    """Requests per run of ``case`` unless ``--ops`` says otherwise: 4096 x its queue depth, at least 8192 (the
+    file bounds it too), so large blocks always cover the whole file while 4 KiB random reads at QD1 stop at 32 MiB
+    instead of crawling through 1 GiB."""
     return max(8192, 4096 * case.queue_depth)
 
 
