@@ -12,14 +12,8 @@ from typing import Any
 import pytest
 
 from tools.bench import cli, registry
-from tools.bench.common import (
-    BenchSetupError,
-    RunResult,
-    check_bench_dir,
-    format_size,
-    mount_of,
-    summarize_pairs,
-)
+from tools.bench.common import BenchSetupError, check_bench_dir, format_size, mount_of
+from tools.bench.measure import RunResult, summarize_pairs
 from tools.bench.options import parse_size
 from tools.bench.registry import Suite
 from tools.bench.suites.engine import QUICK_CASES, Case, all_cases, plan_offsets, select_cases

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tools.bench.common import BenchSetupError, RunResult
+from tools.bench.common import BenchSetupError
+from tools.bench.measure import RunResult
 from tools.bench.pairs import Case, SideFailed, run_pairs, select_cases, warn_short_runs
 
 

@@ -1,4 +1,4 @@
-"""Run fio as the reference side of a pair and turn its JSON into a :class:`~tools.bench.common.RunResult`.
+"""Run fio as the reference side of a pair and turn its JSON into a :class:`~tools.bench.measure.RunResult`.
 
 fio is the device limit for one I/O shape (``BENCHMARKING.md`` rule 5): O_DIRECT, io_uring, one job, the same
 file, block size, queue depth and byte count as sfstore's side, writes fsynced inside the timed region
@@ -15,7 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from tools.bench.common import BenchSetupError, RunResult
+from tools.bench.common import BenchSetupError
+from tools.bench.measure import RunResult
 
 __all__ = ["FioJob", "find_fio", "fio_version", "fio_command", "run_fio", "PEAK_RSS_NOTE"]
 

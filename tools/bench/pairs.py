@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, TypeVar
 
-from tools.bench.common import BenchSetupError, RunResult, match_any, warn
+from tools.bench.common import BenchSetupError, match_any, warn
+from tools.bench.measure import RunResult
 
 __all__ = ["Case", "SideFailed", "SideRuns", "select_cases", "run_pairs", "warn_if_few_pairs", "warn_short_runs",
            "MIN_PAIRS", "SHORT_RUN_S"]

@@ -82,12 +82,8 @@ from tools.bench.common import (
     GIB,
     MIB,
     BenchSetupError,
-    CpuMeter,
-    PeakRss,
     RatioGoal,
-    RunResult,
     Table,
-    batch_latency,
     bench_dir,
     check_space,
     drop_and_check,
@@ -97,13 +93,19 @@ from tools.bench.common import (
     import_for_bench,
     io_engine,
     machine_info,
-    median_extras,
-    side_summary,
-    summarize_pairs,
     utc_now,
     warn,
 )
 from tools.bench.fio import PEAK_RSS_NOTE, FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.measure import (
+    CpuMeter,
+    PeakRss,
+    RunResult,
+    batch_latency,
+    median_extras,
+    side_summary,
+    summarize_pairs,
+)
 from tools.bench.options import add_fio, add_warmup, parse_size, positive_int
 from tools.bench.pairs import run_pairs, warn_if_few_pairs, warn_short_runs
 from tools.bench.pairs import select_cases as select_from

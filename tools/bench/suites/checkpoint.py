@@ -57,8 +57,6 @@ from tools.bench.common import (
     GIB,
     MIB,
     BenchSetupError,
-    Meters,
-    RunResult,
     Table,
     bench_dir,
     check_space,
@@ -67,12 +65,11 @@ from tools.bench.common import (
     format_size,
     fsync_path,
     machine_info,
-    side_summary,
-    summarize_pairs,
     utc_now,
     warn,
 )
 from tools.bench.fio import PEAK_RSS_NOTE, FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.measure import Meters, RunResult, side_summary, summarize_pairs
 from tools.bench.options import add_fio, add_warmup, parse_size
 from tools.bench.pairs import SideFailed, run_pairs, warn_if_few_pairs
 from tools.bench.pairs import select_cases as select_from

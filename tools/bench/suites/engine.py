@@ -36,10 +36,7 @@ from typing import Any, ClassVar
 from tools.bench import pairs
 from tools.bench.common import (
     BenchSetupError,
-    CpuMeter,
-    PeakRss,
     RatioGoal,
-    RunResult,
     Table,
     bench_dir,
     drop_and_check,
@@ -49,12 +46,11 @@ from tools.bench.common import (
     io_engine,
     machine_info,
     random_file,
-    side_summary,
-    summarize_pairs,
     utc_now,
     warn,
 )
 from tools.bench.fio import PEAK_RSS_NOTE, FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.measure import CpuMeter, PeakRss, RunResult, side_summary, summarize_pairs
 from tools.bench.options import add_fio, nonneg_int, parse_size
 from tools.bench.pairs import run_pairs, warn_if_few_pairs, warn_short_runs
 from tools.bench.pairs import select_cases as select_from

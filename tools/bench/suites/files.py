@@ -68,8 +68,6 @@ from tools.bench.common import (
     GIB,
     MIB,
     BenchSetupError,
-    Meters,
-    RunResult,
     Table,
     bench_dir,
     check_space,
@@ -80,12 +78,11 @@ from tools.bench.common import (
     import_for_bench,
     machine_info,
     random_file,
-    side_summary,
-    summarize_pairs,
     utc_now,
     warn,
 )
 from tools.bench.fio import FioJob, find_fio, fio_command, fio_version, run_fio
+from tools.bench.measure import Meters, RunResult, side_summary, summarize_pairs
 from tools.bench.options import add_fio, add_warmup, parse_size
 from tools.bench.pairs import run_pairs, warn_if_few_pairs, warn_short_runs
 from tools.bench.pairs import select_cases as select_from

@@ -81,22 +81,18 @@ from tools.bench import pairs
 from tools.bench.common import (
     MIB,
     BenchSetupError,
-    PeakRss,
     RatioGoal,
-    RunResult,
     Table,
     bench_dir,
     drop_and_check,
     evaluate_ratio_goals,
     format_size,
     machine_info,
-    median_extras,
-    side_summary,
-    summarize_pairs,
     utc_now,
     warn,
 )
 from tools.bench.fio import PEAK_RSS_NOTE, find_fio, fio_command, fio_version
+from tools.bench.measure import PeakRss, RunResult, median_extras, side_summary, summarize_pairs
 from tools.bench.options import add_fio, add_warmup, parse_size, positive_int
 from tools.bench.pairs import SideFailed, run_pairs, warn_if_few_pairs, warn_short_runs
 from tools.bench.pairs import select_cases as select_from

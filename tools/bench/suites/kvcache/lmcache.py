@@ -14,7 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tools.bench.common import GIB, CpuMeter, RunResult, drop_cache, fsync_path, warn
+from tools.bench.common import GIB, drop_cache, fsync_path, warn
+from tools.bench.measure import CpuMeter, RunResult
 from tools.bench.pairs import SideFailed
 from tools.bench.suites.kvcache.workload import ENV_HINT, MODEL_ID, Bench, block_latency, timed_batches
 

@@ -11,7 +11,8 @@ import os
 import time
 from typing import Any
 
-from tools.bench.common import BenchSetupError, CpuMeter, RunResult, drop_cache, warn
+from tools.bench.common import BenchSetupError, drop_cache, warn
+from tools.bench.measure import CpuMeter, RunResult
 from tools.bench.pairs import SideFailed
 from tools.bench.suites.kvcache.workload import ENV_HINT, Bench, block_latency, timed_batches
 

@@ -19,9 +19,6 @@ from tools.bench.common import (
     BUILD_HINT,
     MIB,
     BenchSetupError,
-    CpuMeter,
-    RunResult,
-    batch_latency,
     drop_cache,
     format_size,
     import_for_bench,
@@ -30,6 +27,7 @@ from tools.bench.common import (
     warn,
 )
 from tools.bench.fio import FioJob, find_fio, run_fio
+from tools.bench.measure import CpuMeter, RunResult, batch_latency
 from tools.bench.pairs import SideFailed
 
 __all__ = ["MODEL_ID", "ENV_HINT", "Peer", "PeerKind", "HostBlocks", "Bench", "PinnedSide", "BlockTier",
