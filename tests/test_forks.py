@@ -16,8 +16,8 @@ import pytest
 
 from sfstore import defaults, forks
 from sfstore.buffers import native_available
-from sfstore.checkpoint._host import HostBuffer, LoadBuffers
 from sfstore.checkpoint.dcp.directory import CheckpointDir
+from sfstore.checkpoint.host_buffers import HostBuffer, LoadBuffers
 from sfstore.checkpoint.save import ring_buffers
 from sfstore.counters import Counters
 from sfstore.engine import Request

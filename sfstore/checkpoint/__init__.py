@@ -45,10 +45,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sfstore.checkpoint import hf, safetensors_format
-from sfstore.checkpoint._host import load_buffers as _load_buffers
 from sfstore.checkpoint.catalog import CheckpointInfo
 from sfstore.checkpoint.catalog import latest as _latest
 from sfstore.checkpoint.catalog import list_checkpoints as _list
+from sfstore.checkpoint.host_buffers import load_buffers as _load_buffers
 from sfstore.checkpoint.load import load as _load
 from sfstore.checkpoint.manifest import MANIFEST_NAME
 from sfstore.checkpoint.save import SaveFuture, async_buffers, ring_buffers

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sfstore import errors
-from sfstore.checkpoint import _fs
+from sfstore.checkpoint import location
 from sfstore.checkpoint.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from sfstore.paths.file import FilePath
 
@@ -82,7 +82,7 @@ def read_manifest(fp: FilePath, directory: str) -> Manifest:
     """
     path = os.path.join(directory, MANIFEST_NAME)
     try:
-        raw = _fs.read_regular(fp, path, limit=MAX_MANIFEST_BYTES, what="manifest")
+        raw = location.read_regular(fp, path, limit=MAX_MANIFEST_BYTES, what="manifest")
     except errors.PathNotFoundError:
         try:
             is_dir = stat.S_ISDIR(fp.stat(directory).st_mode)
@@ -97,15 +97,15 @@ def read_manifest(fp: FilePath, directory: str) -> Manifest:
 def list_checkpoints(prefix: str | os.PathLike[str] = "") -> builtins.list[CheckpointInfo]:
     """The committed checkpoints directly inside ``prefix``, oldest first; see :func:`sfstore.checkpoint.list`."""
     try:
-        kind, fp, directory = _fs.locate_dir(prefix)
+        kind, fp, directory = location.locate_dir(prefix)
     except errors.PathNotFoundError:
         return []
     try:
-        dirfd = _fs.open_dir(fp, fp.relative(directory), directory)  # beneath the root: a swapped name fails
+        dirfd = location.open_dir(fp, fp.relative(directory), directory)  # beneath the root: a swapped name fails
     except (errors.PathNotFoundError, errors.NotADirectoryPathError):
         return []
     try:
-        _fs.cleanup(dirfd, remove=False, fp=fp, full=directory)  # finish interrupted replaces
+        location.cleanup(dirfd, remove=False, fp=fp, full=directory)  # finish interrupted replaces
         with os.scandir(dirfd) as it:
             names = sorted(e.name for e in it)
     finally:
@@ -120,7 +120,7 @@ def list_checkpoints(prefix: str | os.PathLike[str] = "") -> builtins.list[Check
             manifest = read_manifest(fp, path)
         except (errors.SfstoreError, OSError):
             continue  # not a checkpoint (or one being removed): not listed
-        out.append(info_for(_fs.url_of(kind, fp, path), path, name, manifest))
+        out.append(info_for(location.url_of(kind, fp, path), path, name, manifest))
     out.sort(key=lambda i: (i.created_ns, i.name))
     return out
 

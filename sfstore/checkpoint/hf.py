@@ -37,9 +37,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sfstore import errors
-from sfstore.checkpoint import _fs
+from sfstore.checkpoint import location
 from sfstore.checkpoint import safetensors_format as stf
-from sfstore.checkpoint._fs import DATA_CLASS
+from sfstore.checkpoint.location import DATA_CLASS
 from sfstore.checkpoint.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import Leaf
 from sfstore.paths.base import Range
@@ -130,7 +130,7 @@ def read_index(fp: FilePath, path: str) -> dict[str, str]:
     ``weight_map`` maps names to plain file names; ``metadata`` is not checked (writers disagree on what
     ``total_size`` counts).
     """
-    raw = _fs.read_regular(fp, path, limit=MAX_INDEX_BYTES, what="index")
+    raw = location.read_regular(fp, path, limit=MAX_INDEX_BYTES, what="index")
     if not stf.json_depth_within(raw, _MAX_INDEX_DEPTH):
         raise _bad_index(path, f"JSON nests deeper than {_MAX_INDEX_DEPTH} levels")
     try:
@@ -260,7 +260,7 @@ def _is_file(fp: FilePath, path: str) -> bool:
         return False
 
 
-def hub_snapshot(loc: _fs.Location) -> _fs.Location | None:
+def hub_snapshot(loc: location.Location) -> location.Location | None:
     """Where to load the Hugging Face hub cache snapshot ``loc`` from: the same directory beneath its
     repository folder, or ``None`` when ``loc`` is no such snapshot.
 
@@ -271,8 +271,8 @@ def hub_snapshot(loc: _fs.Location) -> _fs.Location | None:
     of ``<repo>`` is a :class:`~sfstore.errors.PathEscapeError`. The nearest ``snapshots`` above ``loc`` whose
     parent has blobs is the one taken (the narrowest root).
     """
-    kind, _text = _fs.split_url(loc.url)
-    if kind != _fs.ABSOLUTE or loc.rel:
+    kind, _text = location.split_url(loc.url)
+    if kind != location.ABSOLUTE or loc.rel:
         return None
     parts = [p for p in loc.parent.split("/") if p]  # loc.parent is its root: symlinks resolved
     for i in range(len(parts) - 1, 0, -1):  # parts[i] is "snapshots" with <rev> below it, <repo> above
@@ -280,13 +280,13 @@ def hub_snapshot(loc: _fs.Location) -> _fs.Location | None:
             continue
         repo = "/" + "/".join(parts[:i])
         try:
-            fp = _fs.file_path(repo, False)
+            fp = location.file_path(repo, False)
             if not stat.S_ISDIR(fp.stat(BLOBS_NAME, follow=False).st_mode):
                 continue
         except errors.SfstoreError:
             continue
         rel = "/".join(parts[i:])
-        return _fs.Location(fp, os.path.join(fp.root, rel), loc.name, loc.url, rel)
+        return location.Location(fp, os.path.join(fp.root, rel), loc.name, loc.url, rel)
     return None
 
 

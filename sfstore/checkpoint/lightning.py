@@ -40,8 +40,8 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from sfstore import errors
-from sfstore.checkpoint import _fs
 from sfstore.checkpoint import load as _load
+from sfstore.checkpoint import location
 from sfstore.checkpoint import save as _save
 from sfstore.checkpoint import save_async as _save_async
 from sfstore.checkpoint.save import SaveFuture
@@ -246,7 +246,7 @@ class SfstoreCheckpointIO(CheckpointIO):
         url = _url(path)
         self._finish(url)
         try:
-            _fs.remove(_fs.locate(url, create=False))
+            location.remove(location.locate(url, create=False))
         except errors.PathNotFoundError:
             return
 

@@ -6,7 +6,7 @@ data class) into a page-aligned registered buffer of the shard's size; its safet
 matched against the manifest; with ``verify`` every tensor's and the header's xxh3-64 is checked in one pass;
 and the tensors returned are views of that buffer (``torch.from_dlpack`` sliced and viewed as the dtype), so
 the memory is the shard's and nothing is copied. The buffer lives as long as any of its tensors, then goes
-back to :data:`~sfstore.checkpoint._host.load_buffers` for the next load (``checkpoint_reuse_buffers``).
+back to :data:`~sfstore.checkpoint.host_buffers.load_buffers` for the next load (``checkpoint_reuse_buffers``).
 
 ``into=``: each shard's header is read and checked, then every tensor's bytes are read straight into the
 existing tensor's memory (one batch of ranges per shard); tensors that are not CPU-contiguous (GPU
@@ -27,11 +27,11 @@ import xxhash
 
 from sfstore import errors
 from sfstore.buffers import as_buffer
-from sfstore.checkpoint import _fs, hf
+from sfstore.checkpoint import hf, location
 from sfstore.checkpoint import safetensors_format as stf
-from sfstore.checkpoint._fs import DATA_CLASS
-from sfstore.checkpoint._host import HostBuffer, load_buffers
 from sfstore.checkpoint.catalog import CheckpointInfo, read_manifest
+from sfstore.checkpoint.host_buffers import HostBuffer, load_buffers
+from sfstore.checkpoint.location import DATA_CLASS
 from sfstore.checkpoint.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import KeyPath, format_path, tensor_paths, unflatten
 from sfstore.checksums import xxh3_64_hex
@@ -476,7 +476,7 @@ def load(
 
     dev = torch.device(device)
     target = url.url if isinstance(url, CheckpointInfo) else url
-    loc = _fs.locate(target, create=False)
+    loc = location.locate(target, create=False)
     loc = hf.hub_snapshot(loc) or loc  # a hub cache snapshot resolves beneath its repository folder
     path = loc.path
     fp = loc.fp
@@ -485,9 +485,9 @@ def load(
     except errors.PathNotFoundError:
         raise errors.os_error(errno.ENOENT, "no checkpoint directory", path) from None
     try:
-        if not _fs.exists_at(pfd, loc.name):
+        if not location.exists_at(pfd, loc.name):
             # an interrupted replace: bring the previous checkpoint back
-            _fs.cleanup(pfd, remove=False, fp=fp, full=loc.parent)
+            location.cleanup(pfd, remove=False, fp=fp, full=loc.parent)
     finally:
         os.close(pfd)
     try:

@@ -17,7 +17,7 @@ With ``checkpoint_reuse_buffers`` (the default) both keep their buffers for the 
 holds the ring, and a copy of the last ``save_async``'s tensor bytes.
 
 Both write into a staging directory, fsync every shard, then the manifest, then the staging directory, and
-publish it (see :mod:`sfstore.checkpoint._fs`). A flat state dict's shards take Hugging Face's names, and when
+publish it (see :mod:`sfstore.checkpoint.location`). A flat state dict's shards take Hugging Face's names, and when
 there are several its ``model.safetensors.index.json`` is written before the manifest
 (:mod:`sfstore.checkpoint.hf`).
 """
@@ -39,11 +39,11 @@ import xxhash
 
 from sfstore import defaults, errors, forks
 from sfstore.arguments import check_timeout
-from sfstore.checkpoint import _fs, hf
+from sfstore.checkpoint import hf, location
 from sfstore.checkpoint import safetensors_format as stf
-from sfstore.checkpoint._fs import DATA_CLASS
-from sfstore.checkpoint._host import HostBuffer, check_written, round_size, write_small
 from sfstore.checkpoint.catalog import CheckpointInfo, info_for
+from sfstore.checkpoint.host_buffers import HostBuffer, check_written, round_size, write_small
+from sfstore.checkpoint.location import DATA_CLASS
 from sfstore.checkpoint.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
 from sfstore.checkpoint.structure import Leaf, check_metadata, flatten, format_path
 from sfstore.checksums import xxh3_64_hex
@@ -273,7 +273,7 @@ class _OpenShard:
 
 @dataclass
 class _Job:
-    loc: _fs.Location
+    loc: location.Location
     plan: _Plan
     overwrite: bool
     staging: str = ""  # the staging directory's name in the parent (full name: staging_full)
@@ -293,12 +293,12 @@ class _Job:
     def start(self) -> None:
         self.parent_fd = self.loc.open_parent()
         try:
-            _fs.cleanup(self.parent_fd, fp=self.fp, full=self.loc.parent)
-            if not self.overwrite and _fs.exists_at(self.parent_fd, self.loc.name):
+            location.cleanup(self.parent_fd, fp=self.fp, full=self.loc.parent)
+            if not self.overwrite and location.exists_at(self.parent_fd, self.loc.name):
                 raise errors.os_error(
                     errno.EEXIST, "checkpoint exists (pass overwrite=True to replace it)", self.loc.path
                 )
-            self.staging = _fs.staging_name(self.loc)
+            self.staging = location.staging_name(self.loc)
             try:
                 os.mkdir(self.staging, 0o755, dir_fd=self.parent_fd)
                 self.staging_fd = os.open(
@@ -376,7 +376,7 @@ class _Job:
             os.fsync(self.staging_fd)
         except OSError as exc:
             raise errors.os_error(exc.errno or 5, "cannot fsync", self.staging_full) from None
-        _fs.publish(self.staging, self.loc, overwrite=self.overwrite, dirfd=self.parent_fd)
+        location.publish(self.staging, self.loc, overwrite=self.overwrite, dirfd=self.parent_fd)
         self.staging = ""
         return info_for(self.loc.url, self.loc.path, self.loc.name, manifest)
 
@@ -392,17 +392,17 @@ class _Job:
             os.close(self.staging_fd)
             self.staging_fd = -1
         if self.staging and self.parent_fd >= 0:
-            _fs.rmtree_at(self.fp, self.parent_fd, self.staging, self.staging_full)
+            location.rmtree_at(self.fp, self.parent_fd, self.staging, self.staging_full)
             self.staging = ""
         if self.parent_fd >= 0:
             os.close(self.parent_fd)
             self.parent_fd = -1
 
 
-def _locate(url: Any) -> _fs.Location:
+def _locate(url: Any) -> location.Location:
     if isinstance(url, CheckpointInfo):
         url = url.url
-    return _fs.locate(url, create=True)
+    return location.locate(url, create=True)
 
 
 class _Ring:

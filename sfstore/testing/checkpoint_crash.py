@@ -96,9 +96,9 @@ def _read_ack(path: str) -> int:
 
 def _child(root: str, ack: str, start: int, exchange: bool) -> None:
     """The saving loop (runs in the child until killed)."""
-    from sfstore.checkpoint import _fs, save
+    from sfstore.checkpoint import location, save
 
-    _fs.USE_RENAMEAT2 = exchange
+    location.USE_RENAMEAT2 = exchange
     step = start
     while True:
         name = ROLLING if step % 3 else f"step-{step:06d}"

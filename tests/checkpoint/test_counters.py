@@ -11,7 +11,7 @@ import torch
 from ckpt_helpers import same
 
 from sfstore import checkpoint, defaults
-from sfstore.checkpoint import MANIFEST_NAME, _fs
+from sfstore.checkpoint import MANIFEST_NAME, location
 from sfstore.paths.file import FilePath
 
 MIB = 1 << 20
@@ -27,7 +27,7 @@ def _state() -> dict[str, torch.Tensor]:
 
 def _path_of(url: Path, *, saving: bool) -> FilePath:
     """The file path a save (or a load) of ``url`` moves its bytes through."""
-    return _fs.locate(url, create=saving).fp
+    return location.locate(url, create=saving).fp
 
 
 def _class(fp: FilePath) -> dict[str, int]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sfstore import checkpoint, temp_names
-from sfstore.checkpoint import _fs
+from sfstore.checkpoint import location
 from sfstore.testing.checkpoint_crash import run_trials
 
 
@@ -57,7 +57,7 @@ def test_an_interrupted_two_step_replace_brings_the_previous_checkpoint_back(tmp
 
 
 def test_replace_without_renameat2_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_fs, "USE_RENAMEAT2", False)
+    monkeypatch.setattr(location, "USE_RENAMEAT2", False)
     checkpoint.save({"v": torch.tensor(1)}, tmp_path / "ck")
     checkpoint.save({"v": torch.tensor(2)}, tmp_path / "ck", overwrite=True)
     assert int(checkpoint.load(tmp_path / "ck")["v"]) == 2

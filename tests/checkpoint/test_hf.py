@@ -19,7 +19,7 @@ import torch
 from ckpt_helpers import same
 
 from sfstore import checkpoint, errors
-from sfstore.checkpoint import MANIFEST_NAME, _fs, hf
+from sfstore.checkpoint import MANIFEST_NAME, hf, location
 from sfstore.checkpoint.manifest import SUM_KEY, seal
 
 transformers = pytest.importorskip("transformers")
@@ -78,7 +78,7 @@ def test_load_reads_a_sharded_save_pretrained_directory(pretrained: tuple[Any, P
     model, sharded, _ = pretrained
     shards = sorted(p.name for p in sharded.glob("*.safetensors"))
     assert len(shards) > 1 and (sharded / hf.INDEX_NAME).is_file() and not (sharded / MANIFEST_NAME).exists()
-    fp = _fs.locate(sharded, create=False).fp
+    fp = location.locate(sharded, create=False).fp
     before = fp.counters.for_class("checkpoint").snapshot()
     got = checkpoint.load(sharded)
     _bits_equal(got, model.state_dict())

@@ -14,7 +14,7 @@ from ckpt_helpers import same
 
 from sfstore import checkpoint, defaults
 from sfstore.buffers import native_available
-from sfstore.checkpoint import _host
+from sfstore.checkpoint import host_buffers
 
 pytestmark = pytest.mark.skipif(not native_available()[0], reason="kept buffers are native registered buffers")
 
@@ -28,7 +28,7 @@ def _fresh_buffers() -> None:
 
 def _allocated() -> int:
     """Buffers the load pools hold (idle and in use)."""
-    return sum(int(p.stats()["allocated"]) for p in _host.load_buffers._pools.values())
+    return sum(int(p.stats()["allocated"]) for p in host_buffers.load_buffers._pools.values())
 
 
 def _state(seed: int, mib: int = 3) -> dict[str, torch.Tensor]:
@@ -68,9 +68,9 @@ def test_a_buffer_with_a_live_tensor_is_never_handed_out_again(tmp_path: Path) -
     second = checkpoint.load(tmp_path / "b")
     assert torch.equal(keep, a["big"]) and same(second, b)
     # Both loads took one buffer of the size: only one of the two stays idle once everything is gone.
-    size = _host.round_size(os.path.getsize(next((tmp_path / "a").glob("*.safetensors"))))
+    size = host_buffers.round_size(os.path.getsize(next((tmp_path / "a").glob("*.safetensors"))))
     del keep, second
-    stats = _host.load_buffers._pools[size].stats()
+    stats = host_buffers.load_buffers._pools[size].stats()
     assert (stats["in_use"], stats["free"]) == (0, 1)
 
 
@@ -82,7 +82,7 @@ def test_sizes_the_latest_load_did_not_take_are_freed(tmp_path: Path) -> None:
     small_idle = checkpoint.buffer_stats()["load_idle_bytes"]
     assert small_idle >= 3 * MIB
     got = checkpoint.load(tmp_path / "large")
-    assert len(_host.load_buffers._pools) == 1  # the small size's pool (and its idle buffer) is gone
+    assert len(host_buffers.load_buffers._pools) == 1  # the small size's pool (and its idle buffer) is gone
     del got
     assert checkpoint.buffer_stats()["load_idle_bytes"] >= 9 * MIB
 
@@ -93,7 +93,7 @@ def test_reuse_off_keeps_nothing(tmp_path: Path) -> None:
     with defaults.set(checkpoint_reuse_buffers=False):
         assert same(checkpoint.load(tmp_path / "a"), a)
         assert checkpoint.buffer_stats()["load_idle_bytes"] == 0
-        assert _host.load_buffers._pools == {}
+        assert host_buffers.load_buffers._pools == {}
 
 
 def test_free_buffers_gives_everything_back(tmp_path: Path) -> None:

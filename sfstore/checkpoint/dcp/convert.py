@@ -8,7 +8,7 @@ from typing import IO, Any, cast
 import torch
 
 from sfstore import errors
-from sfstore.checkpoint import _fs
+from sfstore.checkpoint import location
 from sfstore.checkpoint.dcp.reader import StorageReader
 from sfstore.paths.file import AtomicWriter, FilePath
 
@@ -30,15 +30,15 @@ class _Sink:
 
 def _torch_save_target(path: str | os.PathLike[str]) -> tuple[FilePath, str]:
     """The file path and root-relative name a :func:`to_torch_save` output goes to."""
-    text = _fs.url_text(path)
+    text = location.url_text(path)
     if "://" in text and not text.startswith(("sf://", "file://")):
         raise errors.InvalidRequestError(f"torch.save target {text!r}: an sf:// url or a host path")
-    kind, where = _fs.split_url(text)
-    if kind == _fs.SF:
-        return _fs.root_for(kind), where
+    kind, where = location.split_url(text)
+    if kind == location.SF:
+        return location.root_for(kind), where
     # A host path, relative ones from the working directory as torch.save has them.
     parent, name = os.path.split(os.path.abspath(where))
-    return _fs.file_path(parent, True), name
+    return location.file_path(parent, True), name
 
 
 def to_torch_save(url: str | os.PathLike[str], torch_save_path: str | os.PathLike[str], *,

@@ -1,5 +1,6 @@
-"""Where a DCP checkpoint lives and what it holds: its url (the checkpoint's url rules, :mod:`sfstore.checkpoint._fs`),
-the directory reached beneath its root, the names of its files, and what the writer and the reader share of it.
+"""Where a DCP checkpoint lives and what it holds: its url (the checkpoint's url rules,
+:mod:`sfstore.checkpoint.location`), the directory reached beneath its root, the names of its files, and what the
+writer and the reader share of it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import stat
 from typing import Any
 
 from sfstore import errors, forks
-from sfstore.checkpoint import _fs
+from sfstore.checkpoint import location
 from sfstore.paths.file import FilePath
 
 __all__ = [
@@ -62,10 +63,10 @@ def torch_metadata_name(rank: int | None) -> str:
 
 
 def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
-    """``(kind, path)`` of a checkpoint url as :func:`sfstore.checkpoint._fs.split_url` has them, refusing a
+    """``(kind, path)`` of a checkpoint url as :func:`sfstore.checkpoint.location.split_url` has them, refusing a
     relative url that names no directory below its root; no I/O."""
-    kind, where = _fs.split_url(url)
-    if kind != _fs.ABSOLUTE and where in ("", ".", ".."):
+    kind, where = location.split_url(url)
+    if kind != location.ABSOLUTE and where in ("", ".", ".."):
         raise errors.InvalidRequestError(f"checkpoint url {os.fspath(url)!r} names no checkpoint directory")
     return kind, where
 
@@ -73,7 +74,7 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
 def checkpoint_url(url: str | os.PathLike[str]) -> str:
     """The text of ``url`` once :func:`split_url` accepts it."""
     split_url(url)
-    return _fs.url_text(url)
+    return location.url_text(url)
 
 
 def resolve_checkpoint_dir(url: str | os.PathLike[str]) -> str:
@@ -99,9 +100,9 @@ def resolve_checkpoint_dir(url: str | os.PathLike[str]) -> str:
         Another url scheme, or an empty name.
     """
     kind, where = split_url(url)
-    if kind == _fs.ABSOLUTE:
+    if kind == location.ABSOLUTE:
         return where
-    root = _fs.root_for(kind)
+    root = location.root_for(kind)
     full = root.resolve(where)
     if full == root.root:
         raise errors.PathEscapeError(f"checkpoint url {url!r} resolves to the root {root.root} itself")
@@ -186,11 +187,11 @@ def open_checkpoint_dir(url: str, *, create: bool, direct: str | None, chunk_siz
     parents below the root) if missing, else a missing one is :class:`~sfstore.errors.PathNotFoundError`."""
     kind, where = split_url(url)
     options: dict[str, Any] = {"direct": direct, "chunk_size": chunk_size, "parallelism": parallelism}
-    if kind == _fs.ABSOLUTE:
+    if kind == location.ABSOLUTE:
         if not create and not os.path.isdir(where):
             raise errors.os_error(errno.ENOENT, f"no checkpoint at {url!r} (directory missing)", where)
         return CheckpointDir(FilePath(where, create=create, **options), "")
-    root = _fs.root_for(kind)
+    root = location.root_for(kind)
     parts = root.beneath.parts(where)  # '..' above the root refused; symlinks are met beneath it, at each use
     if not parts:
         raise errors.PathEscapeError(f"checkpoint url {url!r} resolves to the root {root.root} itself")

@@ -28,8 +28,7 @@ from torch.futures import Future
 
 from sfstore import errors
 from sfstore.buffers import as_buffer
-from sfstore.checkpoint import _fs
-from sfstore.checkpoint._fs import DATA_CLASS
+from sfstore.checkpoint import location
 from sfstore.checkpoint.dcp.directory import (
     CheckpointDir,
     CheckpointStorage,
@@ -38,6 +37,7 @@ from sfstore.checkpoint.dcp.directory import (
     torch_metadata_name,
 )
 from sfstore.checkpoint.dcp.metadata_codec import MAX_METADATA_BYTES, ItemLocation, decode_metadata
+from sfstore.checkpoint.location import DATA_CLASS
 from sfstore.checksums import xxh3_64
 from sfstore.paths.base import Range
 from sfstore.paths.file import FilePath, OpenFile
@@ -154,7 +154,8 @@ class StorageReader(CheckpointStorage, _DcpStorageReader):
             )
         try:
             # Opened without blocking and checked to be a regular file: a FIFO there is refused, not waited on.
-            raw = _fs.read_regular(ck.fp, ck.name(name), limit=MAX_METADATA_BYTES, what=f"metadata of {self.url!r}:")
+            raw = location.read_regular(ck.fp, ck.name(name), limit=MAX_METADATA_BYTES,
+                                        what=f"metadata of {self.url!r}:")
         except errors.PathNotFoundError:
             raise errors.os_error(errno.ENOENT, f"no sfstore DCP checkpoint at {self.url!r} ({name} is missing)",
                                   ck.full(name)) from None
@@ -241,7 +242,7 @@ class StorageReader(CheckpointStorage, _DcpStorageReader):
                 tensor=entries[0][0].storage_index.fqn) from None
         except (errors.NotARegularFileError, errors.IsADirectoryPathError):
             what = f"data file of checkpoint {self.url!r}:"
-            _fs.check_regular(ck.fp.stat(ck.name(name)), full, what, shard=name)  # says what it is instead
+            location.check_regular(ck.fp.stat(ck.name(name)), full, what, shard=name)  # says what it is instead
             raise errors.CorruptCheckpointError(f"{what} {full} is not a regular file", shard=name) from None
         with of:
             self._read_open_file(ck.fp, of, name, entries, planner)

@@ -25,8 +25,6 @@ from torch.futures import Future
 
 from sfstore import errors
 from sfstore.buffers import as_buffer
-from sfstore.checkpoint._fs import DATA_CLASS
-from sfstore.checkpoint._host import check_written
 from sfstore.checkpoint.dcp.directory import (
     DATA_NAME,
     DATA_SUFFIX,
@@ -41,6 +39,8 @@ from sfstore.checkpoint.dcp.directory import (
     stat_in,
 )
 from sfstore.checkpoint.dcp.metadata_codec import DCP_VERSION, ItemLocation, encode_metadata
+from sfstore.checkpoint.host_buffers import check_written
+from sfstore.checkpoint.location import DATA_CLASS
 from sfstore.checksums import xxh3_64
 from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.beneath import Location

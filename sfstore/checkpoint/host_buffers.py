@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from sfstore import defaults, errors, forks
 from sfstore.buffers import RegisteredBufferPool, native_available
-from sfstore.checkpoint._fs import DATA_CLASS
+from sfstore.checkpoint.location import DATA_CLASS
 from sfstore.paths.base import Range
 from sfstore.paths.file import FilePath
 
