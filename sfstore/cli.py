@@ -542,14 +542,14 @@ def _nvme_target(args: argparse.Namespace) -> Any:
 
 
 def _print_controllers(ctrls: Sequence[Any]) -> None:
-    from sfstore.probe import _grid
+    from sfstore.probe import grid
 
     rows = []
     for c in ctrls:
         address = f"{c.traddr}:{c.trsvcid}" if c.trsvcid else (c.traddr or "-")
         namespaces = [f"{n.device} ({_human(n.capacity)}, {n.lba_size} B blocks)" for n in c.namespaces]
         rows.append([c.name, c.transport, address, c.subsysnqn, c.state, namespaces])
-    for line in _grid(["CONTROLLER", "TRANSPORT", "ADDRESS", "SUBSYSNQN", "STATE", "NAMESPACES"], rows, indent=""):
+    for line in grid(["CONTROLLER", "TRANSPORT", "ADDRESS", "SUBSYSNQN", "STATE", "NAMESPACES"], rows, indent=""):
         print(line)
 
 
@@ -569,7 +569,7 @@ def _cmd_nvme_list(args: argparse.Namespace) -> int:
 
 def _cmd_nvme_discover(args: argparse.Namespace) -> int:
     from sfstore import nvme
-    from sfstore.probe import _grid
+    from sfstore.probe import grid
 
     target = _nvme_target(args)
     entries = nvme.discover(target, timeout=args.timeout)
@@ -582,7 +582,7 @@ def _cmd_nvme_discover(args: argparse.Namespace) -> int:
         print(f"no subsystems offered at {target.transport} {target.traddr}:{target.trsvcid}"
               + (f" with NQN {args.nqn}" if args.nqn else ""))
     else:
-        for line in _grid(["SUBTYPE", "TRANSPORT", "TRADDR", "TRSVCID", "SUBSYSNQN"],
+        for line in grid(["SUBTYPE", "TRANSPORT", "TRADDR", "TRSVCID", "SUBSYSNQN"],
                           [[e["subtype"], e["transport"], e["traddr"], e["trsvcid"], e["subsysnqn"]]
                            for e in entries], indent=""):
             print(line)
@@ -696,7 +696,7 @@ def _kv_each(args: argparse.Namespace, call: Callable[[str, Any], dict[str, Any]
 
 
 def _cmd_kv_du(args: argparse.Namespace) -> int:
-    from sfstore.probe import _grid, quarantine_rows
+    from sfstore.probe import grid, quarantine_rows
 
     rows = _kv_each(args, lambda top, b: {**b.du(), "directory": os.path.join(b.fp.root, top)})
     if args.json:
@@ -704,7 +704,7 @@ def _cmd_kv_du(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     print(f"shared KV directory {rows[0]['directory']}")
-    for line in _grid(["NAMESPACE", "BYTES", "FILES", "ESTIMATE", "BUDGET", "WRITERS", "LEFTOVERS"], [
+    for line in grid(["NAMESPACE", "BYTES", "FILES", "ESTIMATE", "BUDGET", "WRITERS", "LEFTOVERS"], [
             [r["namespace"] or "(default)", _human(r["bytes"]), r["files"], _human(r["estimate"]),
              _human(r["budget"]) if r["budget"] else "unbounded", r["writers"], r["evicting"] + r["temporaries"]]
             for r in rows], indent=""):
@@ -715,21 +715,21 @@ def _cmd_kv_du(args: argparse.Namespace) -> int:
     quarantined = [[r["namespace"] or "(default)", *row] for r in rows for row in quarantine_rows(r["quarantined"])]
     if quarantined:
         print("quarantined by processes whose I/O to it missed its deadline:")
-        for line in _grid(["NAMESPACE", "HOST", "PID", "TIER", "TARGET", "SINCE", "LEFT", "STUCK", "REASON"],
+        for line in grid(["NAMESPACE", "HOST", "PID", "TIER", "TARGET", "SINCE", "LEFT", "STUCK", "REASON"],
                           quarantined, indent="  "):
             print(line)
     return 0
 
 
 def _cmd_kv_gc(args: argparse.Namespace) -> int:
-    from sfstore.probe import _grid
+    from sfstore.probe import grid
 
     rows = _kv_each(args, lambda _top, b: b.gc(grace_s=args.grace))
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    for line in _grid(["NAMESPACE", "BEFORE", "AFTER", "EVICTED", "BUDGET", "LEFTOVERS REMOVED", "RECORDS REMOVED"], [
+    for line in grid(["NAMESPACE", "BEFORE", "AFTER", "EVICTED", "BUDGET", "LEFTOVERS REMOVED", "RECORDS REMOVED"], [
             [r["namespace"] or "(default)", _human(r["bytes_before"]), _human(r["bytes_after"]), r["evicted"],
              _human(r["budget"]) if r["budget"] else "unbounded", r["evicting_removed"] + r["temporaries_removed"],
              r["records_removed"]] for r in rows], indent=""):

@@ -687,7 +687,9 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _grid(header: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "    ") -> list[str]:
+def grid(header: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "    ") -> list[str]:
+    """``rows`` under ``header`` in left-aligned columns two spaces apart, each line indented (the probe's and
+    the CLI's tables)."""
     cells = [list(header)] + [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
@@ -719,13 +721,13 @@ def _section_rows(name: str, section: dict[str, Any]) -> list[str]:
                 for d in section.get("devices", []) for p in (d.get("ports") or [{}])]
         lines += _pairs([("source", section.get("source")), ("pyverbs", section.get("pyverbs", {}).get("reason"))])
         if rows:
-            lines += _grid(["DEVICE", "NODE GUID", "PORT", "STATE", "LINK", "MTU", "NETDEV"], rows)
+            lines += grid(["DEVICE", "NODE GUID", "PORT", "STATE", "LINK", "MTU", "NETDEV"], rows)
         return lines
     if name == "nfs":
         rows = [[m["mountpoint"], m["source"], m["vers"], m["proto"], m["rsize"], m["wsize"], m["nconnect"],
                  m["port"]] for m in section.get("mounts", [])]
         if rows:
-            lines += _grid(["MOUNTPOINT", "SERVER:EXPORT", "VERS", "PROTO", "RSIZE", "WSIZE", "NCONNECT", "PORT"],
+            lines += grid(["MOUNTPOINT", "SERVER:EXPORT", "VERS", "PROTO", "RSIZE", "WSIZE", "NCONNECT", "PORT"],
                            rows)
         return lines
     if name == "nvmeof":
@@ -737,20 +739,20 @@ def _section_rows(name: str, section: dict[str, Any]) -> list[str]:
         rows = [[c["name"], c["transport"], c["address"], c["subsysnqn"], c["state"],
                  [n["device"] for n in c.get("namespaces", [])]] for c in section.get("controllers", [])]
         if rows:
-            lines += _grid(["CONTROLLER", "TRANSPORT", "ADDRESS", "SUBSYSNQN", "STATE", "NAMESPACES"], rows)
+            lines += grid(["CONTROLLER", "TRANSPORT", "ADDRESS", "SUBSYSNQN", "STATE", "NAMESPACES"], rows)
         return lines
     if name == "gpus":
         lines += _pairs([("driver", section.get("driver_version"))]) if section.get("driver_version") else []
         rows = [[d["index"], d["name"], f"{d['memory_bytes'] / 2**30:.1f} GiB", d["compute_capability"]]
                 for d in section.get("devices", [])]
         if rows:
-            lines += _grid(["GPU", "NAME", "MEMORY", "CC"], rows)
+            lines += grid(["GPU", "NAME", "MEMORY", "CC"], rows)
         return lines
     if name == "kvcache":
         recs = section.get("quarantined", [])
         lines += _pairs([("quarantined", f"{len(recs)} tier(s)" if recs else "none")])
         if recs:
-            lines += _grid(["HOST", "PID", "TIER", "TARGET", "SINCE", "LEFT", "STUCK", "REASON"],
+            lines += grid(["HOST", "PID", "TIER", "TARGET", "SINCE", "LEFT", "STUCK", "REASON"],
                            quarantine_rows(recs))
         return lines
     items = [kv for k, v in section.items() if k not in ("status", "reason") for kv in _flatten(k, v)]

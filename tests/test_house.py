@@ -1,0 +1,86 @@
+"""House rules that the code itself can check: no module reaches into another's private names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "sfstore"
+# The native helper is private to the package as a whole (sfstore._native plus its .pyi): its users are sfstore's
+# own modules, through the thin wrappers the paths, buffers and checksums hold.
+PACKAGE_PRIVATE = {"sfstore._native"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(module: str, level: int, current: str, is_package: bool) -> str:
+    if level == 0:
+        return module
+    base = current.split(".") if is_package else current.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _violations(path: Path) -> list[str]:
+    current = _module_name(path)
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[str] = []
+    aliases: dict[str, str] = {}  # local name -> sfstore module it names
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = _resolve(node.module or "", node.level, current, is_package)
+            if not mod.startswith("sfstore"):
+                continue
+            for a in node.names:
+                target = f"{mod}.{a.name}"
+                if _private(a.name) and target not in PACKAGE_PRIVATE and mod != current:
+                    found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: from {mod} import {a.name}")
+                aliases[a.asname or a.name] = target
+            continue
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("sfstore"):
+                    if any(_private(p) for p in a.name.split(".")) and a.name not in PACKAGE_PRIVATE:
+                        found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: import {a.name}")
+                    if a.asname:  # import sfstore.a.b as x: x is sfstore.a.b
+                        aliases[a.asname] = a.name
+                    else:  # import sfstore.a.b: the name bound is sfstore
+                        aliases[a.name.split(".")[0]] = a.name.split(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr):
+            owner = aliases.get(node.value.id)
+            if owner is None or owner == current or f"{owner}.{node.attr}" in PACKAGE_PRIVATE:
+                continue
+            found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {node.value.id}.{node.attr} (from {owner})")
+    return found
+
+
+def test_no_module_imports_another_modules_underscore_names() -> None:
+    found = [v for path in sorted(ROOT.rglob("*.py")) for v in _violations(path)]
+    assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from sfstore.paths.file import _helper\n", 1),
+    ("from sfstore import fs\nfs._strip_protocol('x')\n", 1),
+    ("from sfstore import _native\n_native.foo()\n", 0),
+    ("from sfstore.paths.file import helper\n", 0),
+])
+def test_the_rule_catches_what_it_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str,
+                                       expected: int) -> None:
+    fake = ROOT / "_house_rule_probe.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: source if self == fake else Path.read_text(self))
+    assert len(_violations(fake)) == expected
