@@ -15,6 +15,13 @@ The guest's ``guest-init`` brings the endpoints up and hands them over in enviro
                                    it is NOT connected: tests connect (fixture ``nvme_cli_controller`` with
                                    nvme-cli, ``nvmeof_namespace`` with sfstore.nvme through libnvme)
 ``SFSTORE_TESTBED_SETUP_FAILED``   setup stages that failed (empty when all came up)
+``SFSTORE_TEST_NODE``              two-node scenario only: ``prefill`` (node A, also the NFS and NVMe-oF
+                                   server) or ``decode`` (node B, whose ``NFS_MOUNT`` is node A's export and
+                                   whose ``NVMEOF_*`` name its own subsystem on node A's target);
+                                   ``SFSTORE_TEST_PEER_IP`` the other node's address,
+                                   ``SFSTORE_TEST_COORDINATOR`` node A's ``host:port`` for the tests' TCPStore,
+                                   ``SFSTORE_TEST_NVMEOF_TARGET_BACKING`` (node A) a file of ``nqn loop image``
+                                   lines, one per subsystem (``tests/integration/test_two_nodes.py``)
 =================================  ===========================================================================
 """
 
