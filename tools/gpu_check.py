@@ -473,11 +473,13 @@ class Run:
         """One table row; ratios against ``lib``'s baseline (none for ``nbytes`` other than the route size), and
         against fio's (filled in by :meth:`Report.finish`, once every row is in). ``exact`` None: not verified."""
         n = self.total if nbytes is None else nbytes
-        put = round(_gib_s(n, put_s), 3) if put_s is not None else None
-        get = round(_gib_s(n, get_s), 3) if get_s is not None else None
+        # ratios from the unrounded rates: at a few MiB/s, rounding to 3 decimals first moves them by 1% or more
+        put = _gib_s(n, put_s) if put_s is not None else None
+        get = _gib_s(n, get_s) if get_s is not None else None
         base = self.baselines.get(lib) if nbytes is None else None
         return {
-            "route": route, "lib": lib, "bytes": n, "put_s": put_s, "get_s": get_s, "put_gib_s": put, "get_gib_s": get,
+            "route": route, "lib": lib, "bytes": n, "put_s": put_s, "get_s": get_s,
+            "put_gib_s": None if put is None else round(put, 3), "get_gib_s": None if get is None else round(get, 3),
             "put_vs_baseline": _ratio(put, base[0] if base else None),
             "get_vs_baseline": _ratio(get, base[1] if base else None),
             "put_vs_fio": None, "get_vs_fio": None, "bit_exact": exact, "cold_get": cold,
@@ -1105,8 +1107,9 @@ def _check_per_layer_overlap(run: Run) -> Outcome:
     met = hidden >= HIDDEN_GOAL if cuda else None
     row = run.row("torch", f"KVCacheStore get_layer_into x{L} (pinned tier)", None, t_load, exact, None)
     metrics = {"table": [row], "geometry": str(geom), "layers": L, "blocks": N, "compute": what,
-               "t_load_s": round(t_load, 6), "t_compute_s": round(t_compute, 6), "t_interleaved_s": round(t_both, 6),
-               "exposed_load_s": round(exposed, 6), "hidden_fraction": round(hidden, 4),
+               # to the nanosecond: hidden_fraction divides by t_load_s, which on --device cpu is a few hundred us
+               "t_load_s": round(t_load, 9), "t_compute_s": round(t_compute, 9), "t_interleaved_s": round(t_both, 9),
+               "exposed_load_s": round(exposed, 9), "hidden_fraction": round(hidden, 4),
                "goal": f"hidden >= {HIDDEN_GOAL:.0%}" if cuda else None, "goal_met": met, "streams": cuda,
                "gets": stats["gets"], "hits_pinned": stats["hits_pinned"]}
     goal = (f"goal hidden >= {HIDDEN_GOAL:.0%}: {'met' if met else 'MISSED'}" if cuda
