@@ -287,6 +287,12 @@ class TierGuard:
         self.recorder: QuarantineRecorder | None = recorder if recorder is not None else QuarantineRecorder(name)
         if self.enabled and self.recorder is not None:
             self.recorder.start()
+        if self.enabled:
+            # one worker from the start: a caller waits for a thread to start (which takes the scheduler's
+            # time on a busy host) only when it finds none idle, never on the first operation
+            with self._lock:
+                self._live += 1
+            self._start_worker()
 
     # -- the state ---------------------------------------------------------------------------------------------
     @property
@@ -424,10 +430,11 @@ class TierGuard:
         admit, probe = self._admit()
         if not admit:
             return QUARANTINED, None
+        end = time.monotonic() + self.timeout_s  # the deadline counts from the call, a thread's start included
         task = _Task(fn, args, on_late)
         self._queue.put(task)
         self._ensure_worker()
-        if not task.done.wait(self.timeout_s):
+        if not task.done.wait(max(0.0, end - time.monotonic())):
             with task.lock:
                 if task.state == "queued":
                     task.state = "cancelled"  # never started: nothing to abandon
@@ -452,6 +459,9 @@ class TierGuard:
             if self._closed or self._queue.qsize() <= self._idle or self._live >= self.workers:
                 return
             self._live += 1
+        self._start_worker()
+
+    def _start_worker(self) -> None:
         # daemon threads: one stuck in a stalled mount must not hold the interpreter's exit
         threading.Thread(target=self._work, name=f"sfstore-kv-{self.name}", daemon=True).start()
 
