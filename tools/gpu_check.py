@@ -187,22 +187,11 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def _mount_of(path: str) -> dict[str, str]:
-    """The mount under ``path`` (mount point, filesystem type, source) from /proc/self/mounts."""
-    real = os.path.realpath(path)
-    best = {"mountpoint": "", "fstype": "?", "source": "?"}
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mp = parts[1].replace("\\040", " ")
-                inside = real == mp or real.startswith(mp.rstrip("/") + "/")
-                if inside and len(mp) >= len(best["mountpoint"]):  # the last of equal mount points wins
-                    best = {"mountpoint": mp, "fstype": parts[2], "source": parts[0]}
-    except OSError:
-        pass
-    return best
+    """The mount under ``path`` (mount point, filesystem type, source; ``?`` where the mount table cannot say)."""
+    mount = _tools_bench("common").mount_of(path)
+    if mount is None:
+        return {"mountpoint": "", "fstype": "?", "source": "?"}
+    return {"mountpoint": mount.mountpoint, "fstype": mount.fstype, "source": mount.source}
 
 
 def _driver_present() -> bool:

@@ -19,13 +19,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from sfstore.mounts import MountInfo
 
 __all__ = [
     "MIB",
     "GIB",
     "BenchSetupError",
-    "Mount",
     "format_size",
     "drop_cache",
     "random_file",
@@ -214,56 +216,29 @@ def resident_bytes(path: str | os.PathLike[str]) -> int | None:
         return None
 
 
-@dataclass(frozen=True)
-class Mount:
-    """The mount a path lives on (from ``/proc/self/mountinfo``)."""
-
-    mount_point: str
-    fstype: str
-    source: str
-    options: str
-
-
-def _unescape_mountinfo(field_text: str) -> str:
-    return field_text.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-
-
-def mount_of(path: str | os.PathLike[str]) -> Mount | None:
-    """Return the mount holding ``path`` (the longest mount point that prefixes its real path).
+def mount_of(path: str | os.PathLike[str]) -> MountInfo | None:
+    """The mount that serves ``path`` (:func:`sfstore.mounts.mount_for`), or None when the mount table cannot say.
 
     Parameters
     ----------
     path : str or os.PathLike
-        An existing file or directory.
+        A file or directory (one that does not exist yet is judged by its nearest existing parent).
 
     Returns
     -------
-    Mount or None
-        None when ``/proc/self/mountinfo`` cannot be read.
+    sfstore.mounts.MountInfo or None
+        The mount (``mountpoint``, ``fstype``, ``source`` ...).
     """
-    real = os.path.realpath(path)
-    best: Mount | None = None
+    mounts = import_for_bench("sfstore.mounts", BUILD_HINT)
+    errors = import_for_bench("sfstore.errors", BUILD_HINT)
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
+        found: MountInfo = mounts.mount_for(path)
+    except errors.NotSupportedOnHostError:
         return None
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        if not sep:
-            continue
-        fields = left.split()
-        rest = right.split()
-        if len(fields) < 5 or len(rest) < 2:
-            continue
-        mp = _unescape_mountinfo(fields[4])
-        inside = real == mp or real.startswith(mp.rstrip("/") + "/")
-        if inside and (best is None or len(mp) >= len(best.mount_point)):
-            best = Mount(mp, rest[0], rest[1], fields[5] + ("," + rest[2] if len(rest) > 2 else ""))
-    return best
+    return found
 
 
-def check_bench_dir(directory: str | os.PathLike[str]) -> Mount | None:
+def check_bench_dir(directory: str | os.PathLike[str]) -> MountInfo | None:
     """Create ``directory`` if needed and refuse it when it lives in memory (tmpfs, ``/dev/shm``, ramfs).
 
     Parameters
@@ -273,7 +248,7 @@ def check_bench_dir(directory: str | os.PathLike[str]) -> Mount | None:
 
     Returns
     -------
-    Mount or None
+    sfstore.mounts.MountInfo or None
         The mount it lives on (None when that cannot be read).
 
     Raises
@@ -292,13 +267,13 @@ def check_bench_dir(directory: str | os.PathLike[str]) -> Mount | None:
         raise BenchSetupError(f"cannot create benchmark directory {directory}: {exc.strerror}") from None
     mount = mount_of(real)
     if mount is not None and mount.fstype in _MEMORY_FILESYSTEMS:
-        raise BenchSetupError(f"{directory} is on {mount.fstype} (mounted at {mount.mount_point}): memory "
+        raise BenchSetupError(f"{directory} is on {mount.fstype} (mounted at {mount.mountpoint}): memory "
                               "filesystems do not do O_DIRECT the way disks do; give --dir a directory on a disk "
                               "filesystem")
     return mount
 
 
-def bench_dir(given: str | None, *under: str) -> tuple[str, Mount | None]:
+def bench_dir(given: str | None, *under: str) -> tuple[str, MountInfo | None]:
     """The benchmark directory of a suite: ``given`` (``--dir``), else :func:`default_bench_dir` joined with
     ``under``; created and checked by :func:`check_bench_dir`.
 
@@ -450,7 +425,7 @@ def machine_info(bench_dir: str | os.PathLike[str] | None = None) -> dict[str, A
         mount = mount_of(bench_dir)
         info["bench_dir"] = os.path.realpath(bench_dir)
         if mount is not None:
-            info["filesystem"] = {"type": mount.fstype, "source": mount.source, "mount_point": mount.mount_point,
+            info["filesystem"] = {"type": mount.fstype, "source": mount.source, "mount_point": mount.mountpoint,
                                   **_block_device_facts(mount.source)}
     return info
 
