@@ -26,7 +26,7 @@ from sfstore.buffers import RegisteredBufferPool, as_buffer, is_device_buffer
 from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
 from sfstore.futures import ExecutorFuture
-from sfstore.kvcache.deadline import OK, TIMEOUT, TierGuard
+from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
 from sfstore.kvcache.shared_budget import check_namespace
 from sfstore.kvcache.tiers import PinnedTier, SharedTier, Slot
@@ -187,7 +187,11 @@ class KVCacheStore:
                                   quarantine_s=backoff_ms / 1000)
                        if shared_dir is not None else None)
         # the block store's calls run under a deadline of their own (its I/O may stall on a fabric too)
-        self._block_guard = TierGuard("block", timeout_ms / 1000, backoff_ms / 1000, workers=4, max_abandoned=8)
+        self._block_guard = TierGuard(
+            "block", timeout_ms / 1000, backoff_ms / 1000, workers=4, max_abandoned=8,
+            recorder=QuarantineRecorder("block", target=str(block_store.path.device)) if block_store is not None
+            else None,
+        )
         self.namespace = namespace
         self.counters = Counters(_COUNTERS)
         self._lat: dict[str, deque[float]] = {op: deque(maxlen=_LATENCY_SAMPLES) for op in ("put", "get")}

@@ -21,7 +21,7 @@ from typing import Any
 from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.checksums import kvsum64, xxh3_64
-from sfstore.kvcache.deadline import OK, TIMEOUT, TierGuard, late
+from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard, late
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
 from sfstore.paths.base import Range
@@ -222,7 +222,10 @@ class SharedTier:
             self.fp.full(self.prefix)  # refuses '..' above its root (symlinks are met beneath it, at each use)
         self.namespace = namespace
         self.budget = SharedBudget(self.fp, self.prefix, budget_bytes, namespace=namespace, **(budget_options or {}))
-        self.guard = TierGuard("shared", timeout_s, quarantine_s, workers=8, max_abandoned=16)
+        # the quarantine's record goes to this host's state directory and to the shared directory, where other
+        # nodes' probes and `sfstore kv du` see it
+        self.guard = TierGuard("shared", timeout_s, quarantine_s, workers=8, max_abandoned=16,
+                               recorder=QuarantineRecorder.for_shared(self.budget))
         self.fsync = fsync
         self.slot_bytes = -(-geom.block_bytes // 4096) * 4096
         self._dirfd: int | None = None
