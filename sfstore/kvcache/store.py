@@ -1153,7 +1153,11 @@ class KVCacheStore:
         return removed
 
     def stats(self) -> dict[str, Any]:
-        """Hits per tier, misses, bytes, blocks resident per tier, and put/get latency percentiles (seconds)."""
+        """Hits per tier, misses, bytes, blocks resident per tier, and put/get latency percentiles (seconds).
+
+        Counting the shared tier's blocks lists its directory (under the tier's deadline): call this for
+        monitoring, not on a step's path; :attr:`tiers` and :attr:`counters` cost no I/O.
+        """
         c = self.counters.snapshot()
         out: dict[str, Any] = dict(c)
         out["resident"] = {
@@ -1191,9 +1195,15 @@ class KVCacheStore:
             data = list(samples)
             out[f"{op}_p50_s"] = _percentile(data, 0.5)
             out[f"{op}_p99_s"] = _percentile(data, 0.99)
-        out["tiers"] = [t for t, on in zip(TIERS, (True, self.block is not None, self.shared is not None),
-                                          strict=True) if on]
+        out["tiers"] = self.tiers
         return out
+
+    @property
+    def tiers(self) -> list[str]:
+        """The tiers this store has, highest first (``pinned``, then ``block`` and ``shared`` where configured);
+        no I/O, unlike :meth:`stats`, which lists the shared directory."""
+        return [t for t, on in zip(TIERS, (True, self.block is not None, self.shared is not None), strict=True)
+                if on]
 
     def _guards(self) -> dict[str, TierGuard]:
         out = {"block": self._block_guard} if self.block is not None else {}

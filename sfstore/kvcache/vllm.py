@@ -1350,7 +1350,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self.has_connector_metadata() or _BlockStored is None:
             return
         meta = self._get_connector_metadata()
-        tiers = self.store.stats()["tiers"]
+        tiers = self.store.tiers  # not stats(): it lists the shared directory, and this runs every step
         for t in meta.saves:
             if t.req_id in self._failed_reqs or t.token_ids is None or t.parents is None:
                 continue

@@ -423,6 +423,34 @@ def test_save_then_load_in_another_server_with_stand_in_attention_kernel(
         b.run()
 
 
+def test_a_saving_step_never_lists_the_shared_directory_with_stand_in_attention_kernel(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KV events of a step's saves name the store's tiers without KVCacheStore.stats(), whose count of the
+    shared tier lists its whole directory (seconds on a large NFS directory, and under the tier's deadline).
+    A spy on SharedTier.count (it calls through) tells whether any step listed it."""
+    from sfstore.kvcache.tiers import SharedTier
+
+    listings: list[int] = []
+    real_count = SharedTier.count
+
+    def counting(self: SharedTier) -> int | None:
+        listings.append(1)
+        return real_count(self)
+
+    monkeypatch.setattr(SharedTier, "count", counting)
+    extra = {"pinned_bytes": 4 << 20, "shared_dir": str(tmp_path / "shared"), "model_id": "tiny-no-listing"}
+    prompt = [(i * 29 + 5) % 1000 for i in range(100)]  # 6 full blocks
+    with engine(model_dir, extra) as eng:
+        eng.add(make_request("s1", prompt))
+        eng.run()
+        assert listings == []
+        store = eng.connector.store
+        store.wait_for_puts()
+        assert all(store.contains(k) for k in store.keys_for(prompt[:96], ()))
+        assert store.stats()["resident"]["shared"] == 6 and listings == [1]  # stats() itself does list
+
+
 def test_chunked_prefill_saves_each_block_once_with_stand_in_attention_kernel(model_dir: Path) -> None:
     prompt = [(i * 13 + 3) % 1000 for i in range(150)]  # 9 full blocks
     extra = {"pinned_bytes": 4 << 20, "model_id": "tiny-chunked"}
