@@ -14,10 +14,13 @@ Outside the two-node scenario (the single-node run collects this file too) every
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import re
+import shutil
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -87,6 +90,15 @@ def tokens(first_block: int, blocks: int) -> list[int]:
 def block(i: int) -> np.ndarray:
     """Block ``i``'s bytes (any node can make them, and tell them from another block's)."""
     return np.random.default_rng(1000 + i).integers(0, 256, geometry().block_bytes, dtype=np.uint8)
+
+
+def sfstore_cli(*args: str) -> str:
+    """Run the installed ``sfstore`` command; its stdout (fails the test on a non-zero exit)."""
+    exe = shutil.which("sfstore")
+    cmd = [exe] if exe else [sys.executable, "-m", "sfstore.cli"]
+    result = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, (args, result.returncode, result.stderr)
+    return result.stdout
 
 
 def facts(kv: Any) -> dict[str, Any]:
@@ -264,11 +276,15 @@ def test_shared_budget_holds_while_both_nodes_write(peer: Peer, mount: Path) -> 
                         assert np.array_equal(dest, block(index[k])), "a wrong block"
                     else:
                         assert got == [None] and (dest == 7).all()
-                du = kv.shared.budget.du()
             finally:
                 kv.close()
-            assert hits * file_bytes == held and du["bytes"] == held, (hits, held, du)
-            peer.note(f"B read back the {hits} blocks left, each bit-exact")
+            assert hits * file_bytes == held, (hits, held)
+            # `sfstore kv du` on this node counts what node A's listing of its export did, and nothing left over
+            (du,) = json.loads(sfstore_cli("kv", "du", str(shared), "--namespace", "budget", "--json"))
+            assert du["bytes"] == held and du["files"] == hits, du
+            assert du["evicting"] == 0 and du["temporaries"] == 0, du
+            peer.note(f"B read back the {hits} blocks left, each bit-exact; sfstore kv du on B: "
+                      f"{du['bytes'] >> 10} KiB")
             peer.tell("verified")
 
 
