@@ -45,7 +45,7 @@ __all__ = ["TierGuard", "QuarantineRecorder", "late", "OK", "TIMEOUT", "QUARANTI
 OK, TIMEOUT, QUARANTINED = "ok", "timeout", "quarantined"
 _BACKOFF_CAP = 64  # the longest back-off, in units of the first
 _COUNTERS = ("calls", "deadline_misses", "quarantine_skips", "probes", "recoveries", "abandoned_total",
-             "late_returns")
+             "late_returns", "slow_unjudged")
 
 _current = threading.local()
 
@@ -324,11 +324,13 @@ class TierGuard:
         out.update(self.counters.snapshot())
         return out
 
-    def _admit(self) -> tuple[bool, bool]:
-        """``(run it, it is the probe)``; counts a skipped call."""
+    def _admit(self, judges: bool = True) -> tuple[bool, bool]:
+        """``(run it, it is the probe)``; counts a skipped call. A call that does not judge the tier never
+        probes it: it waits, as the others do, for one that does."""
         with self._lock:
             now = time.monotonic()
-            if self._abandoned >= self.max_abandoned or now < self._until or self._probing:
+            if (self._abandoned >= self.max_abandoned or now < self._until or self._probing
+                    or (not judges and self._until > 0)):
                 skip = True
                 probe = False
             elif self._until > 0:  # the back-off is over: this call probes the tier, the others wait for it
@@ -420,14 +422,18 @@ class TierGuard:
 
     # -- running -----------------------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, on_late: Callable[[], None] | None = None,
-            what: str = "an operation") -> tuple[str, Any]:
+            what: str = "an operation", judges: bool = True) -> tuple[str, Any]:
         """Run ``fn(*args)`` within the deadline: ``("ok", its result)`` (its exception is raised here),
         ``("timeout", None)`` past the deadline (``on_late`` then runs on the worker once ``fn`` returns, if
-        it ever does), or ``("quarantined", None)`` when the tier is quarantined (``fn`` did not run)."""
+        it ever does), or ``("quarantined", None)`` when the tier is quarantined (``fn`` did not run).
+
+        ``judges=False`` is for an operation whose time says nothing of the tier's health (a listing, which
+        grows with the directory): it is bounded by the deadline all the same, but missing it does not
+        quarantine the tier (``slow_unjudged`` counts it), and it never probes a quarantined tier."""
         self.counters.add(calls=1)
         if not self.enabled:
             return OK, fn(*args)
-        admit, probe = self._admit()
+        admit, probe = self._admit(judges)
         if not admit:
             return QUARANTINED, None
         end = time.monotonic() + self.timeout_s  # the deadline counts from the call, a thread's start included
@@ -447,7 +453,10 @@ class TierGuard:
                 self.counters.add(abandoned_total=1)
                 self._ensure_worker()
             if task.state != "done":
-                self._missed(probe, what)
+                if judges:
+                    self._missed(probe, what)
+                else:
+                    self.counters.add(slow_unjudged=1)
                 return TIMEOUT, None
         self._answered(probe)
         if task.error is not None:

@@ -263,11 +263,18 @@ class KVCacheStore:
         """How many leading tokens of ``token_ids`` have their KV blocks in some tier (a multiple of
         ``block_tokens``): the prefix an engine can load instead of computing."""
         self._check_open()
-        n = 0
-        for k in self.keys_for(token_ids, extra):
-            if not self.contains(k):
-                break
-            n += 1
+        keys = self.keys_for(token_ids, extra)
+        # The upper tiers answer from memory; the blocks only the shared tier may have are asked of it in one
+        # operation (one deadline, one handoff to its workers) instead of one per block.
+        need: list[int] = []
+        for i, k in enumerate(keys):
+            if k in self.pinned or (self.block is not None and self.block.contains(k)):
+                continue
+            if self.shared is None:
+                return i * self.geometry.block_tokens
+            need.append(i)
+        found = self.shared.leading_present([keys[i] for i in need]) if need and self.shared is not None else 0
+        n = need[found] if found < len(need) else len(keys)
         return n * self.geometry.block_tokens
 
     # -- blocks in and out --------------------------------------------------------------------------------------

@@ -276,6 +276,20 @@ class SharedTier:
         status, found = self.guard.run(self._contains, key, what="a lookup")
         return status == OK and bool(found)
 
+    def leading_present(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, have a regular file at their name (not yet verified): one
+        operation under the deadline, so 0 past it or while quarantined."""
+        if not keys:
+            return 0
+        status, n = self.guard.run(self._leading_present, list(keys), what="a lookup")
+        return int(n) if status == OK else 0
+
+    def _leading_present(self, keys: list[bytes]) -> int:
+        for i, k in enumerate(keys):
+            if not self._contains(k):
+                return i
+        return len(keys)
+
     def _contains(self, key: bytes) -> bool:
         sub, base = self._entry(key)
         try:
@@ -759,7 +773,7 @@ class SharedTier:
     def count(self) -> int | None:
         """Block files in the directory (its two-character subdirectories, read through descriptors); ``None``
         past the deadline or while quarantined."""
-        status, n = self.guard.run(self._count, what="a listing")
+        status, n = self.guard.run(self._count, what="a listing", judges=False)
         return int(n) if status == OK else None
 
     def _count(self) -> int:

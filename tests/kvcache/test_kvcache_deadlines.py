@@ -498,3 +498,76 @@ def test_the_record_follows_the_quarantine_stuck_workers_back_off_and_recovery(t
     finally:
         release.set()
         g.close()
+
+
+def test_a_slow_listing_is_bounded_but_never_quarantines_the_tier(tmp_path: Path) -> None:
+    """stats() counts the shared tier's blocks by listing its directory, which takes longer as it grows, not as
+    the mount sickens: past the deadline the count is unknown (None), and gets and puts go on."""
+    kv = store(tmp_path, quarantine_ms=10_000)  # a quarantine would last the whole test
+    try:
+        assert kv.shared is not None
+        keys = [w.key(kv, i) for i in range(2)]
+        kv.put(keys, [w.block(0), w.block(1)])
+        guard = kv.shared.guard
+        with _simulated_stall(kv.shared, "_count", tmp_path) as stall:
+            t0 = time.monotonic()
+            assert kv.stats()["resident"]["shared"] is None
+            assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
+            assert not guard.quarantined() and guard.counters.snapshot()["slow_unjudged"] == 1
+            assert guard.counters.snapshot()["deadline_misses"] == 0
+            dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
+            assert kv.get_into([keys[1]], [dest]) == ["shared"] and np.array_equal(dest, w.block(1))
+            stall.end()
+            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+        assert kv.stats()["resident"]["shared"] == 2
+    finally:
+        kv.close()
+
+
+def test_a_listing_never_probes_a_quarantined_tier(tmp_path: Path) -> None:
+    kv = store(tmp_path, quarantine_ms=BACKOFF_MS)
+    try:
+        assert kv.shared is not None
+        keys = [w.key(kv, i) for i in range(2)]
+        kv.put(keys, [w.block(0), w.block(1)])
+        guard = kv.shared.guard
+        dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
+        with _simulated_stall(kv.shared, "_open", tmp_path) as stall:
+            assert kv.get_into([keys[0]], [dest]) == [None] and guard.quarantined()
+            stall.end()
+            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+        time.sleep(BACKOFF_MS / 1000 + 0.005)  # the back-off is over: the next judging call probes
+        probes = guard.counters.snapshot()["probes"]
+        assert kv.stats()["resident"]["shared"] is None  # the listing waits for a probe, as every call does
+        assert guard.counters.snapshot()["probes"] == probes
+        assert kv.get_into([keys[0]], [dest]) == ["shared"] and not guard.quarantined()  # this get probed
+        assert kv.stats()["resident"]["shared"] == 2
+    finally:
+        kv.close()
+
+
+def test_a_lookup_asks_the_shared_tier_once_for_its_whole_prefix(tmp_path: Path) -> None:
+    """One operation under the deadline (one handoff to the tier's workers) for every block only the shared
+    tier may hold, instead of one per block; the answer is the same."""
+    kv = store(tmp_path, pinned_bytes=2 * w.GEOM.block_bytes)
+    try:
+        assert kv.shared is not None
+        tokens = list(range(w.GEOM.block_tokens * 10 + 3))
+        keys = kv.keys_for(tokens)
+        kv.put(keys[:7], [w.block(i) for i in range(7)])
+        kv.wait_for_puts()
+        guard = kv.shared.guard
+        calls = guard.counters.snapshot()["calls"]
+        assert kv.lookup(tokens) == 7 * w.GEOM.block_tokens
+        assert guard.counters.snapshot()["calls"] == calls + 1
+        assert kv.lookup(tokens[: w.GEOM.block_tokens * 3]) == 3 * w.GEOM.block_tokens
+        kv.close()
+        kv = store(tmp_path, pinned_bytes=2 * w.GEOM.block_bytes)  # nothing pinned: all from the shared tier
+        assert kv.lookup(tokens) == 7 * w.GEOM.block_tokens
+        with _simulated_stall(kv.shared, "_open", tmp_path) as stall:  # past the deadline: nothing found
+            t0 = time.monotonic()
+            assert kv.lookup(tokens) == 0
+            assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
+            stall.end()
+    finally:
+        kv.close()
