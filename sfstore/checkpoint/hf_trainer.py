@@ -43,7 +43,7 @@ import torch
 import xxhash
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from sfstore import defaults, errors
+from sfstore import defaults, errors, temp_names
 from sfstore.fs import local_path
 
 __all__ = ["COMMIT_NAME", "SfstoreTrainerCallback", "commit_checkpoint", "last_committed_checkpoint"]
@@ -53,7 +53,9 @@ COMMIT_NAME = "sfstore-commit.json"
 
 _FORMAT = "sfstore.hf_trainer.commit"
 _VERSION = 1
-_TEMP_PREFIX = f".{COMMIT_NAME}.tmp-"
+_COMMIT_KIND = "commit"  # the record's temporary name: temp_names.temp_name(COMMIT_NAME, "commit")
+# Older writers wrote the record under ``.{COMMIT_NAME}.tmp-{pid}`` (no host: taken for this host's)
+_OLDER_TEMP_PREFIX = f".{COMMIT_NAME}.tmp-"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers.trainer_utils' own pattern
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 
@@ -92,8 +94,39 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _temporary(name: str) -> bool:
+    """Whether ``name`` is the commit record's temporary name (this writer's or an older one's)."""
+    if name.startswith(_OLDER_TEMP_PREFIX):
+        return True
+    tn = temp_names.parse(name)
+    return tn is not None and tn.final == COMMIT_NAME and tn.kind == _COMMIT_KIND
+
+
 def _ours(name: str) -> bool:
-    return name == COMMIT_NAME or name.startswith(_TEMP_PREFIX)
+    return name == COMMIT_NAME or _temporary(name)
+
+
+def _writer_gone(path: str, name: str) -> bool:
+    """Whether the commit record's temporary ``name`` in ``path`` was left by a writer that is gone."""
+    tn = temp_names.parse(name)
+    if tn is not None:
+        return tn.final == COMMIT_NAME and tn.kind == _COMMIT_KIND and temp_names.is_leftover(
+            tn, os.path.join(path, name))
+    pid = name[len(_OLDER_TEMP_PREFIX):]
+    return name.startswith(_OLDER_TEMP_PREFIX) and pid.isdigit() and not temp_names.pid_alive(int(pid))
+
+
+def _remove_leftovers(path: str) -> None:
+    """Remove the commit record's temporary files in ``path`` whose writers are gone (killed mid-commit):
+    they are left out of the record, so nothing else would ever remove them."""
+    with os.scandir(path) as it:
+        names = [e.name for e in it if _temporary(e.name)]
+    for name in names:
+        try:
+            if _writer_gone(path, name):
+                os.unlink(os.path.join(path, name))
+        except OSError:
+            pass  # removed by another cleanup, or not removable: a leftover is left out of the record anyway
 
 
 def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
@@ -157,6 +190,7 @@ def commit_checkpoint(directory: str | os.PathLike[str]) -> str:
     buf = bytearray(defaults.get("checkpoint_buffer_size"))
     files: dict[str, dict[str, Any]] = {}
     try:
+        _remove_leftovers(path)
         for here, names in _walk(path):
             for rel in names:
                 size, digest = _hash_file(os.path.join(path, rel), buf, sync=True)
@@ -169,10 +203,10 @@ def commit_checkpoint(directory: str | os.PathLike[str]) -> str:
     record = {"format": _FORMAT, "version": _VERSION, "checkpoint": os.path.basename(path),
               "step": int(m.group(1)), "checksum": "xxh3-64", "files": files}
     body = json.dumps(record, indent=1, sort_keys=True).encode() + b"\n"
-    temp = os.path.join(path, f"{_TEMP_PREFIX}{os.getpid()}")
+    temp = os.path.join(path, temp_names.temp_name(COMMIT_NAME, _COMMIT_KIND))
     final = os.path.join(path, COMMIT_NAME)
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             view = memoryview(body)
             while view:

@@ -428,3 +428,30 @@ def test_sfstore_imports_without_transformers() -> None:
     code = ("import sys, sfstore, sfstore.checkpoint, sfstore.fs, sfstore.checkpoint.load; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_killed_commits_temporaries_are_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
+    """A commit record's temporary left by a killed writer, in the current naming (``temp_name(COMMIT_NAME,
+    "commit")``) and in the older one (``.{COMMIT_NAME}.tmp-{pid}``), is removed by the next commit; a live
+    writer's (this process's) and another host's recent one are kept; none of them is recorded as a file."""
+    from sfstore import temp_names
+
+    d = tmp_path / "checkpoint-3"
+    d.mkdir()
+    (d / "a.bin").write_bytes(b"abc")
+    dead = _dead_pid()
+    gone = [f".{COMMIT_NAME}.sfstore-commit-{temp_names.host()}-{dead}-0123456789ab", f".{COMMIT_NAME}.tmp-{dead}"]
+    kept = [temp_names.temp_name(COMMIT_NAME, "commit"), f".{COMMIT_NAME}.tmp-{os.getpid()}",
+            f".{COMMIT_NAME}.sfstore-commit-another_host-{dead}-0123456789ab"]
+    for name in gone + kept:
+        (d / name).write_bytes(b"{")
+    record = commit_checkpoint(d)
+    assert json.loads(Path(record).read_text())["files"] == {"a.bin": {"size": 3, "xxh3_64": xxh3_64_hex(b"abc")}}
+    assert sorted(os.listdir(d)) == sorted(["a.bin", COMMIT_NAME, *kept])
+    assert last_committed_checkpoint(tmp_path) == str(d)  # the live temporaries are not taken for its files
