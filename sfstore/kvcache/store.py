@@ -872,10 +872,25 @@ class KVCacheStore:
         n = self.geometry.block_bytes
         got: list[int | None] = [None] * len(keys)
         corrupt = 0
-        for wave in self._staged_waves(len(keys)):
-            idx = [i for i in wave if self.block.contains(keys[i])]
-            if not idx:
-                continue
+        present = [i for i in range(len(keys)) if self.block.contains(keys[i])]
+        for idx, bufs, lengths, bad in self._staged_block_gets(keys, present):
+            corrupt += bad
+            for i, b, length in zip(idx, bufs, lengths, strict=True):
+                if length == n:  # verified by the block store: only then does it reach the caller
+                    with memoryview(b) as mv:
+                        views[i][:n] = mv[:n]
+                    got[i] = length
+        return got, corrupt
+
+    def _staged_block_gets(
+        self, keys: Sequence[bytes], indices: list[int]
+    ) -> Iterator[tuple[list[int], list[Any], list[int | None], int]]:
+        """The block store's gets of ``keys[i]`` for ``i`` in ``indices``, wave by wave into registered staging
+        buffers under the block tier's deadline: per wave ``(its indices, buffers, lengths, dropped as
+        corrupt)``, a length ``None`` for a miss (quarantined too). A wave past its deadline yields nothing: its
+        buffers are the abandoned worker's until it returns. The others' are released once the caller moves on."""
+        for wave in self._staged_waves(len(indices)):
+            idx = [indices[j] for j in wave]
             bufs = self._staged_block(len(idx))
             try:
                 status, out = self._block_guard.run(self._get_buffers, [keys[i] for i in idx], bufs,
@@ -885,19 +900,12 @@ class KVCacheStore:
                 _release_all(bufs)
                 raise
             if status == TIMEOUT:
-                continue  # the buffers are the abandoned worker's until it returns
+                continue
             try:
-                if status == OK:
-                    lengths, bad = out
-                    corrupt += bad
-                    for i, b, length in zip(idx, bufs, lengths, strict=True):
-                        if length == n:
-                            with memoryview(b) as mv:
-                                views[i][:n] = mv[:n]
-                            got[i] = length
+                lengths: list[int | None] = out[0] if status == OK else [None] * len(idx)
+                yield idx, bufs, lengths, int(out[1]) if status == OK else 0
             finally:
                 _release_all(bufs)
-        return got, corrupt
 
     def _get_slots(self, keys: list[bytes], slots: list[Slot]) -> tuple[list[int | None], int]:
         assert self.block is not None
@@ -1024,30 +1032,15 @@ class KVCacheStore:
                         corrupt += self.block.sum_kind(ks[i]) is None  # dropped as it failed verification
                 done = set(gpu_written)
                 present = [i for i in present if i not in done]
-            for wave in self._staged_waves(len(present)):
-                idx = [present[j] for j in wave]
-                bufs = self._staged_block(len(idx))
-                try:
-                    status, out = self._block_guard.run(self._get_buffers, [ks[i] for i in idx], bufs,
-                                                        on_late=functools.partial(_release_all, bufs),
-                                                        what="a block-store get")
-                except BaseException:
-                    _release_all(bufs)
-                    raise
-                if status == TIMEOUT:
-                    continue  # the buffers are the abandoned worker's until it returns
+            for idx, bufs, got, bad in self._staged_block_gets(ks, present):
+                corrupt += bad
                 hits = 0
-                try:
-                    got, bad = out if status == OK else ([None] * len(idx), 0)
-                    corrupt += bad
-                    for i, b, length in zip(idx, bufs, got, strict=True):
-                        if length == n:  # verified by the block store: only then does it reach the caller
-                            with memoryview(b) as mv:
-                                dp.runtime.from_host(dests[i], 0, mv[:n])
-                            tiers[i] = "block"
-                            hits += 1
-                finally:
-                    _release_all(bufs)
+                for i, b, length in zip(idx, bufs, got, strict=True):
+                    if length == n:  # verified by the block store: only then does it reach the caller
+                        with memoryview(b) as mv:
+                            dp.runtime.from_host(dests[i], 0, mv[:n])
+                        tiers[i] = "block"
+                        hits += 1
                 dp.counters.add_for("kvcache.block", bytes_staged=n * hits)
         if self.shared is not None:
             found = []
