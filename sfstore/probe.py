@@ -30,7 +30,6 @@ import os
 import platform
 import re
 import resource
-import secrets
 import socket
 import stat
 import sys
@@ -39,7 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import sfstore
-from sfstore import defaults, nvme
+from sfstore import defaults, nvme, temp_names
 from sfstore.mounts import MountInfo, mount_for, read_mountinfo
 
 __all__ = [
@@ -168,12 +167,41 @@ def probe_memory() -> dict[str, Any]:
 # data directory
 
 
+# The O_DIRECT check's file: temp_names.temp_name(_PROBE_FINAL, _PROBE_KIND), removed at once; older versions
+# named it ``.sfstore-probe-{pid}`` (no host: taken for this host's)
+_PROBE_FINAL, _PROBE_KIND = "o_direct", "probe"
+_OLDER_PROBE = re.compile(r"^\.sfstore-probe-(?P<pid>\d+)$")
+
+
+def _remove_probe_leftovers(directory: str) -> None:
+    """Remove the O_DIRECT check's files in ``directory`` that a killed check left (its process is gone)."""
+    try:
+        with os.scandir(directory) as it:
+            names = [e.name for e in it if e.name.startswith(".")]
+    except OSError:
+        return  # the check itself says what is wrong with the directory
+    for name in names:
+        tn = temp_names.parse(name)
+        older = _OLDER_PROBE.match(name)
+        path = os.path.join(directory, name)
+        try:
+            if tn is not None and tn.final == _PROBE_FINAL and tn.kind == _PROBE_KIND:
+                gone = temp_names.is_leftover(tn, path)
+            else:
+                gone = older is not None and not _pid_alive(int(older["pid"]))
+            if gone:
+                os.unlink(path)
+        except OSError:
+            pass  # removed by another probe, or not ours to remove
+
+
 def _o_direct_check(directory: str) -> dict[str, Any]:
     """Try creating a file with ``O_DIRECT`` in ``directory``."""
     o_direct = getattr(os, "O_DIRECT", 0)
     if not o_direct:
         return {"ok": False, "reason": "this platform has no O_DIRECT"}
-    name = os.path.join(directory, f".sfstore-probe-{os.getpid()}")
+    _remove_probe_leftovers(directory)
+    name = os.path.join(directory, temp_names.temp_name(_PROBE_FINAL, _PROBE_KIND))
     try:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | o_direct | os.O_CLOEXEC, 0o600)
     except OSError as exc:
@@ -515,15 +543,10 @@ def parse_quarantine(data: bytes) -> dict[str, Any] | None:
 
 
 def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
+        return temp_names.pid_alive(pid)
+    except OverflowError:  # a record's pid beyond any process id: a foreign writer's, not judged here
         return pid > 0
-    return True
 
 
 def quarantine_in_force(record: dict[str, Any], now: float | None = None) -> bool:
@@ -534,8 +557,25 @@ def quarantine_in_force(record: dict[str, Any], now: float | None = None) -> boo
     return record["host"] != host_name() or _pid_alive(record["pid"])
 
 
+# The temporary names older writers wrote records under, ``.{name}.tmp-{pid}-{rand}`` (no host: taken for this
+# host's); still read so that a killed writer's are removed at once
+_OLDER_TEMPORARY = re.compile(r"^\..+\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+def _temporary_gone(dirfd: int, name: str) -> bool:
+    """Whether the record's temporary file ``name`` was left by a writer that is gone."""
+    tn = temp_names.parse(name)
+    if tn is not None:
+        try:
+            return temp_names.is_leftover(tn, name, dir_fd=dirfd)
+        except OSError:
+            return False  # gone meanwhile, or not statable: the minute's rule decides
+    m = _OLDER_TEMPORARY.match(name)
+    return m is not None and not _pid_alive(int(m["pid"]))
+
+
 def _write_small_atomic(dirfd: int, name: str, data: bytes) -> None:
-    tmp = f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_names.temp_name(name, "tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dirfd)
     try:
         try:
@@ -592,7 +632,7 @@ def _read_small(dirfd: int, name: str) -> tuple[bytes | None, os.stat_result | N
 def read_quarantine_records(directory: str, *, clean: bool = False) -> list[dict[str, Any]]:
     """The quarantines still in force that ``directory``'s records describe (each record with its ``name``),
     oldest first. ``clean``: remove the records that no longer hold (ended, or of a dead process of this host),
-    and torn records and temporary files a minute old (a writer killed mid-write)."""
+    and torn records and temporary files a minute old or whose writer is gone (one killed mid-write)."""
     try:
         dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
@@ -608,7 +648,7 @@ def read_quarantine_records(directory: str, *, clean: bool = False) -> list[dict
                 out.append({"name": name[:-len(".json")], **rec})
                 continue
             old = st is not None and now - st.st_mtime > _QUARANTINE_LEFTOVER_S
-            if clean and (rec is not None or old):
+            if clean and (rec is not None or old or (temporary and _temporary_gone(dirfd, name))):
                 try:
                     os.unlink(name, dir_fd=dirfd)
                 except OSError:

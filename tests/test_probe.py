@@ -346,3 +346,50 @@ def test_a_quarantine_record_round_trips_and_foreign_ones_are_refused() -> None:
     for bad in (b"", b"[]", b'{"v": 2}', b'{"v": 1, "host": "h"}', b"\xff", b'{"v": 1, "pid": "x"}'):
         assert probe_mod.parse_quarantine(bad) is None, bad
     assert not probe_mod.quarantine_in_force(rec)  # ended long ago
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_killed_record_writers_temporaries_are_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
+    """A quarantine record's temporary left by a killed writer, in the current naming (``temp_name``) and in
+    the older one (``.{name}.tmp-{pid}-{rand}``), is removed by the next cleaning read at once (not a minute
+    later); a live writer's (this process's) and another host's recent one are kept."""
+    from sfstore import temp_names
+
+    where = tmp_path / "q"
+    where.mkdir()
+    dead = _dead_pid()
+    gone = [f".a.json.sfstore-tmp-{temp_names.host()}-{dead}-0123456789ab", f".b.json.tmp-{dead}-ab12"]
+    kept = [temp_names.temp_name("c.json", "tmp"), f".d.json.tmp-{os.getpid()}-ab12",
+            f".e.json.sfstore-tmp-another_host-{dead}-0123456789ab"]
+    for name in gone + kept:
+        (where / name).write_bytes(b"{")
+    assert probe_mod.read_quarantine_records(str(where)) == []
+    assert sorted(os.listdir(where)) == sorted(gone + kept)  # a read that does not clean removes nothing
+    assert probe_mod.read_quarantine_records(str(where), clean=True) == []
+    assert sorted(os.listdir(where)) == sorted(kept)
+    probe_mod.write_quarantine_record(str(where), "r", {
+        "host": "h", "pid": 1, "tier": "shared", "target": "", "namespace": "", "since": 0.0, "until": 1e12,
+        "reason": "", "abandoned": 0, "deadline_ms": 1, "written": 0.0})
+    assert sorted(os.listdir(where)) == sorted([*kept, "r.json"])  # its own temporary is renamed away
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="the O_DIRECT check runs only where O_DIRECT exists")
+def test_the_o_direct_checks_leftovers_of_a_killed_probe_are_removed(tmp_path: Path) -> None:
+    """The O_DIRECT check's file left by a killed probe, in the current naming and the older
+    ``.sfstore-probe-{pid}``, is removed by the next probe of the directory; a live probe's is kept."""
+    from sfstore import temp_names
+
+    dead = _dead_pid()
+    gone = [f".o_direct.sfstore-probe-{temp_names.host()}-{dead}-0123456789ab", f".sfstore-probe-{dead}"]
+    kept = [temp_names.temp_name("o_direct", "probe"), f".sfstore-probe-{os.getpid()}", ".sfstore-probe-x",
+            f".other.sfstore-probe-{temp_names.host()}-{dead}-0123456789ab"]
+    for name in gone + kept:
+        (tmp_path / name).write_bytes(b"")
+    section = probe_data_dir(str(tmp_path))
+    assert section["status"] == "ok"
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
