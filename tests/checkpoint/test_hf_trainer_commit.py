@@ -412,8 +412,9 @@ def test_two_ranks_commit_once_with_both_ranks_files(root: Path, tmp_path: Path)
     script = tmp_path / "ddp_child.py"
     script.write_text(_DDP_CHILD)
     out = local_path("sf://runs/ddp")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    str(script), out, os.path.dirname(__file__)], check=True, timeout=300, capture_output=True)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       str(script), out, os.path.dirname(__file__)], timeout=300, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     for step in (2, 4):
         directory = os.path.join(out, f"checkpoint-{step}")
         files = json.loads(Path(directory, COMMIT_NAME).read_text())["files"]
