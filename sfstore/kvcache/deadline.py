@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sfstore import probe
+from sfstore import forks, probe
 from sfstore.counters import Counters
 
 if TYPE_CHECKING:
@@ -75,16 +75,25 @@ class _RecordWriter:
         self._pending: dict[str, _Job] = {}
         self._busy = False
         self._thread: threading.Thread | None = None
-        self._pid = 0
         self._stopping = False
         self.errors = 0
+        forks.after_fork(self._in_forked_child)
+
+    def _in_forked_child(self) -> None:
+        # the parent's thread does not exist here (nor does its hold on the condition's lock, nor the write it
+        # was busy with); what was pending is the parent's records, its own thread writes them
+        self._cond = threading.Condition()
+        self._pending = {}
+        self._busy = False
+        self._thread = None
+        self._stopping = False
 
     def start(self) -> None:
         """Start the thread (nothing when it runs: a forked child starts its own)."""
         with self._cond:
-            if self._thread is not None and self._pid == os.getpid():
+            if self._thread is not None:
                 return
-            self._pid, self._stopping = os.getpid(), False
+            self._stopping = False
             # a daemon thread: one stuck in a stalled mount must not hold the interpreter's exit
             self._thread = threading.Thread(target=self._run, name=f"sfstore-kv-{self._what}", daemon=True)
         self._thread.start()
@@ -93,7 +102,7 @@ class _RecordWriter:
             record: dict[str, Any] | None) -> None:
         with self._cond:
             self._pending[name] = (write, remove, record)
-            running = self._thread is not None and self._pid == os.getpid()
+            running = self._thread is not None
             self._cond.notify()
         if not running:
             self.start()
@@ -164,6 +173,13 @@ class QuarantineRecorder:
         self._shared_budget = shared
         self._out = False  # a record was written (its removal is due)
         self._shared = _RecordWriter(f"{tier}-shared-record") if shared is not None else None
+        forks.after_fork(self._in_forked_child)
+
+    def _in_forked_child(self) -> None:
+        # a forked child's quarantine is its own: a record of its own name (its pid), none written yet
+        self._lock = threading.Lock()
+        self._name = ""
+        self._out = False
 
     @classmethod
     def for_shared(cls, budget: SharedBudget) -> QuarantineRecorder:
@@ -174,7 +190,7 @@ class QuarantineRecorder:
     def name(self) -> str:
         """The record's name: host, pid, tier and a token (two tiers of one process never share one)."""
         with self._lock:
-            if not self._name or f"-{os.getpid()}-" not in self._name:
+            if not self._name:
                 self._name = f"{probe.host_name()}-{os.getpid()}-{self.tier}-{secrets.token_hex(4)}"
             return self._name
 
@@ -285,6 +301,7 @@ class TierGuard:
         self._refresh_at = 0.0  # monotonic: an open-ended quarantine's record is renewed past this
         self._recorded = False  # a record of a quarantine is out
         self.recorder: QuarantineRecorder | None = recorder if recorder is not None else QuarantineRecorder(name)
+        forks.after_fork(self._in_forked_child)
         if self.enabled and self.recorder is not None:
             self.recorder.start()
         if self.enabled:
@@ -293,6 +310,14 @@ class TierGuard:
             with self._lock:
                 self._live += 1
             self._start_worker()
+
+    def _in_forked_child(self) -> None:
+        # the parent's workers (idle, running, abandoned) and the caller probing the tier do not exist here:
+        # the child starts workers of its own as it needs them, and its next operation after the back-off probes
+        self._lock = threading.Lock()
+        self._queue = queue.SimpleQueue()
+        self._live = self._idle = self._abandoned = 0
+        self._probing = False
 
     # -- the state ---------------------------------------------------------------------------------------------
     @property

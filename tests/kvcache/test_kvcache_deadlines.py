@@ -571,3 +571,71 @@ def test_a_lookup_asks_the_shared_tier_once_for_its_whole_prefix(tmp_path: Path)
             stall.end()
     finally:
         kv.close()
+
+
+def _in_forked_child(check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """What ``check()`` returns in a real ``os.fork()`` child (through a pipe), or the error it raised there; a
+    child stuck (on a lock the parent held at the fork) is killed by an alarm, and the test fails."""
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        code = 1
+        signal.alarm(30)
+        try:
+            try:
+                out = check()
+            except BaseException as exc:
+                out = {"error": f"{type(exc).__name__}: {exc}"}
+            os.write(wfd, json.dumps(out).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child deadlocked (killed by its alarm) or failed"
+    result: dict[str, Any] = json.loads(data)
+    return result
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_guards_and_records_its_own_quarantine(tmp_path: Path) -> None:
+    """A real fork while the parent's record writer and guard hold their locks and a worker is stuck: the child
+    runs operations on workers of its own, quarantines on its own miss and publishes that under its own name and
+    pid, without waiting for anything of the parent's; the parent's record is untouched."""
+    from sfstore.kvcache import deadline
+
+    where = str(tmp_path / "records")
+    rec = QuarantineRecorder("t", target="/dev/x", state_dir=where)
+    # at the bound of stuck workers: the parent's record is open-ended (12.8 s), the child's back-off 0.2 s
+    g = TierGuard("t", 0.05, 0.2, workers=1, max_abandoned=1, recorder=rec)
+    release = threading.Event()
+    try:
+        assert g.run(release.wait) == ("timeout", None)  # the parent's worker is stuck: quarantined
+        assert rec.flush(10.0)
+        (parent_rec,) = probe.read_quarantine_records(where)
+        assert parent_rec["pid"] == os.getpid() and f"-{os.getpid()}-" in rec.name
+
+        def check() -> dict[str, Any]:
+            wait_for(lambda: not g.quarantined())  # the parent's back-off ends; its stuck worker is not here
+            ok = g.run(lambda: 7)
+            missed = g.run(time.sleep, 0.5)  # a miss of the child's own
+            flushed = rec.flush(10.0)
+            return {"ok": list(ok), "missed": list(missed), "flushed": flushed, "me": os.getpid(),
+                    "name": rec.name, "abandoned": g.describe()["abandoned_now"],
+                    "pids": sorted(r["pid"] for r in probe.read_quarantine_records(where))}
+
+        # as threads of the parent may hold them at the fork
+        with deadline._local_writer._cond, g._lock, rec._lock:
+            out = _in_forked_child(check)
+        assert "error" not in out, out
+        assert out["ok"] == ["ok", 7] and out["missed"] == ["timeout", None] and out["flushed"]
+        assert f"-{out['me']}-" in out["name"] and out["abandoned"] == 1  # its own worker, not the parent's
+        assert out["pids"] == sorted([os.getpid(), out["me"]])
+        # the child is gone: its record no longer holds; the parent's does
+        assert [r["pid"] for r in probe.read_quarantine_records(where)] == [os.getpid()]
+        assert f"-{os.getpid()}-" in rec.name and g.describe()["abandoned_now"] == 1  # the parent's state
+    finally:
+        release.set()
+        g.close()
