@@ -157,8 +157,9 @@ class _Batch:
             fut._event.set()
 
 
-def _read_full(fd: int, view: memoryview, offset: int) -> int:
-    """Read into all of ``view`` from a buffered descriptor, looping on short reads; stop early only at EOF."""
+def _read_full(fd: int, view: memoryview, offset: int, offset_align: int = 0) -> int:
+    """Read into all of ``view``, looping on short reads; stop early at EOF. On an O_DIRECT descriptor
+    (``offset_align``: its alignment) a short count that is not a multiple of it means EOF too."""
     done = 0
     total = view.nbytes
     while done < total:
@@ -167,20 +168,7 @@ def _read_full(fd: int, view: memoryview, offset: int) -> int:
         if got == 0:
             break
         done += got
-    return done
-
-
-def _read_direct(fd: int, view: memoryview, offset: int, offset_align: int) -> int:
-    """Read an aligned range on an O_DIRECT descriptor; a short count that is not block-aligned means EOF."""
-    done = 0
-    total = view.nbytes
-    while done < total:
-        with view[done:] as rest:
-            got = os.preadv(fd, [rest], offset + done)
-        if got == 0:
-            break
-        done += got
-        if got % offset_align:
+        if offset_align and got % offset_align:
             break
     return done
 
@@ -363,7 +351,7 @@ class PythonEngine(IOEngine):
             with item.view[seg.buffer_pos:seg.buffer_pos + seg.length] as part:
                 if seg.kind == "direct":
                     if item.op == "read":
-                        moved = _read_direct(item.fd, part, seg.offset, align)
+                        moved = _read_full(item.fd, part, seg.offset, align)
                     else:
                         moved = self._write_direct(batch, item.fd, part, seg.offset, align)
                     direct += moved
@@ -391,7 +379,7 @@ class PythonEngine(IOEngine):
         stop = _round_up(offset + part.nbytes, align)
         with self._bounce.buffer(max(self._bounce_size(align), stop - start)) as bounce:
             with bounce[:stop - start] as window:
-                got = _read_direct(fd, window, start, align)
+                got = _read_full(fd, window, start, align)
             skip = offset - start
             avail = max(0, min(part.nbytes, got - skip))
             part[:avail] = bounce[skip:skip + avail]
