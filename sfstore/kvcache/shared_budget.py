@@ -45,8 +45,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfstore import errors, probe
-from sfstore.paths.file import FilePath, pid_alive
+from sfstore import errors, forks, probe, temp_names
+from sfstore.paths.file import FilePath
+from sfstore.temp_names import pid_alive
 
 __all__ = [
     "SharedBudget", "WriterRecord", "check_namespace", "namespace_prefix", "list_namespaces", "EVICTING", "META",
@@ -61,10 +62,9 @@ _SUB = re.compile(r"^[0-9a-f]{2}$")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# A temporary name's writer: ``.{final}.sfstore-{kind}-{host}-{pid}-{rand}`` (a file path's, a block file
-# being written; older writers wrote no host) or ``.{name}.tmp-{pid}-{rand}`` (this module's records)
-_TEMPORARY = re.compile(r"(?:\.sfstore-[a-z]+-(?:(?P<host>[A-Za-z0-9_]+)-)?|\.tmp-)(?P<pid>\d+)-[0-9a-f]+$")
-_TEMP_HOST = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:64] or "host"  # as such names spell it
+# The temporary names this module's records were written under by older writers, ``.{name}.tmp-{pid}-{rand}``
+# (no host: taken for this host's); still read so that a killed writer's are removed
+_OLDER_TEMPORARY = re.compile(r"^\..+\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
 
 
 def check_namespace(name: Any) -> str:
@@ -213,6 +213,16 @@ class SharedBudget:
         self._scan_seconds: float | None = None
         self._scanning = False
         self._serial = 0
+        forks.after_fork(self._in_forked_child)
+
+    def _in_forked_child(self) -> None:
+        # a forked child is another writer (its own record, nothing counted yet), and the parent's threads
+        # (a background scan, one holding a lock) do not exist in it
+        self._lock = threading.Lock()
+        self._enforcing = threading.Lock()
+        self._scanning = False
+        self._new_identity()
+        self._registered = False
 
     def _new_identity(self) -> None:
         self.pid = os.getpid()
@@ -247,10 +257,6 @@ class SharedBudget:
     def register(self) -> None:
         """Make sure this process's record is in the directory (before its first write: gc then knows the
         temporary files it writes are a live writer's)."""
-        if os.getpid() != self.pid:  # a forked child is another writer
-            with self._lock:
-                self._new_identity()
-                self._registered = False
         if not self._registered:
             self.flush(force=True)
 
@@ -302,7 +308,7 @@ class SharedBudget:
             os.close(fd)
 
     def _write_atomic(self, dirfd: int, name: str, data: bytes) -> None:
-        tmp = f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = temp_names.temp_name(name, "tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dirfd)
         try:
             try:
@@ -759,14 +765,24 @@ class SharedBudget:
         another host has either."""
         if age > grace_s:
             return True
-        m = _TEMPORARY.search(name)
-        if m is None:
-            return False
-        if m.group("host") is not None and m.group("host") != _TEMP_HOST:
-            return False  # another node's writer: its pid means nothing here
-        pid = int(m.group("pid"))
-        if pid == os.getpid() or pid_alive(pid):
-            return False
+        tn = temp_names.parse(name)
+        if tn is not None:
+            if tn.host is not None and tn.host != temp_names.host():
+                return False  # another node's writer: its pid means nothing here (the grace period decides)
+            if not temp_names.is_leftover(tn, name):  # this host's (or no host's) pid: alive
+                return False
+            if tn.host is not None:
+                return True
+            pid = tn.pid
+        else:
+            m = _OLDER_TEMPORARY.match(name)
+            if m is None:
+                return False
+            pid = int(m.group("pid"))
+            if pid_alive(pid):
+                return False
+        # a name without a host (an older writer's) may be another node's: a live record of that pid there
+        # keeps it
         return not any(r.host != self.host for r in live.get(pid, []))
 
     def _unlink_at(self, *parts: str) -> int:

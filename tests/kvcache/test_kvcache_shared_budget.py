@@ -5,9 +5,12 @@ namespaces isolate, a new process recounts from the files, and reads keep blocks
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sfstore import errors
+from sfstore import cli, errors, temp_names
 from sfstore.kvcache.shared_budget import (
     EVICTING,
     META,
@@ -207,3 +210,83 @@ def test_recently_read_blocks_stay(tmp_path: Path) -> None:
         assert present == [True] * 5 + [False] * 5 + [True] * 5
     finally:
         kv.close()
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_kv_gc_removes_killed_writers_temporaries_in_both_namings_and_keeps_live_ones(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``sfstore kv gc`` removes the temporaries a killed writer left, named as ``temp_names.temp_name`` names
+    them and as older writers did (a record's ``.{name}.tmp-{pid}-{rand}``, a block file's
+    ``.{name}.sfstore-tmp-{pid}-{rand}``), at once (well within the grace period); a live writer's (this
+    process's) and another host's recent ones are kept."""
+    shared = tmp_path / "shared"
+    kv = w.open_store(str(shared), 0)
+    for i in range(3):
+        kv.put([w.key(kv, i)], [w.block(i)])
+    kv.close()
+    block = files_in(shared)[0]
+    dead, me, host = _dead_pid(), os.getpid(), temp_names.host()
+    planted: dict[Path, tuple[list[str], list[str]]] = {  # directory: (removed, kept)
+        block.parent: ([f".{block.name}.sfstore-tmp-{host}-{dead}-0123456789ab",
+                        f".{block.name}.sfstore-tmp-{dead}-0123456789ab"],
+                       [temp_names.temp_name(block.name, "tmp"),
+                        f".{block.name}.sfstore-tmp-another_host-{dead}-0123456789ab"]),
+        shared / META / "writers": ([f".w.json.sfstore-tmp-{host}-{dead}-0123456789ab", f".w.json.tmp-{dead}-ab12"],
+                                    [temp_names.temp_name("w.json", "tmp"), f".w.json.tmp-{me}-ab12",
+                                     f".w.json.sfstore-tmp-another_host-{dead}-0123456789ab"]),
+        shared / META: ([f".base.json.sfstore-tmp-{host}-{dead}-0123456789ab", f".base.json.tmp-{dead}-ab12"],
+                        [temp_names.temp_name("base.json", "tmp"), f".base.json.tmp-{me}-ab12"]),
+    }
+    before = {d: set(os.listdir(d)) for d in planted}
+    for d, (gone, kept) in planted.items():
+        for name in gone + kept:
+            (d / name).write_bytes(b"{")
+    assert cli.main(["kv", "gc", str(shared), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for d, (_gone, kept) in planted.items():
+        assert {n for n in os.listdir(d) if n.startswith(".")} - before[d] == set(kept), d
+    (ns,) = report  # the default namespace's; the writers' directory's temporaries count as its records
+    assert (ns["temporaries_removed"], ns["records_removed"]) == (4, 2), ns
+    assert every_block_whole(shared) == 3
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_is_another_writer(tmp_path: Path) -> None:
+    """In a real ``os.fork()`` child (forked while the parent's budget holds its locks, as a thread of it may)
+    the budget is another writer's: a record of its own name and pid, nothing counted of the parent's, and no
+    wait for the parent's locks (an alarm kills a child that deadlocks); the parent keeps its identity."""
+    shared = tmp_path / "shared"
+    b = SharedBudget(SharedTier(w.GEOM, shared).fp, "", 0)
+    b.register()
+    b.added_bytes(100)
+    b.flush(force=True)
+    parent = (b.id, b.pid)
+    r, wfd = os.pipe()
+    with b._lock, b._enforcing:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            signal.alarm(30)
+            code = 1
+            try:
+                b.register()
+                b.added_bytes(7)
+                b.flush(force=True)
+                recs = {x.id: (x.pid, x.added) for x in b.read_records()}
+                os.write(wfd, json.dumps({"id": b.id, "pid": b.pid, "me": os.getpid(), "recs": recs}).encode())
+                code = 0
+            finally:
+                os._exit(code)
+    os.close(wfd)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child deadlocked (killed by its alarm) or failed"
+    out = json.loads(data)
+    assert out["pid"] == out["me"] and out["id"] != parent[0] and f"-{out['me']}-" in out["id"]
+    assert out["recs"] == {parent[0]: [parent[1], 100], out["id"]: [out["me"], 7]}
+    assert (b.id, b.pid) == parent
