@@ -8,13 +8,14 @@ the block store with no copy.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard,
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
 from sfstore.paths.base import Range
-from sfstore.paths.file import FilePath, set_blocking
+from sfstore.paths.file import AtomicWriter, FilePath, set_blocking
 
 __all__ = ["HEADER", "Slot", "PinnedTier", "SharedTier"]
 
@@ -600,20 +601,8 @@ class SharedTier:
             return False
         self._clear(key)
         self._register()
-        hbuf = self._headers.acquire()
-        try:
-            hview = memoryview(hbuf)
-            hdr = encode_header(self.geom, key, checksum)
-            hview[:len(hdr)] = hdr
-            hview[len(hdr):] = bytes(HEADER - len(hdr))
-            with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:
-                w.write(hview)
-                w.write(data)
-                _not_late()
-            del hview
-        finally:
-            hbuf.release()
-        self._published()
+        with self._block_file(key, checksum) as w:
+            w.write(data)
         return True
 
     def _register(self) -> None:
@@ -648,22 +637,28 @@ class SharedTier:
             return False
         self._clear(key)
         self._register()
-        n = self.geom.block_bytes
+        with self._block_file(key, checksum, SUM_KV64) as w:
+            w.write_through(device, block, self.geom.block_bytes, data_class="kvcache.shared")
+        return True
+
+    @contextlib.contextmanager
+    def _block_file(self, key: bytes, checksum: int, kind: int = SUM_XXH3) -> Iterator[AtomicWriter]:
+        """The block file of ``key`` being written: its header (checksum of ``kind``) is in, the caller writes
+        the block; it is published (renamed into place) on leaving unless this write is past its deadline."""
         hbuf = self._headers.acquire()
         try:
             hview = memoryview(hbuf)
-            hdr = encode_header(self.geom, key, checksum, SUM_KV64)
+            hdr = encode_header(self.geom, key, checksum, kind)
             hview[:len(hdr)] = hdr
             hview[len(hdr):] = bytes(HEADER - len(hdr))
             with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:
                 w.write(hview)
-                w.write_through(device, block, n, data_class="kvcache.shared")
+                yield w
                 _not_late()
             del hview
         finally:
             hbuf.release()
         self._published()
-        return True
 
     def read_device(self, key: bytes, dest: Any, device: Any, *, keep: bool = True) -> tuple[str, str]:
         """Read the block of ``key`` into the GPU buffer ``dest`` through ``device``: ``(status, how)``.
