@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
@@ -30,6 +31,11 @@ from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
 from sfstore.kvcache.shared_budget import check_namespace
 from sfstore.kvcache.tiers import PinnedTier, SharedTier, Slot
+from sfstore.paths.file import FilePath
+
+if TYPE_CHECKING:
+    from sfstore.paths.device import DevicePath
+    from sfstore.router import Router
 
 __all__ = ["KVCacheStore", "TIERS"]
 
@@ -130,10 +136,10 @@ class KVCacheStore:
         model_id: str = "",
         pinned_bytes: int | None = None,
         block_store: BlockStore | str | None = None,
-        shared_dir: str | Any = None,
+        shared_dir: str | os.PathLike[str] | None = None,
         fsync_shared: bool = False,
-        shared_on: Any = None,
-        device: Any = None,
+        shared_on: FilePath | None = None,
+        device: DevicePath | None = None,
         shared_bytes: int | None = None,
         cache_namespace: str | None = None,
         io_timeout_ms: int | None = None,
@@ -208,12 +214,13 @@ class KVCacheStore:
 
     @classmethod
     def from_router(
-        cls, geometry: KVGeometry, router: Any = None, *, model_id: str = "", **kwargs: Any
+        cls, geometry: KVGeometry, router: Router | None = None, *, model_id: str = "", **kwargs: Any
     ) -> KVCacheStore:
         """A store over the tiers ``sfstore.open()`` (or ``router``) routes to: the ``hot`` class's block store
         (when its largest size class holds a block; a new image-file store gets one class of the block's size)
         and a ``shared`` directory under the ``kvcache`` class's root. ``kwargs`` go to the constructor."""
         from sfstore.paths.block import BlockPath
+        from sfstore.paths.device import DevicePath
 
         if router is None:
             import sfstore
@@ -228,9 +235,13 @@ class KVCacheStore:
             if block.max_value_bytes < geometry.block_bytes:
                 block = None  # an existing store with smaller classes: the tier is skipped (stats() shows it)
         kv_path = router.path("kvcache")
-        fp = getattr(kv_path, "fp", None) or kv_path
-        if getattr(kv_path, "kind", None) == "device":
+        if isinstance(kv_path, DevicePath):  # the shared files live under the device path's own file path
+            fp = kv_path.fp
             kwargs.setdefault("device", kv_path)
+        elif isinstance(kv_path, FilePath):
+            fp = kv_path
+        else:
+            raise errors.ConfigError(f"the kvcache class is served by the {kv_path.kind} path: it needs files")
         return cls(geometry, model_id=model_id, block_store=block, shared_dir="shared", shared_on=fp, **kwargs)
 
     # -- keys -------------------------------------------------------------------------------------------------
