@@ -26,10 +26,13 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sfstore import defaults
 from sfstore.demo.progress import TICK_SECONDS, say, still_going
+
+if TYPE_CHECKING:
+    from sfstore.router import Router
 
 __all__ = ["run_demo", "run_steps"]
 
@@ -49,7 +52,7 @@ def _no_direct_why(r: dict[str, Any]) -> str:
 
 
 def run_steps(
-    router: Any, *, size: int = 64 * MiB, shards: int = 32, every: int = 10, show: bool = True,
+    router: Router, *, size: int = 64 * MiB, shards: int = 32, every: int = 10, show: bool = True,
     tick: float = TICK_SECONDS,
 ) -> dict[str, Any]:
     """Run every step on ``router``'s paths; return the summary (what :func:`run_demo` prints at the end).
@@ -143,7 +146,7 @@ def run_steps(
     return summary
 
 
-def _class_summary(router: Any, steps: dict[str, Any]) -> dict[str, Any]:
+def _class_summary(router: Router, steps: dict[str, Any]) -> dict[str, Any]:
     d = router.describe()
     rates = {
         "dataset": ("cold read", steps.get("training", {}).get("dataset_read_mib_s")),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sfstore.router import Router
 
 __all__ = ["kv_cache_reuse"]
 
 
-def kv_cache_reuse(router: Any, prompt_tokens: int = 256) -> dict[str, Any]:
+def kv_cache_reuse(router: Router, prompt_tokens: int = 256) -> dict[str, Any]:
     """Serve three "requests" that share a prompt prefix through a :class:`~sfstore.kvcache.KVCacheStore` on the
     routed tiers: the first misses and offloads its KV blocks; the second finds them in pinned memory; after
     the pinned tier is emptied the third loads them from the block store (NVMe tier); a second store (another

@@ -5,12 +5,15 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sfstore import defaults
+from sfstore import defaults, errors
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.paths.base import Range
 from sfstore.paths.file import FilePath, enable_direct
+
+if TYPE_CHECKING:
+    from sfstore.router import Router
 
 __all__ = ["file_round_trip", "hot_blocks"]
 
@@ -103,13 +106,17 @@ def _expected(seed: bytes, chunk: int, offset: int, n: int) -> bytes:
     return bytes(out)
 
 
-def hot_blocks(router: Any, blocks: int = 256, block_size: int = 64 << 10) -> dict[str, Any]:
+def hot_blocks(router: Router, blocks: int = 256, block_size: int = 64 << 10) -> dict[str, Any]:
     """Put ``blocks`` hot blocks into the block store on the embedded default (an image file under
     ``<data_dir>/hot/``) in batches, flush, read them back into a registered buffer, reopen the store and read
     them again: the index survives the restart."""
     from sfstore.blocks import BlockStore
+    from sfstore.paths.block import BlockPath
 
     image = router.path("hot")  # the BlockPath the router chose (an image file by default)
+    if not isinstance(image, BlockPath):
+        raise errors.ConfigError(f"the demo's hot blocks need the block path; the hot class is on the {image.kind} "
+                                 "path")
     blobs = {f"block-{i:04d}": hashlib.shake_256(b"%d" % i).digest(block_size) for i in range(blocks)}
     keys = list(blobs)
     with BlockStore(image) as store:
