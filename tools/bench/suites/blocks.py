@@ -15,7 +15,7 @@ Cases (``<bs>`` = 256k or 4k), each ``--warmup`` (default 1, discarded) + ``--re
 (sfstore, fio, fio, sfstore, ...: the host caches the virtual disk, so going second can find data warm there;
 and every run, of either side, reads or writes in a random order of its own, seeded by ``--seed`` and the run's
 index, so that no run repeats the order of the run before it, which a host cache that keeps part of the region
-rewards: with one order per side, fio, which follows its own run more often in ABBA, read 256k at 2.3x),
+rewards: with one order per side, fio, which follows its own run more often in ABBA, reads far faster),
 each side on a cold cache (fsync + ``POSIX_FADV_DONTNEED`` of the image first; both sides use O_DIRECT anyway):
 
 * ``put-<bs>``: **sfstore** formats a fresh store (untimed: ``BlockStore(path, size_classes=(4096, 262144),
@@ -57,11 +57,9 @@ the ``flush()`` time of puts. Goals (the issue's acceptance), printed as ``PASS`
 JSON (``acceptance``): 256k get >= 0.85x fio, 256k put >= 0.85x fio, 4k get IOPS >= 0.7x fio (median of the
 pairwise ratios).
 
-Seen on the 2-CPU development VM (2026-11-29, shared with other jobs, so noisy; orientation only), quick runs:
-256k get 0.96-1.6x fio, 256k put 0.8-1.15x, 4k get 0.74-0.97x with 2 batches in flight; ``get-4k-sync`` 0.45-0.61x.
-Per synchronous 4 KiB batch of 64: ~1.3-1.9 us of the store's own Python per key (keys, views, index and LRU,
-requests) before the first I/O and after the last, on top of the raw engine's ~0.8-0.9x fio for the same
-batches: the queue drains while Python works, which 2 batches in flight hide.
+Where the store's time goes on small batches: its own Python per key (keys, views, index and LRU, requests)
+runs before the first I/O and after the last, and the queue drains meanwhile; 2 batches in flight hide it
+(compare ``get-4k`` with ``get-4k-sync``). README's performance section has the figures.
 """
 
 from __future__ import annotations

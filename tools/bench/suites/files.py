@@ -30,8 +30,8 @@ after the warm-up pairs:
 The ``sf`` cases need :mod:`sfstore.fs`; without it they are skipped and the JSON says why (``skipped``).
 
 ``--warmup`` pairs (default 1) run first and are discarded: on a VM the first touch of fresh guest memory and
-the host's cache of the virtual disk make a case's first run an outlier (seen here: a cold buffered ``readinto``
-of 1 GiB at 0.23 GiB/s, then 2.8-3.2 GiB/s with ``fincore`` showing 0 pages resident before each).
+the host's cache of the virtual disk make a case's first run an outlier (several times slower than the runs
+after it, with ``fincore`` showing 0 pages resident before each).
 
 Measured per run: bytes, requests (files for the small-files cases: ``iops`` is files/s), wall time, CPU of the
 whole process (``getrusage``: every engine thread) and the peak RSS growth over the run (the kernel's
@@ -44,9 +44,9 @@ over every run, warm-up included, so a first use that allocates (the engine's bo
 RSS is not reported: ``wait4`` gives a child spawned from this process this process's own resident set at the
 spawn (the destination), not fio's.
 
-fio runs as :mod:`tools.bench.fio` runs it (no ``--fixedbufs``): on the development VM, 8 MiB O_DIRECT reads into
-its 4 KiB-page buffers ran at 1.0-1.4 GiB/s, with ``--fixedbufs=1`` at 2.5-2.6 GiB/s; sfstore's huge-page
-registered destination reaches 3+ GiB/s there, so ``read_into`` beating "the device limit" is about buffers.
+fio runs as :mod:`tools.bench.fio` runs it (no ``--fixedbufs``): 8 MiB O_DIRECT reads into its 4 KiB-page
+buffers are slower than with ``--fixedbufs=1``, and sfstore's huge-page registered destination is faster still,
+so ``read_into`` beating "the device limit" is about buffers.
 """
 
 from __future__ import annotations
