@@ -16,4 +16,13 @@ start=$SECONDS
 if (cd "$work/p" && CI=true bash .ci/run) >"$log" 2>&1; then rc=0; else rc=$?; fi
 say "CI: exit $rc after $((SECONDS - start)) s (tail of $log below)"
 tail -n 25 "$log" >&2
+# what CI left in the work tree: build artefacts must be ignored, nothing tracked may change
+dirty=$(git -C "$work/p" status --porcelain)
+if [ -n "$dirty" ]; then
+  say "git status is not clean after CI:"
+  printf '%s\n' "$dirty" >&2
+  [ $rc -eq 0 ] && rc=1
+else
+  say "git status is clean after CI"
+fi
 exit $rc
