@@ -651,7 +651,8 @@ class SharedBudget:
         ``.sfkv/quarantine/``, and this host's own (``local_dir``, default :func:`sfstore.probe.quarantine_dir`)
         that name this root (a process writes both; one whose write to the shared directory is stuck, the
         stalled mount being what quarantined it, has only the local one). ``clean``: remove the shared records
-        that ended (or whose process, on this host, is dead), and torn ones a minute old."""
+        that ended (or whose process, on this host, is dead), torn ones a minute old, and temporary files a
+        minute old or whose writer, on this host, is dead."""
         found: dict[str, dict[str, Any]] = {}
         now = time.time()
         try:
@@ -666,7 +667,8 @@ class SharedBudget:
                            and name.endswith(".json") else None)
                     if rec is not None and probe.quarantine_in_force(rec, now):
                         found[name[:-len(".json")]] = {"name": name[:-len(".json")], **rec}
-                    elif clean and (rec is not None or (st is not None and now - st.st_mtime > 60.0)):
+                    elif clean and (rec is not None or (st is not None and now - st.st_mtime > 60.0) or (
+                            name.startswith(".") and self._temporary_gone(name, {}, now, 0.0, 60.0))):
                         try:
                             os.unlink(name, dir_fd=fd)
                         except OSError:
@@ -709,7 +711,7 @@ class SharedBudget:
                         gone = gone or (not name.startswith(".") and age > 60.0)  # torn or foreign, settled
                     else:
                         gone = now - rec.heartbeat > self.stale_s or (
-                            rec.host == self.host and rec.pid != os.getpid() and not pid_alive(rec.pid))
+                            rec.host == self.host and not pid_alive(rec.pid))  # ours: alive
                         if not gone:
                             live.setdefault(rec.pid, []).append(rec)
                     if gone:

@@ -242,6 +242,10 @@ def test_kv_gc_removes_killed_writers_temporaries_in_both_namings_and_keeps_live
         shared / META: ([f".base.json.sfstore-tmp-{host}-{dead}-0123456789ab", f".base.json.tmp-{dead}-ab12"],
                         [temp_names.temp_name("base.json", "tmp"), f".base.json.tmp-{me}-ab12"]),
     }
+    (shared / META / "quarantine").mkdir(exist_ok=True)
+    planted[shared / META / "quarantine"] = ([f".q.json.sfstore-tmp-{host}-{dead}-0123456789ab",
+                                              f".q.json.tmp-{dead}-ab12"],
+                                             [temp_names.temp_name("q.json", "tmp"), f".q.json.tmp-{me}-ab12"])
     before = {d: set(os.listdir(d)) for d in planted}
     for d, (gone, kept) in planted.items():
         for name in gone + kept:
