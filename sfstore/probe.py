@@ -574,32 +574,13 @@ def _temporary_gone(dirfd: int, name: str) -> bool:
     return m is not None and not _pid_alive(int(m["pid"]))
 
 
-def _write_small_atomic(dirfd: int, name: str, data: bytes) -> None:
-    tmp = temp_names.temp_name(name, "tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dirfd)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.rename(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
-    except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=dirfd)
-        except OSError:
-            pass
-        raise
-
-
 def write_quarantine_record(directory: str, name: str, record: dict[str, Any]) -> None:
     """Write ``record`` as ``<name>.json`` in ``directory`` (made when missing), atomically: a reader sees the
     previous record or this one, whole."""
     os.makedirs(directory, exist_ok=True)
     dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        _write_small_atomic(dirfd, f"{name}.json", encode_quarantine(record))
+        temp_names.write_atomically(dirfd, f"{name}.json", encode_quarantine(record))
     finally:
         os.close(dirfd)
 

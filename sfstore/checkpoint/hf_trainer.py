@@ -3,6 +3,7 @@
 
 >>> from transformers import Trainer, TrainingArguments
 >>> from sfstore.fs import local_path
+from sfstore.paths.file import fsync_dir
 >>> from sfstore.checkpoint.hf_trainer import SfstoreTrainerCallback, last_committed_checkpoint
 >>> out = local_path("sf://runs/exp1")
 >>> trainer = Trainer(model=model, args=TrainingArguments(output_dir=out, save_total_limit=2),
@@ -45,6 +46,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from sfstore import defaults, errors, temp_names
 from sfstore.fs import local_path
+from sfstore.paths.file import fsync_dir
 
 __all__ = ["COMMIT_NAME", "SfstoreTrainerCallback", "commit_checkpoint", "last_committed_checkpoint"]
 
@@ -82,14 +84,6 @@ def _hash_file(path: str, buf: bytearray, *, sync: bool) -> tuple[int, str]:
         if sync:
             os.fsync(fd)
         return size, h.hexdigest()
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -195,8 +189,8 @@ def commit_checkpoint(directory: str | os.PathLike[str]) -> str:
             for rel in names:
                 size, digest = _hash_file(os.path.join(path, rel), buf, sync=True)
                 files[rel] = {"size": size, "xxh3_64": digest}
-            _fsync_dir(here)
-        _fsync_dir(os.path.dirname(path))  # the checkpoint-N entry itself (the Trainer made it, unsynced)
+            fsync_dir(here)
+        fsync_dir(os.path.dirname(path))  # the checkpoint-N entry itself (the Trainer made it, unsynced)
     except OSError as exc:
         raise _os_error(exc, "commit_checkpoint: cannot read and sync the checkpoint",
                         exc.filename or path) from None
@@ -215,7 +209,7 @@ def commit_checkpoint(directory: str | os.PathLike[str]) -> str:
         finally:
             os.close(fd)
         os.rename(temp, final)
-        _fsync_dir(path)
+        fsync_dir(path)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(temp)
@@ -234,7 +228,7 @@ def _uncommit(directory: str) -> None:
         raise _os_error(exc, "cannot remove the commit record of a checkpoint about to be written over",
                         record) from None
     try:
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except OSError as exc:
         raise _os_error(exc, "cannot sync the checkpoint directory", directory) from None
     log.info("sfstore: %s is about to be saved again; its commit record is removed until the save is done",

@@ -303,27 +303,9 @@ class SharedBudget:
     def _write_record(self, rec: WriterRecord) -> None:
         fd = self._open_dir(self._rel(META, "writers"), create=True)
         try:
-            self._write_atomic(fd, f"{rec.id}.json", rec.to_json())
+            temp_names.write_atomically(fd, f"{rec.id}.json", rec.to_json())
         finally:
             os.close(fd)
-
-    def _write_atomic(self, dirfd: int, name: str, data: bytes) -> None:
-        tmp = temp_names.temp_name(name, "tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dirfd)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
-            os.rename(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dirfd)
-            except OSError:
-                pass
-            raise
 
     def read_records(self) -> list[WriterRecord]:
         """Every writer record that parses (torn or foreign ones are skipped)."""
@@ -386,7 +368,7 @@ class SharedBudget:
     def _write_base(self, total: int, files: int, nets: dict[str, int]) -> None:
         fd = self._open_dir(self._rel(META), create=True)
         try:
-            self._write_atomic(fd, "scan.json", json.dumps(
+            temp_names.write_atomically(fd, "scan.json", json.dumps(
                 {"v": 1, "total": total, "files": files, "time": time.time(), "nets": nets,
                  "by": self.id}).encode())
         finally:
@@ -635,7 +617,7 @@ class SharedBudget:
         ``.sfkv/quarantine/<name>.json``, atomically."""
         fd = self._open_dir(self._rel(META, "quarantine"), create=True)
         try:
-            self._write_atomic(fd, f"{name}.json", probe.encode_quarantine(record))
+            temp_names.write_atomically(fd, f"{name}.json", probe.encode_quarantine(record))
         finally:
             os.close(fd)
 

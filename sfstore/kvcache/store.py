@@ -68,6 +68,15 @@ def _release_all(buffers: Sequence[Any]) -> None:
         b.release()
 
 
+def _bytes_or_setting(value: Any, name: str, setting: str, zero: str) -> int:
+    """A byte budget argument: ``value`` (an int >= 0), or the setting's when ``None``."""
+    if value is None:
+        return int(defaults.get(setting))
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise errors.InvalidRequestError(f"KVCacheStore: {name} must be an int >= 0 ({zero}), not {value!r}")
+
+
 def _percentile(samples: Sequence[float], q: float) -> float | None:
     if not samples:
         return None
@@ -151,26 +160,12 @@ class KVCacheStore:
             )
         if not isinstance(model_id, str):
             raise errors.InvalidRequestError(f"KVCacheStore: model_id must be a str, not {type(model_id).__name__}")
-        if pinned_bytes is None:
-            budget = int(defaults.get("kvcache_pinned_bytes"))
-        elif isinstance(pinned_bytes, int) and not isinstance(pinned_bytes, bool) and pinned_bytes >= 0:
-            budget = pinned_bytes
-        else:
-            raise errors.InvalidRequestError(
-                f"KVCacheStore: pinned_bytes must be an int >= 0 (0: no pinned tier), not {pinned_bytes!r}"
-            )
+        budget = _bytes_or_setting(pinned_bytes, "pinned_bytes", "kvcache_pinned_bytes", "0: no pinned tier")
         try:
             namespace = model_id.encode() + b"\0" + geometry.fingerprint()
         except UnicodeEncodeError as exc:
             raise errors.InvalidRequestError(f"KVCacheStore: model_id must be valid unicode: {exc}") from None
-        if shared_bytes is None:
-            shared_budget = int(defaults.get("kvcache_shared_bytes"))
-        elif isinstance(shared_bytes, int) and not isinstance(shared_bytes, bool) and shared_bytes >= 0:
-            shared_budget = shared_bytes
-        else:
-            raise errors.InvalidRequestError(
-                f"KVCacheStore: shared_bytes must be an int >= 0 (0: unbounded), not {shared_bytes!r}"
-            )
+        shared_budget = _bytes_or_setting(shared_bytes, "shared_bytes", "kvcache_shared_bytes", "0: unbounded")
         cache_ns = check_namespace(defaults.get("kvcache_namespace") if cache_namespace is None else cache_namespace)
         timeout_ms = int(defaults.get("kvcache_io_timeout_ms") if io_timeout_ms is None else
                          defaults.SETTINGS["kvcache_io_timeout_ms"].parse(io_timeout_ms, "KVCacheStore(io_timeout_ms)"))
