@@ -31,14 +31,13 @@ import platform
 import re
 import resource
 import socket
-import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import sfstore
-from sfstore import defaults, nvme, temp_names
+from sfstore import defaults, nvme, records, temp_names
 from sfstore.mounts import MountInfo, mount_for, read_mountinfo
 
 __all__ = [
@@ -580,7 +579,7 @@ def write_quarantine_record(directory: str, name: str, record: dict[str, Any]) -
     os.makedirs(directory, exist_ok=True)
     dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        temp_names.write_atomically(dirfd, f"{name}.json", encode_quarantine(record))
+        records.write_atomically(dirfd, f"{name}.json", encode_quarantine(record))
     finally:
         os.close(dirfd)
 
@@ -591,23 +590,6 @@ def remove_quarantine_record(directory: str, name: str) -> None:
         os.unlink(os.path.join(directory, f"{name}.json"))
     except FileNotFoundError:
         pass
-
-
-def _read_small(dirfd: int, name: str) -> tuple[bytes | None, os.stat_result | None]:
-    """The bytes of the regular file ``name`` when it is small (never a FIFO's wait, never a symlink)."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
-    except OSError:
-        return None, None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _QUARANTINE_MAX:
-            return None, st
-        return os.pread(fd, _QUARANTINE_MAX, 0), st
-    except OSError:
-        return None, None
-    finally:
-        os.close(fd)
 
 
 def read_quarantine_records(directory: str, *, clean: bool = False) -> list[dict[str, Any]]:
@@ -622,7 +604,7 @@ def read_quarantine_records(directory: str, *, clean: bool = False) -> list[dict
     now = time.time()
     try:
         for name in os.listdir(dirfd):
-            data, st = _read_small(dirfd, name)
+            data, st = records.read_small(dirfd, name, _QUARANTINE_MAX)
             temporary = name.startswith(".")
             rec = parse_quarantine(data) if data is not None and not temporary and name.endswith(".json") else None
             if rec is not None and quarantine_in_force(rec, now):

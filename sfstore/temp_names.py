@@ -111,26 +111,3 @@ def is_leftover(tn: TempName, name: str, *, dir_fd: int | None = None) -> bool:
     if tn.host is None or tn.host == host():
         return not pid_alive(tn.pid)
     return time.time() - os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime >= FOREIGN_STALE_SECONDS
-
-
-def write_atomically(dirfd: int, name: str, data: bytes) -> None:
-    """Write ``data`` as the file ``name`` in the directory ``dirfd``: into a temporary name (:func:`temp_name`,
-    created exclusively, never through a symlink), then renamed over ``name``, so a reader sees the old file or
-    the new one whole. Not fsynced: for records that are rewritten often and rebuilt when lost. The temporary is
-    removed when anything fails."""
-    tmp = temp_name(name, "tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dirfd)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.rename(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
-    except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=dirfd)
-        except OSError:
-            pass
-        raise

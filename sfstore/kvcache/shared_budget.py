@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfstore import errors, forks, probe, temp_names
+from sfstore import errors, forks, probe, records, temp_names
 from sfstore.paths.file import FilePath
 from sfstore.temp_names import pid_alive
 
@@ -303,7 +303,7 @@ class SharedBudget:
     def _write_record(self, rec: WriterRecord) -> None:
         fd = self._open_dir(self._rel(META, "writers"), create=True)
         try:
-            temp_names.write_atomically(fd, f"{rec.id}.json", rec.to_json())
+            records.write_atomically(fd, f"{rec.id}.json", rec.to_json())
         finally:
             os.close(fd)
 
@@ -321,25 +321,8 @@ class SharedBudget:
             for name in names:
                 if name.startswith(".") or not name.endswith(".json"):
                     continue
-                rec, st = self._read_small(fd, name)
+                rec, st = records.read_small(fd, name, _RECORD_MAX)
                 yield name, (WriterRecord.parse(rec) if rec is not None else None), st
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _read_small(dirfd: int, name: str) -> tuple[bytes | None, os.stat_result | None]:
-        """The bytes of the regular file ``name`` when it is small (never a FIFO's wait, never a symlink)."""
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
-        except OSError:
-            return None, None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > _RECORD_MAX:
-                return None, st
-            return os.pread(fd, _RECORD_MAX, 0), st
-        except OSError:
-            return None, None
         finally:
             os.close(fd)
 
@@ -350,7 +333,7 @@ class SharedBudget:
         except OSError:
             return None
         try:
-            data, st = self._read_small(fd, "scan.json")
+            data, st = records.read_small(fd, "scan.json", _RECORD_MAX)
         finally:
             os.close(fd)
         if data is None or st is None:
@@ -368,7 +351,7 @@ class SharedBudget:
     def _write_base(self, total: int, files: int, nets: dict[str, int]) -> None:
         fd = self._open_dir(self._rel(META), create=True)
         try:
-            temp_names.write_atomically(fd, "scan.json", json.dumps(
+            records.write_atomically(fd, "scan.json", json.dumps(
                 {"v": 1, "total": total, "files": files, "time": time.time(), "nets": nets,
                  "by": self.id}).encode())
         finally:
@@ -617,7 +600,7 @@ class SharedBudget:
         ``.sfkv/quarantine/<name>.json``, atomically."""
         fd = self._open_dir(self._rel(META, "quarantine"), create=True)
         try:
-            temp_names.write_atomically(fd, f"{name}.json", probe.encode_quarantine(record))
+            records.write_atomically(fd, f"{name}.json", probe.encode_quarantine(record))
         finally:
             os.close(fd)
 
@@ -644,7 +627,7 @@ class SharedBudget:
         if fd >= 0:
             try:
                 for name in os.listdir(fd):
-                    data, st = self._read_small(fd, name)
+                    data, st = records.read_small(fd, name, _RECORD_MAX)
                     rec = (probe.parse_quarantine(data) if data is not None and not name.startswith(".")
                            and name.endswith(".json") else None)
                     if rec is not None and probe.quarantine_in_force(rec, now):
@@ -685,7 +668,7 @@ class SharedBudget:
         if wfd >= 0:
             try:
                 for name in os.listdir(wfd):
-                    data, st = self._read_small(wfd, name)
+                    data, st = records.read_small(wfd, name, _RECORD_MAX)
                     rec = WriterRecord.parse(data) if data is not None and not name.startswith(".") else None
                     age = now - st.st_mtime if st is not None else 0.0
                     if rec is None:
