@@ -429,9 +429,7 @@ class KVCacheStore:
         if views is None:
             self._stage(ks, sources).get()
             return
-        t0 = time.perf_counter()
-        n = self.geometry.block_bytes
-        try:
+        with self._lower_tier_put(len(ks)):
             if self.block is not None:
                 self.counters.add(puts_dropped=self._block_put_views(list(zip(ks, views, strict=True))))
             if self.shared is not None:
@@ -440,10 +438,18 @@ class KVCacheStore:
                     known = self.block.checksum(k) if self.block is not None else None
                     dropped += self.shared.write_view(k, v, known if known is not None else xxh3_64(v)) is None
                 self.counters.add(puts_dropped=dropped)
+
+    @contextlib.contextmanager
+    def _lower_tier_put(self, count: int) -> Iterator[None]:
+        """A put of ``count`` blocks straight to the lower tiers: counted (an error as ``lower_tier_errors``) and
+        timed as the put latency."""
+        t0 = time.perf_counter()
+        try:
+            yield
         except BaseException:
             self.counters.add(lower_tier_errors=1)
             raise
-        self.counters.add(puts=len(ks), bytes_put=n * len(ks))
+        self.counters.add(puts=count, bytes_put=self.geometry.block_bytes * count)
         self._lat["put"].append(time.perf_counter() - t0)
 
     def _put_args(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> tuple[list[bytes], list[tuple[Any, bool]]]:
@@ -1000,20 +1006,13 @@ class KVCacheStore:
     def _put_device(self, ks: list[bytes], blocks: list[Any]) -> None:
         """A put of GPU blocks without a pinned tier: the shared tier on the device path's route (HBM to storage,
         GPU-direct with cuFile), the block store through host staging buffers (its checksums are of host bytes)."""
-        t0 = time.perf_counter()
-        n = self.geometry.block_bytes
         dp = self._device_path()
-        try:
+        with self._lower_tier_put(len(ks)):
             dropped = self._put_device_block_only(ks, blocks, dp) if self.block is not None else 0
             if self.shared is not None:
                 for k, b in zip(ks, blocks, strict=True):
                     dropped += self.shared.write_device(k, b, dp) is None
             self.counters.add(puts_dropped=dropped)
-        except BaseException:
-            self.counters.add(lower_tier_errors=1)
-            raise
-        self.counters.add(puts=len(ks), bytes_put=n * len(ks))
-        self._lat["put"].append(time.perf_counter() - t0)
 
     def _get_device(self, ks: list[bytes], dests: list[Any], keep: bool) -> list[str | None]:
         """get_into GPU buffers without a pinned tier: the block store through host staging buffers (verified
