@@ -4,11 +4,7 @@ sfstore.forks, and the parent keeps its own."""
 from __future__ import annotations
 
 import gc
-import json
 import os
-import signal
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,41 +20,16 @@ from sfstore.engine import Request
 from sfstore.engine.python import PythonEngine
 from sfstore.paths.beneath import Beneath
 from sfstore.paths.file import FilePath
+from tests.forked_child import in_forked_child
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-
-
-def in_child(check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """What ``check()`` returns in a forked child (through a pipe), or the error it raised there."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through the pipe
-        code = 1
-        signal.alarm(30)  # a child stuck on a lock the parent held is killed: the test fails, never hangs
-        try:
-            try:
-                out = check()
-            except BaseException as exc:
-                out = {"error": f"{type(exc).__name__}: {exc}"}
-            os.write(w, json.dumps(out).encode())
-            code = 0
-        finally:
-            sys.stdout.flush()
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    result: dict[str, Any] = json.loads(data)
-    return result
 
 
 def test_a_lock_held_at_fork_is_free_in_the_child() -> None:
     c = Counters(["n"])
     c.add(n=2)
     with c._lock:  # held by the parent at fork, as an I/O thread may hold it
-        out = in_child(lambda: (c.add(n=1), {"n": c.snapshot()["n"]})[1])
+        out = in_forked_child(lambda: (c.add(n=1), {"n": c.snapshot()["n"]})[1])
     assert out == {"n": 3}  # the counts are carried over, the lock is not held
     assert c.snapshot() == {"n": 2}
 
@@ -77,7 +48,7 @@ def test_an_engine_and_its_cache_are_fresh_in_the_child(tmp_path: Path) -> None:
         e.submit([Request.read(fd, 0, 4, buf)]).get()  # workers of its own: the parent's do not exist here
         return {"read": bytes(buf).decode(), "new_cache_entry": get_engine("python") is not cached}
 
-    assert in_child(check) == {"read": "abcd", "new_cache_entry": True}
+    assert in_forked_child(check) == {"read": "abcd", "new_cache_entry": True}
     assert get_engine("python") is cached
     e.close()
 
@@ -95,7 +66,7 @@ def test_a_batch_running_at_fork_is_refused_in_the_child() -> None:
             return {"error": type(exc).__name__}
         return {"error": None, "done": running.done()}
 
-    out = in_child(check)
+    out = in_forked_child(check)
     assert len(running.get()) == 2048  # the parent's batch finishes in the parent
     # (a batch done before the fork is done in the child too; the one machine that fast would show done)
     assert out == {"error": "EngineUnavailableError"} or out == {"error": None, "done": True}
@@ -111,7 +82,7 @@ def test_a_root_descriptor_is_opened_again_in_the_child(tmp_path: Path) -> None:
         fd = b.root_fd()
         return {"new": fd != parent_fd, "same_dir": os.path.samestat(os.fstat(fd), os.stat(tmp_path))}
 
-    assert in_child(check) == {"new": True, "same_dir": True}
+    assert in_forked_child(check) == {"new": True, "same_dir": True}
     assert b.root_fd() == parent_fd
 
 
@@ -124,7 +95,7 @@ def test_a_checkpoint_directory_descriptor_is_opened_again_in_the_child(tmp_path
         fd = ck.dirfd()
         return {"new": fd != parent_fd, "same_dir": os.path.samestat(os.fstat(fd), os.stat(tmp_path / "ck"))}
 
-    assert in_child(check) == {"new": True, "same_dir": True}
+    assert in_forked_child(check) == {"new": True, "same_dir": True}
     assert ck.dirfd() == parent_fd
     ck.close()
 
@@ -134,7 +105,7 @@ def test_load_buffers_are_the_parents_only() -> None:
     with lb.session():
         hb = lb.take(1 << 20)  # a session running, a buffer out, at fork
         with lb._lock:  # held at fork, as a load in another thread may hold it
-            out = in_child(lambda: {**lb.stats(), "locked": lb._lock.locked()})
+            out = in_forked_child(lambda: {**lb.stats(), "locked": lb._lock.locked()})
         parent = lb.stats()
         hb.release()
     assert out["pools"] == 0 and out["idle_bytes"] == 0 and out["in_use_bytes"] == 0 and out["locked"] is False
@@ -146,7 +117,7 @@ def test_idle_save_buffers_are_the_parents_only() -> None:
     ring_buffers.give_back([HostBuffer(1 << 20)], ok=True)
     kept = ring_buffers.idle_bytes()
     with ring_buffers.lock:  # held at fork, as a save in another thread may hold it
-        out = in_child(lambda: {"idle": ring_buffers.idle_bytes(), "locked": ring_buffers.lock.locked()})
+        out = in_forked_child(lambda: {"idle": ring_buffers.idle_bytes(), "locked": ring_buffers.lock.locked()})
     assert out == {"idle": 0, "locked": False}
     assert ring_buffers.idle_bytes() == kept
     assert kept > 0 or not defaults.get("checkpoint_reuse_buffers")
@@ -169,5 +140,5 @@ def test_a_callback_runs_in_the_child_only_while_its_object_lives() -> None:
     del drop
     gc.collect()
     assert len(forks._callbacks) <= count - 1  # a dead object's entry leaves
-    assert in_child(lambda: {"keep": keep.forked, "seen": seen}) == {"keep": True, "seen": ["function"]}
+    assert in_forked_child(lambda: {"keep": keep.forked, "seen": seen}) == {"keep": True, "seen": ["function"]}
     assert keep.forked is False and seen == []

@@ -19,6 +19,14 @@ from sfstore.fs import local_path
 
 transformers = pytest.importorskip("transformers")
 
+from tests.checkpoint.trainer_parts import (  # noqa: E402  (needs transformers)
+    StepCounter,
+    Tokens,
+    bits_equal,
+    steps_taken,
+    tiny_llama,
+)
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 STEPS, SAVE_EVERY = 4, 2
@@ -38,38 +46,6 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     yield Path(os.path.realpath(tmp_path / "root"))
 
 
-def _model() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
-                                      tie_word_embeddings=False)
-    return transformers.LlamaForCausalLM(config)
-
-
-class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """16 fixed sequences of 12 tokens, each its own label (a causal LM learns to continue them)."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.ids = torch.randint(0, 128, (16, 12), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-class _Steps(transformers.TrainerCallback):
-    """Counts the optimizer steps a ``train()`` call takes (a resumed one takes only the missing ones)."""
-
-    def __init__(self) -> None:
-        self.taken = 0
-
-    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-        self.taken += 1
-
-
 def _trainer(output_dir: str, max_steps: int, model: Any | None = None) -> Any:
     # A constant rate: a decaying one follows max_steps, so 4 steps of a 4-step run would not be the first 4
     # of a 6-step one, and resuming could not be compared with one run.
@@ -79,21 +55,8 @@ def _trainer(output_dir: str, max_steps: int, model: Any | None = None) -> Any:
         seed=0, data_seed=0,
         logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
     )
-    return transformers.Trainer(model=model if model is not None else _model(), args=args, train_dataset=_Tokens(),
-                                callbacks=[_Steps()])
-
-
-def _steps_taken(trainer: Any) -> int:
-    (steps,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, _Steps)]
-    return steps.taken
-
-
-def _bits_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(want)
-    for name, t in want.items():
-        g = got[name].detach()
-        assert g.dtype == t.dtype and g.shape == t.shape, name
-        assert torch.equal(g.reshape(-1).view(torch.uint8), t.detach().reshape(-1).view(torch.uint8)), name
+    return transformers.Trainer(model=model if model is not None else tiny_llama(), args=args, train_dataset=Tokens(),
+                                callbacks=[StepCounter()])
 
 
 def test_trainer_checkpoints_under_local_path_are_sfstore_checkpoints(root: Path) -> None:
@@ -109,10 +72,10 @@ def test_trainer_checkpoints_under_local_path_are_sfstore_checkpoints(root: Path
     for name in ("model.safetensors", "config.json", "trainer_state.json", "optimizer.pt"):
         assert fs.exists(f"{last}/{name}"), name
     want = trainer.model.state_dict()
-    _bits_equal(checkpoint.load(last), want)
-    fresh = _model()
+    bits_equal(checkpoint.load(last), want)
+    fresh = tiny_llama()
     checkpoint.load(last, into=fresh)
-    _bits_equal(fresh.state_dict(), want)
+    bits_equal(fresh.state_dict(), want)
     # The earlier checkpoint holds other weights (training moved them): load reads each one as it is.
     first = checkpoint.load(f"sf://runs/x/checkpoint-{SAVE_EVERY}")
     assert any(not torch.equal(first[k], want[k]) for k in want)
@@ -125,17 +88,17 @@ def test_trainer_resumes_from_its_checkpoint_under_local_path(root: Path) -> Non
     _trainer(out, STEPS).train()
     resumed = _trainer(out, STEPS + SAVE_EVERY)
     resumed.train(resume_from_checkpoint=True)
-    assert resumed.state.global_step == STEPS + SAVE_EVERY and _steps_taken(resumed) == SAVE_EVERY
+    assert resumed.state.global_step == STEPS + SAVE_EVERY and steps_taken(resumed) == SAVE_EVERY
     straight = _trainer(local_path("sf://runs/straight"), STEPS + SAVE_EVERY)
     straight.train()
-    _bits_equal(resumed.model.state_dict(), straight.model.state_dict())
+    bits_equal(resumed.model.state_dict(), straight.model.state_dict())
     # ... and the new checkpoint it wrote is one load reads.
-    _bits_equal(checkpoint.load(f"sf://runs/resume/checkpoint-{STEPS + SAVE_EVERY}"), straight.model.state_dict())
+    bits_equal(checkpoint.load(f"sf://runs/resume/checkpoint-{STEPS + SAVE_EVERY}"), straight.model.state_dict())
     # An explicit checkpoint directory by its local path works the same.
     again = _trainer(out, STEPS + SAVE_EVERY)
     again.train(resume_from_checkpoint=local_path(f"sf://runs/resume/checkpoint-{STEPS}"))
-    assert _steps_taken(again) == SAVE_EVERY
-    _bits_equal(again.model.state_dict(), straight.model.state_dict())
+    assert steps_taken(again) == SAVE_EVERY
+    bits_equal(again.model.state_dict(), straight.model.state_dict())
 
 
 def test_accelerate_save_state_under_local_path_restores_bit_exact(root: Path) -> None:
@@ -165,11 +128,11 @@ def test_accelerate_save_state_under_local_path_restores_bit_exact(root: Path) -
         step()
     assert any(not torch.equal(v, saved[k]) for k, v in acc.unwrap_model(model).state_dict().items())
     acc.load_state(where)
-    _bits_equal(acc.unwrap_model(model).state_dict(), saved)
+    bits_equal(acc.unwrap_model(model).state_dict(), saved)
     now_opt = opt.state_dict()["state"][0]
     assert all(torch.equal(now_opt[k], v) for k, v in saved_opt.items())
     fs = fsspec.filesystem("sf")
     assert fs.exists("sf://acc/state/model.safetensors") and fs.exists("sf://acc/state/optimizer.bin")
-    _bits_equal(checkpoint.load("sf://acc/state/model.safetensors"), saved)
+    bits_equal(checkpoint.load("sf://acc/state/model.safetensors"), saved)
     # Training goes on from the restored state as it did from the saved one.
     step()

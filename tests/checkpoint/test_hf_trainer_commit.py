@@ -33,6 +33,13 @@ from sfstore.checkpoint.hf_trainer import (  # noqa: E402  (needs transformers)
     commit_checkpoint,
     last_committed_checkpoint,
 )
+from tests.checkpoint.trainer_parts import (  # noqa: E402  (needs transformers)
+    StepCounter,
+    Tokens,
+    bits_equal,
+    steps_taken,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -54,38 +61,6 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     yield Path(os.path.realpath(tmp_path / "root"))
 
 
-def _model() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
-                                      tie_word_embeddings=False)
-    return transformers.LlamaForCausalLM(config)
-
-
-class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """16 fixed sequences of 12 tokens (drawn with ``seed``), each its own label."""
-
-    def __init__(self, seed: int = 1) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, 128, (16, 12), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-class _Steps(transformers.TrainerCallback):
-    """Counts the optimizer steps a ``train()`` call takes (a resumed one takes only the missing ones)."""
-
-    def __init__(self) -> None:
-        self.taken = 0
-
-    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-        self.taken += 1
-
-
 def _trainer(output_dir: str, max_steps: int, *, callbacks: list[Any] | None = None, data_seed: int = 1,
              save_total_limit: int | None = None, cls: Any = None, save_strategy: str = "steps") -> Any:
     # A constant rate: a decaying one follows max_steps, so a resumed run could not be compared with one run.
@@ -95,22 +70,9 @@ def _trainer(output_dir: str, max_steps: int, *, callbacks: list[Any] | None = N
         lr_scheduler_type="constant", report_to=[], use_cpu=True, seed=0, data_seed=0,
         logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
     )
-    cbs = [_Steps()] + (callbacks if callbacks is not None else [SfstoreTrainerCallback()])
-    return (cls or transformers.Trainer)(model=_model(), args=args, train_dataset=_Tokens(data_seed),
+    cbs = [StepCounter()] + (callbacks if callbacks is not None else [SfstoreTrainerCallback()])
+    return (cls or transformers.Trainer)(model=tiny_llama(), args=args, train_dataset=Tokens(data_seed),
                                             callbacks=cbs)
-
-
-def _steps_taken(trainer: Any) -> int:
-    (steps,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, _Steps)]
-    return steps.taken
-
-
-def _bits_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(want)
-    for name, t in want.items():
-        g = got[name].detach()
-        assert g.dtype == t.dtype and g.shape == t.shape, name
-        assert torch.equal(g.reshape(-1).view(torch.uint8), t.detach().reshape(-1).view(torch.uint8)), name
 
 
 def _files(directory: str) -> dict[str, bytes]:
@@ -205,8 +167,8 @@ def test_a_save_cut_by_sigkill_is_skipped_and_resuming_is_bit_exact(
 
     resumed = _trainer(out, STEPS)
     resumed.train(resume_from_checkpoint=last)
-    assert resumed.state.global_step == STEPS and _steps_taken(resumed) == STEPS - SAVE_EVERY
-    _bits_equal(resumed.model.state_dict(), straight)
+    assert resumed.state.global_step == STEPS and steps_taken(resumed) == STEPS - SAVE_EVERY
+    bits_equal(resumed.model.state_dict(), straight)
     assert last_committed_checkpoint(out) == os.path.join(out, f"checkpoint-{STEPS}")
     # The re-saved checkpoint-4 is whole and committed now, and loads as the weights of step 4.
     assert {"trainer_state.json", "rng_state.pth", COMMIT_NAME} <= set(os.listdir(cut))
@@ -235,7 +197,7 @@ def test_each_checkpoint_gets_a_commit_record_of_all_its_files(root: Path) -> No
     newest = os.path.join(out, "checkpoint-4")
     assert last_committed_checkpoint("sf://runs/x") == newest
     assert last_committed_checkpoint(Path(out)) == newest
-    _bits_equal(checkpoint.load("sf://runs/x/checkpoint-4"), trainer.model.state_dict())
+    bits_equal(checkpoint.load("sf://runs/x/checkpoint-4"), trainer.model.state_dict())
 
 
 def test_a_damaged_newest_checkpoint_is_skipped(root: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -393,13 +355,13 @@ _DDP_CHILD = """
 import json, os, sys
 sys.path.insert(0, sys.argv[2])
 import torch, transformers
-import test_hf_trainer_commit as t
+import trainer_parts as t
 from sfstore.checkpoint.hf_trainer import SfstoreTrainerCallback
 args = transformers.TrainingArguments(
     output_dir=sys.argv[1], max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=2,
     learning_rate=1e-2, lr_scheduler_type="constant", report_to=[], use_cpu=True, seed=0,
     logging_strategy="no", disable_tqdm=True, ddp_backend="gloo")
-trainer = transformers.Trainer(model=t._model(), args=args, train_dataset=t._Tokens(),
+trainer = transformers.Trainer(model=t.tiny_llama(), args=args, train_dataset=t.Tokens(),
                                callbacks=[SfstoreTrainerCallback()])
 trainer.train()
 assert torch.distributed.get_world_size() == 2

@@ -1,15 +1,12 @@
 """Deadlines and quarantine of the KV cache's lower tiers, against a stall simulated on the host.
 
-The stall (``_simulated_stall``) makes every open beneath the tier's directory first open a FIFO for reading
-that no one writes: the thread waits in the kernel, in a syscall nothing in the process can cancel, as one in a
-hard NFS mount whose server is gone does. Ending the stall opens the FIFO for writing, which lets every waiting
-thread through, as the server's return would. The block tier's stall waits on such a FIFO inside the block
-store's read or write.
+The stall (:func:`tests.kvcache.stalls.simulated_stall`) makes every open beneath the tier's directory first wait
+on a FIFO no one writes, in the kernel, as a thread in a hard NFS mount whose server is gone does; ending it lets
+every waiting thread through. The block tier's stall waits on such a FIFO inside the block store's read or write.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 import os
@@ -18,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +27,9 @@ from sfstore.blocks import BlockStore
 from sfstore.kvcache import KVCacheStore
 from sfstore.kvcache.deadline import QuarantineRecorder, TierGuard
 from sfstore.kvcache.shared_budget import META
+from tests.forked_child import in_forked_child
 from tests.kvcache import shared_workers as w
+from tests.kvcache.stalls import simulated_stall
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,46 +39,6 @@ SLACK_S = 0.050  # the acceptance bound: a miss within the deadline + 50 ms
 # runs at that moment) holding the GIL for a while and other processes on the 2 cores: a back-off that ended
 # before the test's next get makes that get a probe into the stall (another deadline miss), not a quarantine skip
 BACKOFF_MS = 60
-
-
-class _Stall:
-    """A FIFO that threads wait on until :meth:`end`."""
-
-    def __init__(self, where: Path) -> None:
-        self.path = where / f"stall-{time.monotonic_ns()}.fifo"
-        os.mkfifo(self.path)
-        self._writer: int | None = None
-
-    def wait(self) -> None:
-        fd = os.open(self.path, os.O_RDONLY)  # blocks in the kernel until a writer opens the FIFO
-        os.close(fd)
-
-    def end(self) -> None:
-        if self._writer is None:
-            self._writer = os.open(self.path, os.O_RDWR)  # never blocks; wakes every waiting reader
-
-    def close(self) -> None:
-        self.end()
-        assert self._writer is not None
-        os.close(self._writer)
-
-
-@contextlib.contextmanager
-def _simulated_stall(obj: Any, attr: str, where: Path) -> Iterator[_Stall]:
-    """Every call of ``obj.attr`` first waits on a :class:`_Stall` (ended by the caller, or on leaving)."""
-    stall = _Stall(where)
-    real: Callable[..., Any] = getattr(obj, attr)
-
-    def stalled(*args: Any, **kwargs: Any) -> Any:
-        stall.wait()
-        return real(*args, **kwargs)
-
-    setattr(obj, attr, stalled)
-    try:
-        yield stall
-    finally:
-        stall.close()
-        setattr(obj, attr, real)
 
 
 @pytest.fixture(autouse=True)
@@ -114,7 +73,7 @@ def test_a_stalled_shared_tier_misses_within_the_deadline_and_recovers(tmp_path:
         dest = np.full(w.GEOM.block_bytes, 7, dtype=np.uint8)
         late: list[float] = []
         for trial in range(100):
-            with _simulated_stall(kv.shared, "_open", tmp_path) as stall:
+            with simulated_stall(kv.shared, "_open", tmp_path) as stall:
                 t0 = time.monotonic()
                 got = kv.get_into([keys[0]], [dest])
                 took = time.monotonic() - t0
@@ -146,7 +105,7 @@ def test_abandoned_workers_are_bounded_and_the_tier_says_so(tmp_path: Path) -> N
         kv.put([key], [w.block(0)])
         guard = kv.shared.guard
         dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
-        with _simulated_stall(kv.shared, "_open", tmp_path) as stall:
+        with simulated_stall(kv.shared, "_open", tmp_path) as stall:
             for _ in range(guard.max_abandoned):
                 wait_for(lambda: not guard.quarantined(), 5.0)  # each probe abandons one more worker
                 t0 = time.monotonic()
@@ -174,7 +133,7 @@ def test_a_put_past_its_deadline_is_dropped_and_never_published_late(tmp_path: P
         assert kv.shared is not None
         key = w.key(kv, 5)
         guard = kv.shared.guard
-        with _simulated_stall(kv.shared, "_open", tmp_path) as stall:
+        with simulated_stall(kv.shared, "_open", tmp_path) as stall:
             t0 = time.monotonic()
             kv.put([key], [w.block(5)])
             assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
@@ -202,7 +161,7 @@ def test_a_stalled_read_into_a_pinned_slot_never_lands_in_a_reused_slot(tmp_path
         assert kv.shared is not None
         guard = kv.shared.guard
         dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
-        with _simulated_stall(kv.shared, "_open", tmp_path) as stall:
+        with simulated_stall(kv.shared, "_open", tmp_path) as stall:
             assert kv.get_into(keys[:1], [dest]) == [None]  # its slot is the stuck worker's
             for i in range(1, 40):  # churn the pinned tier: every free slot is reused
                 kv.put([keys[i]], [w.block(i)])
@@ -228,7 +187,7 @@ def test_a_stalled_block_store_misses_within_the_deadline(tmp_path: Path) -> Non
         kv.put(keys[:2], [w.block(0), w.block(1)])
         dest = np.full(w.GEOM.block_bytes, 7, dtype=np.uint8)
         guard = kv._block_guard
-        with _simulated_stall(bs, "_read_entries", tmp_path) as stall:
+        with simulated_stall(bs, "_read_entries", tmp_path) as stall:
             for keep in (True, False):
                 wait_for(lambda: not guard.quarantined(), 5.0)
                 t0 = time.monotonic()
@@ -239,7 +198,7 @@ def test_a_stalled_block_store_misses_within_the_deadline(tmp_path: Path) -> Non
             wait_for(lambda: guard.describe()["abandoned_now"] == 0)
             time.sleep(0.05)
             assert (dest == 7).all()  # the late reads landed in staging buffers, never in the caller's memory
-        with _simulated_stall(bs, "_write_slots", tmp_path) as stall:
+        with simulated_stall(bs, "_write_slots", tmp_path) as stall:
             wait_for(lambda: not guard.quarantined(), 5.0)
             t0 = time.monotonic()
             kv.put(keys[2:], [w.block(2)])
@@ -297,7 +256,7 @@ def quarantined_worker(shared: str, stall_dir: str, backoff_ms: int, conn: Any) 
     key = w.key(kv, 0)
     kv.put([key], [w.block(0)])
     dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
-    with _simulated_stall(kv.shared, "_open", Path(stall_dir)) as stall:
+    with simulated_stall(kv.shared, "_open", Path(stall_dir)) as stall:
         t0 = time.monotonic()
         got = kv.get_into([key], [dest])
         took = time.monotonic() - t0
@@ -423,8 +382,8 @@ def test_the_record_never_waits_for_the_stalled_mount(tmp_path: Path) -> None:
         key = w.key(kv, 0)
         kv.put([key], [w.block(0)])
         dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
-        with _simulated_stall(kv.shared, "_open", tmp_path) as stall, \
-                _simulated_stall(kv.shared.budget, "write_quarantine", tmp_path) as record_stall:
+        with simulated_stall(kv.shared, "_open", tmp_path) as stall, \
+                simulated_stall(kv.shared.budget, "write_quarantine", tmp_path) as record_stall:
             t0 = time.monotonic()
             assert kv.get_into([key], [dest]) == [None]
             assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
@@ -510,7 +469,7 @@ def test_a_slow_listing_is_bounded_but_never_quarantines_the_tier(tmp_path: Path
         keys = [w.key(kv, i) for i in range(2)]
         kv.put(keys, [w.block(0), w.block(1)])
         guard = kv.shared.guard
-        with _simulated_stall(kv.shared, "_count", tmp_path) as stall:
+        with simulated_stall(kv.shared, "_count", tmp_path) as stall:
             t0 = time.monotonic()
             assert kv.stats()["resident"]["shared"] is None
             assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
@@ -533,7 +492,7 @@ def test_a_listing_never_probes_a_quarantined_tier(tmp_path: Path) -> None:
         kv.put(keys, [w.block(0), w.block(1)])
         guard = kv.shared.guard
         dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
-        with _simulated_stall(kv.shared, "_open", tmp_path) as stall:
+        with simulated_stall(kv.shared, "_open", tmp_path) as stall:
             assert kv.get_into([keys[0]], [dest]) == [None] and guard.quarantined()
             stall.end()
             wait_for(lambda: guard.describe()["abandoned_now"] == 0)
@@ -565,39 +524,13 @@ def test_a_lookup_asks_the_shared_tier_once_for_its_whole_prefix(tmp_path: Path)
         kv.close()
         kv = store(tmp_path, pinned_bytes=2 * w.GEOM.block_bytes)  # nothing pinned: all from the shared tier
         assert kv.lookup(tokens) == 7 * w.GEOM.block_tokens
-        with _simulated_stall(kv.shared, "_open", tmp_path) as stall:  # past the deadline: nothing found
+        with simulated_stall(kv.shared, "_open", tmp_path) as stall:  # past the deadline: nothing found
             t0 = time.monotonic()
             assert kv.lookup(tokens) == 0
             assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
             stall.end()
     finally:
         kv.close()
-
-
-def _in_forked_child(check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """What ``check()`` returns in a real ``os.fork()`` child (through a pipe), or the error it raised there; a
-    child stuck (on a lock the parent held at the fork) is killed by an alarm, and the test fails."""
-    r, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through the pipe
-        code = 1
-        signal.alarm(30)
-        try:
-            try:
-                out = check()
-            except BaseException as exc:
-                out = {"error": f"{type(exc).__name__}: {exc}"}
-            os.write(wfd, json.dumps(out).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(wfd)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the child deadlocked (killed by its alarm) or failed"
-    result: dict[str, Any] = json.loads(data)
-    return result
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -629,7 +562,7 @@ def test_a_forked_child_guards_and_records_its_own_quarantine(tmp_path: Path) ->
 
         # as threads of the parent may hold them at the fork
         with deadline._local_writer._cond, g._lock, rec._lock:
-            out = _in_forked_child(check)
+            out = in_forked_child(check)
         assert "error" not in out, out
         assert out["ok"] == ["ok", 7] and out["missed"] == ["timeout", None] and out["flushed"]
         assert f"-{out['me']}-" in out["name"] and out["abandoned"] == 1  # its own worker, not the parent's

@@ -20,27 +20,11 @@ import pytest
 from sfstore.kvcache import KVCacheStore
 from sfstore.kvcache.tiers import HEADER
 from tests.kvcache import shared_workers as w
+from tests.kvcache.stalls import Stall
 from tests.kvcache.test_kvcache_deadlines import DEADLINE_MS, SLACK_S, wait_for
 
 MODEL = "batch-test"
 PINNED = 16 * (w.GEOM.block_bytes + HEADER)
-
-
-class _Stall:
-    """A FIFO that an open waits on, in the kernel, until :meth:`close` opens it for writing."""
-
-    def __init__(self, where: Path) -> None:
-        self.path = where / f"stall-{time.monotonic_ns()}.fifo"
-        os.mkfifo(self.path)
-        self._writer: int | None = None
-
-    def wait(self) -> None:
-        os.close(os.open(self.path, os.O_RDONLY))
-
-    def close(self) -> None:
-        if self._writer is None:
-            self._writer = os.open(self.path, os.O_RDWR)  # never blocks; wakes every waiting reader
-            os.close(self._writer)
 
 
 def _open(shared: Path, *, pinned: int, namespace: str = "", **kwargs: Any) -> KVCacheStore:
@@ -181,7 +165,7 @@ def test_a_renamed_file_of_another_key_is_corrupt_and_dropped(tmp_path: Path) ->
         kv.close()
 
 
-def _stall_one(kv: KVCacheStore, key: bytes, stall: _Stall) -> Callable[[], None]:
+def _stall_one(kv: KVCacheStore, key: bytes, stall: Stall) -> Callable[[], None]:
     """Make the open of ``key``'s file wait on ``stall`` (the other files of a batch open at once); returns the
     undo."""
     assert kv.shared is not None
@@ -210,7 +194,7 @@ def test_a_stalled_file_makes_the_whole_batch_a_miss_within_the_deadline(tmp_pat
         dests = [np.full(w.GEOM.block_bytes, 7, dtype=np.uint8) for _ in keys]
         took = []
         for trial in range(5):
-            stall = _Stall(tmp_path)
+            stall = Stall(tmp_path)
             undo = _stall_one(kv, keys[count // 2], stall)
             try:
                 wait_for(lambda: not guard.quarantined(), 5.0)
@@ -248,7 +232,7 @@ def test_a_stalled_batch_never_lands_in_a_reused_slot(tmp_path: Path) -> None:
         assert kv.shared is not None
         guard = kv.shared.guard
         dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
-        stall = _Stall(tmp_path)
+        stall = Stall(tmp_path)
         undo = _stall_one(kv, keys[-1], stall)  # once it ends, the late batch reads into every slot
         try:
             assert kv.get_into(keys, [np.zeros_like(dest) for _ in keys]) == [None] * count

@@ -28,6 +28,7 @@ from sfstore.kvcache.shared_budget import (
     namespace_prefix,
 )
 from sfstore.kvcache.tiers import SharedTier
+from tests.forked_child import in_forked_child
 from tests.kvcache import shared_workers as w
 
 FILE = w.FILE_BYTES
@@ -270,27 +271,15 @@ def test_a_forked_child_is_another_writer(tmp_path: Path) -> None:
     b.added_bytes(100)
     b.flush(force=True)
     parent = (b.id, b.pid)
-    r, wfd = os.pipe()
-    with b._lock, b._enforcing:
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child reports through the pipe
-            signal.alarm(30)
-            code = 1
-            try:
-                b.register()
-                b.added_bytes(7)
-                b.flush(force=True)
-                recs = {x.id: (x.pid, x.added) for x in b.read_records()}
-                os.write(wfd, json.dumps({"id": b.id, "pid": b.pid, "me": os.getpid(), "recs": recs}).encode())
-                code = 0
-            finally:
-                os._exit(code)
-    os.close(wfd)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the child deadlocked (killed by its alarm) or failed"
-    out = json.loads(data)
+    def check() -> dict[str, Any]:
+        b.register()
+        b.added_bytes(7)
+        b.flush(force=True)
+        recs = {x.id: (x.pid, x.added) for x in b.read_records()}
+        return {"id": b.id, "pid": b.pid, "me": os.getpid(), "recs": recs}
+
+    with b._lock, b._enforcing:  # forked while the parent's budget holds its locks
+        out = in_forked_child(check)
     assert out["pid"] == out["me"] and out["id"] != parent[0] and f"-{out['me']}-" in out["id"]
     assert out["recs"] == {parent[0]: [parent[1], 100], out["id"]: [out["me"], 7]}
     assert (b.id, b.pid) == parent
