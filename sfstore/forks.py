@@ -39,7 +39,24 @@ def after_fork(callback: Callable[[], None]) -> None:
     """
     key = next(_keys)
     if isinstance(callback, types.MethodType):
-        _callbacks[key] = weakref.WeakMethod(callback, lambda _ref: _callbacks.pop(key, None))
+        func = callback.__func__
+
+        def drop(_ref: object) -> None:
+            # runs when the object dies, which can be during the interpreter's shutdown, after this module's
+            # globals are gone: then there is nothing left to remove from
+            try:
+                _callbacks.pop(key, None)
+            except (AttributeError, NameError, TypeError):
+                pass
+
+        # a plain weak reference to the object (not a WeakMethod, whose own callback fails at shutdown)
+        obj = weakref.ref(callback.__self__, drop)
+
+        def bound() -> Callable[[], None] | None:
+            target = obj()
+            return None if target is None else types.MethodType(func, target)
+
+        _callbacks[key] = bound
     else:
         _callbacks[key] = lambda: callback
 

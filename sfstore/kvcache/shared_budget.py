@@ -585,12 +585,17 @@ class SharedBudget:
 
     # -- at the end ------------------------------------------------------------------------------------------------
     def settle(self) -> None:
-        """At close: publish this process's counts, and evict to the budget with everyone's latest counts."""
+        """At close: publish this process's counts, then evict to the budget counted from a scan of the files.
+
+        A scan, not the records: the last writer to close is the one that leaves the namespace within budget,
+        and another node's latest record may not be visible here yet (an NFS client's caches), while its files,
+        listed and stat'ed, are (a file listed but gone is skipped: a scan counts too much, never too little).
+        """
         if not self._registered:
             return
         self.flush(force=True)
         if self.budget > 0:
-            self.refresh()
+            self.rescan()
             self.enforce()
             self.flush(force=True)
 
