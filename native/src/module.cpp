@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <new>
 #include <system_error>
 #include <unordered_map>
@@ -777,5 +778,62 @@ NB_MODULE(_native, m) {
         },
         "data"_a, "xxh3-64 (seed 0) of a contiguous buffer, as the engine checks reads; releases the GIL for "
                   "64 KiB and more.");
+    m.def(
+        "gather",
+        [](nb::handle out, nb::handle sources, Py_ssize_t offset, Py_ssize_t nbytes) {
+            // out[i * nbytes : (i + 1) * nbytes] = sources[i][offset : offset + nbytes], for every source: one call
+            // for what would be one Python-level copy per source (an engine's per-layer loads), the GIL released
+            // around the copies (every view is held until they are done).
+            if (offset < 0 || nbytes < 0) raise_sf("invalid", EINVAL, "gather: offset and nbytes must be >= 0");
+            if (!PySequence_Check(sources.ptr())) raise_sf("invalid", EINVAL, "gather: sources must be a sequence");
+            Py_ssize_t n = PySequence_Size(sources.ptr());
+            if (n < 0) {
+                PyErr_Clear();
+                raise_sf("invalid", EINVAL, "gather: sources must be a sequence");
+            }
+            Py_buffer dst;
+            if (PyObject_GetBuffer(out.ptr(), &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+                PyErr_Clear();
+                raise_sf("invalid", EINVAL, "gather: out must be a writable contiguous buffer");
+            }
+            std::vector<Py_buffer> views;
+            views.reserve(static_cast<size_t>(n));
+            auto release_all = [&] {
+                for (auto& v : views) PyBuffer_Release(&v);
+                PyBuffer_Release(&dst);
+            };
+            if (nbytes > 0 && n > (dst.len / nbytes)) {
+                std::string msg = "gather: out holds " + std::to_string(dst.len) + " bytes, not " +
+                                  std::to_string(n) + " x " + std::to_string(nbytes);
+                release_all();
+                raise_sf("invalid", EINVAL, msg);
+            }
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                nb::object item = nb::steal(PySequence_GetItem(sources.ptr(), i));
+                Py_buffer v;
+                if (!item.is_valid() || PyObject_GetBuffer(item.ptr(), &v, PyBUF_C_CONTIGUOUS) < 0) {
+                    PyErr_Clear();
+                    release_all();
+                    raise_sf("invalid", EINVAL, "gather: source " + std::to_string(i) + " is not a contiguous buffer");
+                }
+                views.push_back(v);
+                if (v.len < offset || v.len - offset < nbytes) {
+                    std::string msg = "gather: source " + std::to_string(i) + " holds " + std::to_string(v.len) +
+                                      " bytes, fewer than " + std::to_string(offset) + " + " + std::to_string(nbytes);
+                    release_all();
+                    raise_sf("invalid", EINVAL, msg);
+                }
+            }
+            {
+                NoGil nogil;
+                char* d = static_cast<char*>(dst.buf);
+                for (Py_ssize_t i = 0; i < n; ++i)
+                    std::memcpy(d + i * nbytes, static_cast<const char*>(views[static_cast<size_t>(i)].buf) + offset,
+                                static_cast<size_t>(nbytes));
+            }
+            release_all();
+        },
+        "out"_a, "sources"_a, "offset"_a, "nbytes"_a,
+        "Copy bytes [offset, offset + nbytes) of each source buffer into consecutive rows of out (GIL released).");
     m.def("page_size", [] { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); });
 }

@@ -29,6 +29,7 @@ from sfstore.counters import Counters
 from sfstore.futures import ExecutorFuture
 from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
+from sfstore.kvcache.held import HeldBlocks
 from sfstore.kvcache.shared_budget import check_namespace
 from sfstore.kvcache.tiers import PinnedTier, SharedTier, Slot
 from sfstore.paths.file import FilePath
@@ -386,6 +387,33 @@ class KVCacheStore:
             return
         dst[:] = memoryview(as_buffer(block)).cast("B")
 
+    def _copy_out_batch(self, pairs: list[tuple[Slot, Any]], offset: int, nbytes: int) -> bool:
+        """Copy ``[offset, offset + nbytes)`` of each slot into its destination in one call when every destination
+        is a CPU torch tensor (an engine's per-layer load: one call instead of one per block, the copies done
+        without the interpreter between them); ``False`` (nothing copied) otherwise."""
+        if len(pairs) < 2 or not all((type(d).__module__ or "").startswith("torch") for _s, d in pairs):
+            return False
+        import torch
+
+        foreach = getattr(torch, "_foreach_copy_", None)
+        if foreach is None or any(d.device.type != "cpu" or d.nbytes != nbytes for _s, d in pairs):
+            return False
+        dsts, srcs = [], []
+        for slot, d in pairs:
+            flat = slot.tensor
+            if flat is None:
+                flat = slot.tensor = torch.frombuffer(slot.buffer, dtype=torch.uint8, count=self.geometry.block_bytes)
+            src = flat[offset:offset + nbytes]
+            if d.is_contiguous():
+                dsts.append(d.view(-1).view(torch.uint8))
+                srcs.append(src)
+            else:
+                dsts.append(d)
+                srcs.append(src.view(d.dtype).view(d.shape))
+        with torch.no_grad():  # a destination that requires grad is still just memory to fill
+            foreach(dsts, srcs)
+        return True
+
     def _copy_out(self, slot: Slot, block: Any, offset: int = 0, nbytes: int | None = None) -> None:
         n = self.geometry.block_bytes if nbytes is None else nbytes
         src = slot.data(self.geometry.block_bytes)[offset:offset + n]
@@ -645,8 +673,9 @@ class KVCacheStore:
     def _deliver(self, slots: list[Slot | None], dests: Sequence[Any], offset: int, nbytes: int) -> None:
         """Copy ``[offset, offset + nbytes)`` of each fetched block into its destination; unpin every slot."""
         try:
-            for slot, d in zip(slots, dests, strict=True):
-                if slot is not None:
+            pairs = [(s, d) for s, d in zip(slots, dests, strict=True) if s is not None]
+            if not self._copy_out_batch(pairs, offset, nbytes):
+                for slot, d in pairs:
                     self._copy_out(slot, d, offset, nbytes)
         finally:
             for s in slots:
@@ -721,6 +750,20 @@ class KVCacheStore:
                           hits_shared=tiers.count("shared"), bytes_got=n * (len(keys) - tiers.count(None)),
                           corrupt_dropped=corrupt, unreadable=unreadable)
         return tiers
+
+    def hold(self, keys: Sequence[bytes], *, count: bool = False) -> HeldBlocks:
+        """The blocks of ``keys``, pinned in the pinned tier for the caller until it releases them (fetched from
+        the lower tiers first where needed: call :meth:`prefetch` early to overlap): for callers that copy them out
+        piece by piece, such as an engine's per-layer loads
+        (:meth:`HeldBlocks.copy_layer_into <sfstore.kvcache.held.HeldBlocks.copy_layer_into>`).
+
+        ``count``: count the blocks in ``gets`` / ``hits_*`` / ``misses`` (leave it off after a counted
+        :meth:`prefetch` of the same blocks).
+        """
+        self._check_open()
+        ks = self._check_keys(keys)
+        slots, tiers = self._fetch(ks, count=bool(count))
+        return HeldBlocks(self.pinned, self.geometry, slots, tiers)
 
     def prefetch(self, keys: Sequence[bytes], *, count: bool = False) -> ExecutorFuture[list[str | None]]:
         """Bring the blocks into the pinned tier in the background; ``.get()`` gives the tier of each.

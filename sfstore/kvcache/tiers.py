@@ -48,6 +48,9 @@ class Slot:
     key: bytes = b""
     readers: int = 0
     checksum: int = 0
+    # a torch uint8 tensor over ``buffer``, made on first use by a batched copy and kept for the slot's life
+    # (torch is optional: nothing here imports it)
+    tensor: Any = None
 
     def data(self, nbytes: int) -> memoryview:
         return memoryview(self.buffer)[:nbytes]
@@ -96,6 +99,7 @@ class PinnedTier:
         self._pool = RegisteredBufferPool(self.slot_bytes)
         self._headers = RegisteredBufferPool(HEADER)
         self._free: list[Slot] = []
+        self._made = 0  # slots allocated so far (each lives until close)
         self.entries: OrderedDict[bytes, Slot] = OrderedDict()
         self.lock = threading.RLock()
 
@@ -106,7 +110,42 @@ class PinnedTier:
                 slot = self._free.pop()
                 slot.key, slot.readers, slot.checksum = b"", 1, 0
                 return slot
-        return Slot(self._pool.acquire(), self._headers.acquire(), readers=1)
+            self._made += 1
+        return self._new_slot(readers=1)
+
+    def _new_slot(self, readers: int = 0) -> Slot:
+        try:
+            buf = self._pool.acquire()
+            try:
+                return Slot(buf, self._headers.acquire(), readers=readers)
+            except BaseException:
+                buf.release()
+                raise
+        except BaseException:
+            with self.lock:
+                self._made -= 1
+            raise
+
+    @property
+    def idle(self) -> int:
+        """Slots allocated that hold no block, ready for :meth:`take`."""
+        with self.lock:
+            return len(self._free)
+
+    def reserve(self, n: int) -> int:
+        """Allocate slots now until ``n`` exist (at most the tier's capacity), so that the first reads into them
+        do not pay for allocating registered memory (``mmap`` and ``mlock``: far more than the copy into them)
+        on the way to the caller. Returns the slots allocated by this call."""
+        made = 0
+        while True:
+            with self.lock:
+                if self._made >= min(n, self.capacity):
+                    return made
+                self._made += 1
+            slot = self._new_slot()
+            with self.lock:
+                self._free.append(slot)
+            made += 1
 
     def insert(self, key: bytes, slot: Slot, checksum: int) -> None:
         """Make ``slot`` (filled, still pinned by the caller) the resident copy of ``key``; evict beyond budget."""
@@ -172,6 +211,7 @@ class PinnedTier:
             self._free = []
         for s in slots:
             if s.readers == 0:
+                s.tensor = None  # the buffer's last export, before its release
                 s.buffer.release()
                 s.header.release()
         self._pool.close()

@@ -14,9 +14,14 @@ What it does, per engine step:
   :meth:`~SfstoreConnector.build_connector_meta` sends the worker, per request, the keys and block ids to load
   and those of the prompt blocks this step completes, to save (blocks the store already has are not saved again).
 * worker side: :meth:`~SfstoreConnector.start_load_kv` starts ``store.prefetch`` of the blocks to load (in
-  ``prefetch_chunks`` parts at once; the store reads each part's shared-tier files as one batch, all in flight);
-  :meth:`~SfstoreConnector.wait_for_layer_load` copies one layer of each into vLLM's paged cache
-  (``store.get_layer_into``) just before that layer's attention runs, and
+  ``prefetch_chunks`` parts at once; the store reads each part's shared-tier files as one batch, all in flight),
+  unless the scheduler of the same process started it already (below); the first
+  :meth:`~SfstoreConnector.wait_for_layer_load` waits for it and holds the step's blocks in the pinned tier
+  (``store.hold``: none can be evicted before its last layer is copied), and each
+  :meth:`~SfstoreConnector.wait_for_layer_load` copies one layer of every block into vLLM's paged cache just
+  before that layer's attention runs: one copy out of the pinned slots into a staging tensor in the store's
+  layout (``HeldBlocks.copy_layer_into``: one native call, not one per block) and one scatter into the pages
+  through their view as the store's layers (:func:`pages_as_layers`), and
   :meth:`~SfstoreConnector.save_kv_layer` copies one layer of each block to save out of it right after
   (``store.put_layer``; the store commits a block once all its layers are in and writes it to its lower tiers in
   the background). Loads are synchronous for the scheduler (``load_kv_async`` False) and saves are copied out
@@ -48,8 +53,9 @@ and the copies overlap the forward pass instead of stopping the engine's thread 
   buffer is handed out again only once the copy that used it completed, checked without waiting: the CPU waits
   only when the device falls that many layers behind (loads) or the save thread does (saves).
 
-On a CPU cache the streams and events are ``None``: the same steps run with synchronous copies (and, unless
-``stage_copies`` is set, block by block straight between the pages and the store, with no staging buffer).
+On a CPU cache the streams and events are ``None``: the same steps run with synchronous copies (loads through a
+staging tensor too, one copy per layer; saves gather a layer's pages with one ``index_select``; ``stage_copies``
+False, or pages that cannot be viewed as one tensor, copy block by block straight into the pages).
 
 ``kv_connector_extra_config`` keys (all optional):
 
@@ -101,7 +107,11 @@ On a CPU cache the streams and events are ``None``: the same steps run with sync
 Any other key is ignored, with a warning (one that names an sfstore setting says which key sets it here).
 
 Scheduler and worker connectors of one process (vLLM's single-process executor) share one store, so a block the
-worker saved is found by the scheduler's lookup at once. Across processes (tensor parallelism, a separate engine
+worker saved is found by the scheduler's lookup at once, and the scheduler starts a request's prefetch as soon as
+it has allocated the blocks to load (``update_state_after_alloc``): the reads from the lower tiers overlap the
+rest of the scheduler's step and the model runner's preparation (``blocks_prefetched_by_scheduler`` in vLLM's
+metrics counts them). The worker's pinned tier allocates one step's worth of slots when the caches are registered,
+so the first hits do not pay for allocating registered memory. Across processes (tensor parallelism, a separate engine
 core; vLLM's CPU platform always runs the worker in its own process unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 the scheduler sees only what reached a tier they share: ``shared_dir``, or the block store of an sfstore config.
 Without one, the scheduler never finds a block (the pinned tier is the worker's memory). With one, the blocks a
@@ -134,6 +144,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from sfstore import defaults, errors
 from sfstore.kvcache.geometry import DTYPE_SIZES, KVGeometry
+from sfstore.kvcache.held import HeldBlocks
 from sfstore.kvcache.shared_budget import check_namespace
 from sfstore.kvcache.store import KVCacheStore
 
@@ -145,7 +156,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["SfstoreConnector", "SfstoreConnectorMetadata", "BlockTransfer", "layout_for", "block_layer_view"]
+__all__ = ["SfstoreConnector", "SfstoreConnectorMetadata", "BlockTransfer", "layout_for", "block_layer_view",
+           "pages_as_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +267,23 @@ def block_layer_view(layer_cache: torch.Tensor, block_id: int, layout: _Layout) 
     return view
 
 
+def pages_as_layers(pages: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """A view of a batch of pages (``[B, H, N, C]``: one layer's cache, or a staging copy of its pages) as the
+    store's layers, ``[B, kv, tokens, heads, dim]`` (strided, no copy): ``pages_as_layers(c, l)[b]`` is
+    ``block_layer_view(c, b, l)``. One copy through it moves a whole layer's blocks; ``RuntimeError`` where the
+    pages' memory does not allow the view (a cache that is not contiguous across pages)."""
+    b = pages.shape[0]
+    h, n, c = layout.page_shape
+    view: torch.Tensor
+    if layout.mode == "split":
+        view = pages.view(b, h, n, 2, c // 2).permute(0, 3, 2, 1, 4)
+    elif layout.mode == "cpu":
+        view = pages.view(b, h, 2, n, c // 2).permute(0, 2, 3, 1, 4)
+    else:
+        view = pages.permute(0, 2, 1, 3).unsqueeze(1)
+    return view
+
+
 # -- metadata: scheduler -> worker -----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class BlockTransfer:
@@ -287,7 +316,7 @@ class _Tracker:
 
 
 # -- one store per process and configuration -------------------------------------------------------------------------
-_stores: dict[tuple[Any, ...], list[Any]] = {}  # key -> [store, users]
+_stores: dict[tuple[Any, ...], list[Any]] = {}  # key -> [store, users, its _LoadsAhead]
 _stores_lock = threading.Lock()
 
 
@@ -342,7 +371,7 @@ def _acquire_store(layout: _Layout, model_id: str, extra: dict[str, Any]) -> tup
                 store = KVCacheStore.from_router(layout.geometry, sfstore.open(cfg), **kwargs)
             else:
                 store = KVCacheStore(layout.geometry, shared_dir=shared, fsync_shared=fsync, **kwargs)
-            entry = _stores[key] = [store, 0]
+            entry = _stores[key] = [store, 0, _LoadsAhead()]
         entry[1] += 1
         return entry[0], key
 
@@ -357,6 +386,47 @@ def _release_store(key: tuple[Any, ...]) -> None:
             return
         del _stores[key]
     entry[0].close()
+
+
+class _LoadsAhead:
+    """The prefetches a scheduler started for the worker in its own process, by request.
+
+    Where the scheduler and a worker share a process (vLLM's in-process engine, a single-GPU server: they share the
+    store too), the scheduler starts a request's prefetch as soon as it has allocated the blocks to load
+    (:meth:`SfstoreConnector.update_state_after_alloc`), and the worker's :meth:`SfstoreConnector.start_load_kv`
+    takes it instead of starting its own: the reads from the lower tiers then overlap the rest of the scheduler's
+    step and the model runner's preparation, which come before ``start_load_kv``. In a worker process of its own
+    nothing is started for it (``workers`` is 0 where the scheduler runs).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_req: dict[str, tuple[list[bytes], list[tuple[int, Any]]]] = {}
+        self.workers = 0  # workers of this process that registered their caches with this store
+
+    def put(self, req_id: str, keys: list[bytes], futures: list[tuple[int, Any]]) -> None:
+        with self._lock:
+            self._by_req[req_id] = (keys, futures)
+
+    def take(self, req_id: str, keys: list[bytes]) -> list[tuple[int, Any]] | None:
+        """The prefetch started for ``req_id`` if it is of exactly ``keys`` (else ``None``: the caller starts its
+        own); taken once."""
+        with self._lock:
+            entry = self._by_req.pop(req_id, None)
+        return entry[1] if entry is not None and entry[0] == keys else None
+
+    def drop(self, req_id: str) -> None:
+        with self._lock:
+            self._by_req.pop(req_id, None)
+
+    def add_worker(self, n: int) -> None:
+        with self._lock:
+            self.workers += n
+
+
+def _loads_ahead(key: tuple[Any, ...]) -> _LoadsAhead:
+    with _stores_lock:
+        return _stores[key][2]  # type: ignore[no-any-return]
 
 
 # -- what names the model in the keys, and the load failure policy -----------------------------------------------------
@@ -441,7 +511,7 @@ except ImportError:  # pragma: no cover - an older vLLM: the hooks are not there
 _STORE_STATS = (("hits_pinned", "hits_pinned"), ("hits_block", "hits_block"), ("hits_shared", "hits_shared"),
                 ("misses", "misses"), ("bytes_loaded", "bytes_got"), ("bytes_saved", "bytes_put"),
                 ("corrupt_dropped", "corrupt_dropped"))
-_OWN_STATS = ("load_failures", "blocks_saved")
+_OWN_STATS = ("load_failures", "blocks_saved", "blocks_prefetched_by_scheduler")
 
 if _Stats is not None:
 
@@ -769,17 +839,26 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.wait_for_lower_tiers = bool(extra.get("wait_for_lower_tiers", False))
         self.store, key = _acquire_store(self.layout, self.model_id, extra)
         self._store_key: tuple[Any, ...] | None = key
+        self._ahead = _loads_ahead(key)
+        self._counted_worker = False
+        sched = vllm_config.scheduler_config
+        # the most blocks one step loads: what the pinned tier allocates up front (register_kv_caches)
+        self._step_blocks = (int(getattr(sched, "max_num_batched_tokens", 0) or 0) // self.block_tokens
+                             + int(getattr(sched, "max_num_seqs", 0) or 0))
         # scheduler side
         self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens of the last lookup
         self._trackers: dict[str, _Tracker] = {}
         self._pending_loads: dict[str, BlockTransfer] = {}
+        self._host_hits: dict[str, int] = {}  # req_id -> its blocks to load that were in the pinned tier
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layers_viewable: dict[int, bool] = {}  # id of a CPU cache -> pages_as_layers views it
         self._asleep: dict[str, torch.Tensor] = {}  # the caches while vLLM sleeps (unregister_kv_caches)
         self._layer_index = self.layout.layer_index
         self._loads: list[BlockTransfer] = []
         self._load_future: list[tuple[int, Any]] | None = None  # the step's prefetches: (blocks, future) each
         self._load_ok: tuple[list[bytes], list[int]] = ([], [])
+        self._held: HeldBlocks | None = None  # this step's loaded blocks, pinned until the step's copies are done
         self._load_errors: set[int] = set()
         self._saved_keys: set[bytes] = set()
         self._dropped_before = 0
@@ -871,13 +950,20 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         keys = self.store.keys_for(list(tokens[:last * bt]), self._extra(request))[first:]
         self._pending_loads[request.request_id] = BlockTransfer(request.request_id, keys, list(block_ids[first:last]))
         tracker.saved_blocks = max(tracker.saved_blocks, last)  # loaded blocks are in the store already
+        # where the blocks are now, before a prefetch promotes them (get_external_cache_hit_sources)
+        self._host_hits[request.request_id] = sum(1 for k in keys if k in self.store.pinned)
+        if self._ahead.workers and len(keys) <= self.store.pinned.capacity // 2:
+            self._ahead.put(request.request_id, keys, self._prefetch(keys))  # a worker in this process takes it
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """Loaded tokens by where they are now: the pinned tier (host memory) or a lower tier (NVMe, NFS)."""
         load = self._pending_loads.get(request.request_id)
         if num_external_tokens <= 0 or load is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)  # type: ignore[no-any-return]
-        host = min(num_external_tokens, sum(1 for k in load.keys if k in self.store.pinned) * self.block_tokens)
+        found = self._host_hits.get(request.request_id)
+        if found is None:
+            found = sum(1 for k in load.keys if k in self.store.pinned)
+        host = min(num_external_tokens, found * self.block_tokens)
         out = {CacheHitSource.HOST: host, CacheHitSource.DISK: num_external_tokens - host}
         return {src: n for src, n in out.items() if n > 0}
 
@@ -917,6 +1003,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if save is not None:
                 meta.saves.append(save)
         self._pending_loads.clear()
+        self._host_hits.clear()
         return meta
 
     def _recomputing(self, tracker: _Tracker, computed: int) -> None:
@@ -947,6 +1034,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._trackers.pop(request.request_id, None)
+        self._ahead.drop(request.request_id)
+        self._host_hits.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         return False, None  # saves are copied out within their step: vLLM may free the blocks now
@@ -956,10 +1045,21 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         unknown = [name for name in kv_caches if name not in self._layer_index]
         if unknown:
             log.warning("SfstoreConnector: layers %s are not in the KV cache config; they are not offloaded", unknown)
+        self._layers_viewable = {}
         for name, cache in kv_caches.items():
             if name in self._layer_index:
                 block_layer_view(cache, 0, self.layout)  # checks the page shape (and, for "cpu", contiguity)
+                try:
+                    pages_as_layers(cache, self.layout)
+                    self._layers_viewable[id(cache)] = True
+                except RuntimeError:  # pages not contiguous with each other: loaded block by block
+                    self._layers_viewable[id(cache)] = False
         self._kv_caches = dict(kv_caches)
+        if not self._counted_worker:
+            self._counted_worker = True
+            self._ahead.add_worker(1)
+        # the first loads' slots, allocated now rather than on the way to the first request that hits
+        self.store.pinned.reserve(min(self._step_blocks, self.store.pinned.capacity // 2))
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -987,6 +1087,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert isinstance(meta, SfstoreConnectorMetadata)
         # No reset of the step's saved keys here: vLLM calls this after the forward pass (and so after
         # save_kv_layer) on a step without loads; wait_for_save, which ends every step, resets them.
+        self._release_held()
         self._loads = [t for t in meta.loads if t.keys]
         self._load_future = None
         self._load_req = {b: t.req_id for t in self._loads for b in t.block_ids}
@@ -996,16 +1097,24 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._loads:
             # The loads go after what the engine enqueued so far (a previous step's kernels, vLLM zeroing the
             # new blocks), not after the forward pass's work enqueued before the first wait_for_layer_load.
-            devices = {str(c.device): c.device for c in self._kv_caches.values() if self._staged(c)}
+            devices = {str(c.device): c.device for c in self._kv_caches.values() if self._load_staged(c)}
             self._step_start = {key: _record(_current_stream(dev)) for key, dev in devices.items()}
             keys = [k for t in self._loads for k in t.keys]
             self._dropped_before = self._dropped()
             if len(keys) > self.store.pinned.capacity // 2:
+                for t in self._loads:
+                    self._ahead.drop(t.req_id)
                 self._load_all_layers_now()
             else:
                 # Layer 0's copy is issued at the first wait_for_layer_load, not here: resolving the prefetch
                 # now would hold the engine's thread before it enqueued the forward pass's first kernels.
-                self._load_future = self._prefetch(keys)
+                futures: list[tuple[int, Any]] = []
+                for t in self._loads:
+                    started = self._ahead.take(t.req_id, t.keys)  # by the scheduler of this process
+                    if started is not None:
+                        self._stats["blocks_prefetched_by_scheduler"] += len(t.keys)
+                    futures.extend(started if started is not None else self._prefetch(t.keys))
+                self._load_future = futures
 
     def _dropped(self) -> int:
         c = self.store.counters.snapshot()
@@ -1031,7 +1140,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if cache is None or layer is None:
                     continue
                 try:
-                    if self._staged(cache):
+                    if self._load_staged(cache):
                         tiers, _event = self._issue_load(cache, layer, ks, bs)
                         devices[str(cache.device)] = cache.device
                     else:
@@ -1040,6 +1149,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     log.exception("SfstoreConnector: loading layer %s of %d blocks failed", name, len(ks))
                     tiers = [None] * len(ks)
                 failed.update(b for b, tier in zip(bs, tiers, strict=True) if tier is None)
+            self._release_held()  # every layer of the chunk copied out of its slots
         for device in devices.values():  # the forward pass runs after every copy (on the device, no CPU wait)
             _wait_stream(_current_stream(device), self._stream("load", device))
         for b in failed:
@@ -1080,16 +1190,19 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 log.exception("SfstoreConnector: prefetching %d blocks failed", count)
                 tiers.extend([None] * count)
         self._load_future = None
-        ok_keys, ok_ids = [], []
-        for k, b, tier in zip(keys, block_ids, tiers, strict=True):
-            if tier is None:
+        found = [i for i, tier in enumerate(tiers) if tier is not None]
+        # pinned for the step's copies: a block the prefetch brought in cannot leave the tier between layers
+        self._release_held()
+        held = self._held = self.store.hold([keys[i] for i in found])
+        kept = [found[j] for j in held.rows]  # (a block evicted since the prefetch and gone below is a miss now)
+        ok = set(kept)
+        for i, b in enumerate(block_ids):
+            if i not in ok:
                 self._load_failed(b)
-            else:
-                ok_keys.append(k)
-                ok_ids.append(b)
+        ok_keys, ok_ids = [keys[i] for i in kept], [block_ids[i] for i in kept]
         self._load_ok = (ok_keys, ok_ids)
         failed = len(keys) - len(ok_keys)
-        self._record_failed_loads([k for k, tier in zip(keys, tiers, strict=True) if tier is None])
+        self._record_failed_loads([k for i, k in enumerate(keys) if i not in ok])
         if failed:
             bad = self._dropped() - self._dropped_before
             # A block that failed verification was removed from its tier: the lookups that follow miss it and
@@ -1100,6 +1213,11 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 failed, len(keys), min(bad, failed), max(0, failed - bad),
             )
         return self._load_ok
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.release()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before layer ``layer_name``'s attention: its loaded blocks are in the paged cache for the work the
@@ -1117,7 +1235,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         cache = self._kv_caches.get(layer_name)
         if cache is None:
             raise errors.InvalidRequestError(f"layer {layer_name} has no registered KV cache (register_kv_caches)")
-        if not self._staged(cache):
+        if not self._load_staged(cache):
             try:
                 tiers = self._load_layer(cache, layer, keys, block_ids)
             except Exception:  # recomputed instead (get_block_ids_with_load_errors)
@@ -1138,7 +1256,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if len(out) >= self.load_ahead:
                 break
             cache = self._kv_caches.get(self.layout.layer_names[j])
-            if cache is not None and self._staged(cache):
+            if cache is not None and self._load_staged(cache):
                 out.append(j)
         return out
 
@@ -1185,6 +1303,12 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         nbytes = count * self._page_bytes(dtype)
         return buf[:nbytes].view(dtype).view(shape)
 
+    def _layers(self, buf: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """``count`` blocks' layers of ``dtype`` (``[count, kv, tokens, heads, dim]``, contiguous) at the start of a
+        staging buffer."""
+        nbytes = count * self._page_bytes(dtype)
+        return buf[:nbytes].view(dtype).view((count, *self.layout.geometry.layer_shape))
+
     def _page_bytes(self, dtype: torch.dtype) -> int:
         h, n, c = self.layout.page_shape
         return h * n * c * dtype.itemsize
@@ -1202,49 +1326,59 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _issue_load(self, cache: torch.Tensor, layer: int, keys: list[bytes],
                     block_ids: list[int]) -> tuple[list[str | None], Any]:
-        """Issue one layer's load into a staged cache: the store copies each block's slice from its pinned slot
-        into one staging buffer (on this thread), then one host-to-device copy and one scatter into the pages are
-        enqueued on the load stream. Returns each block's tier and the event after the scatter (``None`` on the
-        CPU, where both copies are done on return)."""
+        """Issue one layer's load into a staged cache: one copy of that layer of every block the step holds
+        (``store.hold``, in ``_resolve_loads``) into one staging buffer (on this thread), then one host-to-device
+        copy and one scatter into the pages, enqueued on the load stream. Returns each block's tier and the event
+        after the scatter (``None`` on the CPU, where both copies are done on return)."""
+        held = self._held
         n = len(block_ids)
+        if held is None or len(held) != n:
+            raise errors.InvalidRequestError(f"_issue_load: {n} blocks to load, but the step holds "
+                                             f"{0 if held is None else len(held)}")
+        if not n:
+            return [], None
+        page_bytes = self._page_bytes(cache.dtype)
         pool = self._pool("load", cache.device)
-        buf = pool.acquire(n * self._page_bytes(cache.dtype))
+        buf = pool.acquire(n * page_bytes)
         stream = self._stream("load", cache.device)
         event = None
         try:
-            staging = self._pages(buf, n, cache.dtype)
-            tiers = self.store.get_layer_into(
-                keys, layer, [block_layer_view(staging, i, self.layout) for i in range(n)]
-            )
-            rows = [i for i, tier in enumerate(tiers) if tier is not None]
-            if rows:
-                if len(rows) < n:  # a block left the pinned tier since the prefetch: pack the others first
-                    staging[:len(rows)] = staging[rows]
-                src = staging[:len(rows)]
-                device = str(cache.device)
-                if device not in self._load_ordered:  # once per step: after the work before start_load_kv
-                    start = self._step_start.get(device)
-                    if start is not None:
-                        _wait_event(stream, start)
-                    else:
-                        _wait_stream(stream, _current_stream(cache.device))
-                    self._load_ordered.add(device)
-                with _on(stream):
-                    dst = self._index([block_ids[i] for i in rows], cache.device, stream)
-                    cache[dst] = src.to(cache.device, non_blocking=True)
-                event = _record(stream)
+            # the store's layout, rows in the step's order: one copy per layer, contiguous on both sides
+            held.copy_layer_into(layer, buf[:n * page_bytes])
+            src = self._layers(buf, n, cache.dtype)
+            device = str(cache.device)
+            if device not in self._load_ordered:  # once per step: after the work before start_load_kv
+                start = self._step_start.get(device)
+                if start is not None:
+                    _wait_event(stream, start)
+                else:
+                    _wait_stream(stream, _current_stream(cache.device))
+                self._load_ordered.add(device)
+            with _on(stream):
+                dst = self._index(block_ids, cache.device, stream)
+                # one copy into the pages through their view as the store's layers (the device permutes)
+                pages_as_layers(cache, self.layout).index_copy_(0, dst, src.to(cache.device, non_blocking=True))
+            event = _record(stream)
         except BaseException:
             if stream is not None:
                 stream.synchronize()  # a copy enqueued before the error may still read the buffer
             raise
         finally:
             pool.release(buf, event)  # reused once the host-to-device copy that reads it completed
-        return tiers, event
+        return list(held.tiers_of_rows), event
 
     def _staged(self, cache: torch.Tensor) -> bool:
-        """Whether copies go through one host staging tensor per layer (a GPU cache: one device-host copy per
-        layer and step instead of one per block) or block by block straight from and to the pages (a CPU cache)."""
+        """Whether a layer's saves go through one host staging tensor (a GPU cache: one device-host copy per layer
+        and step instead of one per block) or straight from the pages (a CPU cache)."""
         return cache.device.type != "cpu" if self.stage_copies is None else self.stage_copies
+
+    def _load_staged(self, cache: torch.Tensor) -> bool:
+        """Whether a layer's loads go through one host staging tensor (one copy into the pages per layer and step;
+        for a GPU cache its one host-device copy) or block by block straight into the pages (``stage_copies``
+        off, or a CPU cache whose pages :func:`pages_as_layers` cannot view as one)."""
+        if self.stage_copies is not None:
+            return self.stage_copies
+        return cache.device.type != "cpu" or self._layers_viewable.get(id(cache), False)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """After layer ``layer_name``'s attention: save its slice of the step's completed blocks. A staged (GPU)
@@ -1265,9 +1399,14 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _save_layer(self, kv_layer: torch.Tensor, layer: int, saves: list[BlockTransfer]) -> None:
         if not self._staged(kv_layer):
+            viewable = self._layers_viewable.get(id(kv_layer), False)
             for save in saves:
-                self.store.put_layer(save.keys, layer, [block_layer_view(kv_layer, b, self.layout)
-                                                         for b in save.block_ids])
+                if viewable:  # one gather of the layer's pages, in the store's layout (contiguous)
+                    idx = torch.tensor(save.block_ids, dtype=torch.long)
+                    blocks = list(pages_as_layers(kv_layer, self.layout).index_select(0, idx).unbind(0))
+                else:
+                    blocks = [block_layer_view(kv_layer, b, self.layout) for b in save.block_ids]
+                self.store.put_layer(save.keys, layer, blocks)
                 self._saved_keys.update(save.keys)
             return
         block_ids = [b for t in saves for b in t.block_ids]
@@ -1331,6 +1470,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._saved_keys:
             self._record_saves()
         self._saved_keys = set()
+        self._release_held()
         self._loads = []
         self._load_ok = ([], [])
         self._load_req = {}
@@ -1427,6 +1567,10 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return out
 
     def shutdown(self) -> None:
+        self._release_held()
+        if self._counted_worker:
+            self._counted_worker = False
+            self._ahead.add_worker(-1)
         saver, self._saver = self._saver, None
         if saver is not None:
             saver.close()

@@ -221,7 +221,8 @@ class Engine:
         stats = self.scheduler.connector_prefix_cache_stats
         self.step_log.append({"scheduled": dict(so.num_scheduled_tokens), "meta": so.kv_connector_metadata,
                               "computed": computed, "load_errors": set(kv_out.invalid_block_ids or ()),
-                              "hits_by_source": dict(stats.hits_by_source) if stats is not None else None})
+                              "hits_by_source": dict(stats.hits_by_source) if stats is not None else None,
+                              "kv_stats": kv_out.kv_connector_stats})
         self.scheduler.update_from_output(so, output)
         return so
 
@@ -347,6 +348,10 @@ def test_block_views_match_vllm_backends_reading_of_the_page(model_dir: Path) ->
         write_kv_like_the_kernel(cache, k, v, slots, "cpu" if mode == "cpu" else "split")
         view = sfvllm.block_layer_view(cache, 3, lay)
         assert tuple(view.shape) == lay.geometry.layer_shape
+        whole = sfvllm.pages_as_layers(cache, lay)  # every page at once, as the batched copies see them
+        assert tuple(whole.shape) == (cache.shape[0], *lay.geometry.layer_shape)
+        assert torch.equal(whole[3], view) and whole[3].data_ptr() == view.data_ptr()
+        assert whole[3].stride() == view.stride()
         if mode == "opaque":
             assert torch.equal(view[0].permute(1, 0, 2), cache[3])
         else:
@@ -417,6 +422,9 @@ def test_save_then_load_in_another_server_with_stand_in_attention_kernel(
         assert b_blocks != a_blocks
         assert b.step_log[-1]["load_errors"] == set()
         assert b.step_log[-1]["hits_by_source"] == {CacheHitSource.DISK: 96}  # from the shared tier
+        # scheduler and worker share this process: the scheduler started the reads, the worker took them
+        assert b.step_log[-1]["kv_stats"].data["blocks_prefetched_by_scheduler"] == 6
+        assert b.step_log[-1]["kv_stats"].data["hits_shared"] == 6  # each block read and counted once
         for name in layer_names():
             assert torch.equal(b.kv_caches[name][b_blocks].view(torch.int16), a_pages[name].view(torch.int16)), name
         assert_blocks_hold(b, b_blocks, prompt[:96])
@@ -568,3 +576,16 @@ def test_bad_store_settings_are_config_errors_and_unknown_keys_warn(
         assert "'kvcache_namespace'" in text and "'cache_namespace' here" in text and "'pinned_byte'" in text
     finally:
         sched.shutdown()
+
+
+def test_loads_ahead_are_taken_once_and_only_for_the_same_blocks() -> None:
+    ahead = sfvllm._LoadsAhead()
+    futures = [(2, object())]
+    ahead.put("r1", [b"a", b"b"], futures)
+    assert ahead.take("r1", [b"a"]) is None  # other blocks: the worker reads its own
+    assert ahead.take("r1", [b"a", b"b"]) is None  # taken (refused) once
+    ahead.put("r2", [b"c"], futures)
+    assert ahead.take("r2", [b"c"]) is futures
+    ahead.put("r3", [b"d"], futures)
+    ahead.drop("r3")
+    assert ahead.take("r3", [b"d"]) is None

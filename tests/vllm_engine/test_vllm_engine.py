@@ -163,6 +163,8 @@ def test_damaged_blocks_show_in_kv_events_and_vllm_metrics(first: dict[str, Any]
     assert int(metrics["corrupt_dropped"]) == 2
     assert int(metrics["blocks_saved"]) == 3
     assert int(metrics["hits_shared"]) == 11 + 8
+    # one engine process: the scheduler started every planned load's reads, the worker took them
+    assert int(metrics["blocks_prefetched_by_scheduler"]) == 11 + 8 + 2
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,125 @@
+"""HeldBlocks (``KVCacheStore.hold``), the pinned tier's up-front slots, and the native gather behind both: an
+engine's per-layer loads as one copy per layer instead of one per block."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sfstore import _native, errors
+from sfstore.kvcache import KVCacheStore, KVGeometry
+
+from .conftest import GEOM
+
+
+def blocks_for(geom: KVGeometry, n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(geom.block_shape, generator=g).to(torch.bfloat16) for _ in range(n)]
+
+
+def test_copy_layer_into_gathers_one_layer_of_every_held_block_in_key_order(kv: KVCacheStore) -> None:
+    keys = kv.keys_for(range(GEOM.block_tokens * 3))
+    blocks = blocks_for(GEOM, 3, seed=1)
+    kv.put(keys, blocks)
+    with kv.hold(keys) as held:
+        assert held.tiers == ["pinned"] * 3 and held.rows == [0, 1, 2] and len(held) == 3
+        for layer in range(GEOM.num_layers):
+            out = torch.zeros((3, *GEOM.layer_shape), dtype=torch.bfloat16)
+            held.copy_layer_into(layer, out)
+            for i in range(3):
+                assert torch.equal(out[i], blocks[i][layer])
+            raw = bytearray(3 * GEOM.layer_bytes)  # any writable buffer
+            held.copy_layer_into(layer, raw)
+            assert bytes(raw) == out.view(torch.uint8).numpy().tobytes()
+
+
+def test_a_miss_is_no_row_and_a_held_block_outlives_its_eviction(kv: KVCacheStore) -> None:
+    keys = kv.keys_for(range(GEOM.block_tokens * 3))
+    blocks = blocks_for(GEOM, 3, seed=2)
+    kv.put(keys[:1] + keys[2:], [blocks[0], blocks[2]])
+    kv.wait_for_puts()
+    held = kv.hold(keys)
+    assert held.tiers == ["pinned", None, "pinned"] and held.rows == [0, 2]
+    assert held.tiers_of_rows == ["pinned", "pinned"]
+    kv.evict(keys[:1], tiers=("pinned",))
+    # more blocks than the tier's budget: the held ones are not evicted for them
+    others = kv.keys_for(range(10_000, 10_000 + GEOM.block_tokens * 10))
+    kv.put(others, blocks_for(GEOM, 10, seed=3))
+    out = np.zeros(2 * GEOM.layer_bytes, dtype=np.uint8)
+    held.copy_layer_into(3, out)
+    assert out[:GEOM.layer_bytes].tobytes() == blocks[0][3].contiguous().view(torch.uint8).numpy().tobytes()
+    assert out[GEOM.layer_bytes:].tobytes() == blocks[2][3].contiguous().view(torch.uint8).numpy().tobytes()
+    idle = kv.pinned.idle
+    held.release()  # the evicted block's slot was still the holder's: it is free only now
+    held.release()  # idempotent
+    assert kv.pinned.idle >= idle + 1
+    with pytest.raises(errors.InvalidRequestError, match="released"):
+        held.copy_layer_into(0, out)
+
+
+def test_hold_counts_only_when_asked(kv: KVCacheStore) -> None:
+    keys = kv.keys_for(range(GEOM.block_tokens * 2))
+    kv.put(keys, blocks_for(GEOM, 2))
+    before = kv.counters.snapshot()["gets"]
+    kv.hold(keys).release()
+    assert kv.counters.snapshot()["gets"] == before
+    kv.hold(keys, count=True).release()
+    assert kv.counters.snapshot()["gets"] == before + 2
+
+
+@pytest.mark.parametrize("bad", ["layer", "small", "readonly", "gpu-like"])
+def test_copy_layer_into_refuses_bad_arguments(kv: KVCacheStore, bad: str) -> None:
+    keys = kv.keys_for(range(GEOM.block_tokens * 2))
+    kv.put(keys, blocks_for(GEOM, 2))
+    with kv.hold(keys) as held:
+        layer, out = 0, np.zeros(2 * GEOM.layer_bytes, dtype=np.uint8)
+        if bad == "layer":
+            layer = GEOM.num_layers
+        elif bad == "small":
+            out = np.zeros(2 * GEOM.layer_bytes - 1, dtype=np.uint8)
+        elif bad == "readonly":
+            out = bytes(2 * GEOM.layer_bytes)
+        else:  # not contiguous: a tensor of strided rows
+            out = torch.zeros((4, GEOM.layer_bytes), dtype=torch.uint8)[::2]
+        with pytest.raises(errors.InvalidRequestError):
+            held.copy_layer_into(layer, out)
+
+
+def test_native_gather_copies_rows_and_refuses_what_does_not_fit() -> None:
+    srcs = [bytes([i]) * 64 for i in range(4)]
+    out = bytearray(4 * 8)
+    _native.gather(out, srcs, 10, 8)
+    assert bytes(out) == b"".join(bytes([i]) * 8 for i in range(4))
+    _native.gather(out, [], 0, 8)  # nothing to copy
+    for args in [(bytearray(31), srcs, 0, 8), (out, srcs, 60, 8), (out, srcs, -1, 8), (out, srcs, 0, -8),
+                 (out, [b"x" * 64, 5], 0, 8), (out, 7, 0, 8), (bytes(32), srcs, 0, 8)]:
+        with pytest.raises(errors.InvalidRequestError):
+            _native.gather(*args)
+
+
+def test_get_layer_into_contiguous_tensors_in_one_batch_is_bit_exact(kv: KVCacheStore) -> None:
+    keys = kv.keys_for(range(GEOM.block_tokens * 3))
+    blocks = blocks_for(GEOM, 3, seed=4)
+    kv.put(keys, blocks)
+    staging = torch.zeros((3, *GEOM.layer_shape), dtype=torch.bfloat16)
+    for layer in range(GEOM.num_layers):
+        assert kv.get_layer_into(keys, layer, list(staging.unbind(0))) == ["pinned"] * 3
+        for i in range(3):
+            assert torch.equal(staging[i], blocks[i][layer])
+
+
+def test_reserve_allocates_slots_up_front_within_the_capacity(tmp_path: Path) -> None:
+    kv = KVCacheStore(GEOM, model_id="tiny", pinned_bytes=6 * (GEOM.block_bytes + 4096))
+    try:
+        cap = kv.pinned.capacity
+        assert kv.pinned.reserve(4) == 4 and kv.pinned.idle == 4
+        assert kv.pinned.reserve(4) == 0  # already there
+        assert kv.pinned.reserve(100) == cap - 4 and kv.pinned.idle == cap  # never past the capacity
+        keys = kv.keys_for(range(GEOM.block_tokens * 2))
+        kv.put(keys, blocks_for(GEOM, 2))
+        assert kv.pinned.idle == cap - 2  # the puts took reserved slots: nothing allocated on the way
+    finally:
+        kv.close()
