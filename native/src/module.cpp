@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -754,6 +755,78 @@ NB_MODULE(_native, m) {
             return fd;
         },
         "dirfd"_a, "path"_a, "flags"_a, "mode"_a = 0644);
+    m.def(
+        "open_files_beneath",
+        [](int dirfd, nb::handle paths, int flags, int64_t size, bool direct) {
+            // Many open_beneath calls in one, for a batch of reads (one GIL release for all): each path is
+            // opened with `flags` (O_NONBLOCK: a FIFO does not wait), fstat'ed, and kept only as a regular file
+            // of exactly `size` bytes, then made blocking (O_DIRECT where `direct` and the file takes it).
+            // Per path: (fd, errno, st_mode, st_dev, st_ino, st_size, st_atime_ns, st_mtime_ns); fd -1 when not
+            // kept: errno from the open or fstat, or 0 with the status of what is there (not a regular file of
+            // that size: the caller decides what it is).
+            if (!PySequence_Check(paths.ptr())) raise_sf("invalid", EINVAL, "open_files_beneath: paths must be a list");
+            Py_ssize_t n = PySequence_Size(paths.ptr());
+            std::vector<std::string> names;
+            names.reserve(static_cast<size_t>(n < 0 ? 0 : n));
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                nb::object item = nb::steal(PySequence_GetItem(paths.ptr(), i));
+                PyObject* encoded = nullptr;
+                if (!item.is_valid() || !PyUnicode_FSConverter(item.ptr(), &encoded)) {
+                    PyErr_Clear();
+                    raise_sf("invalid", EINVAL, "open_files_beneath: path " + std::to_string(i) +
+                                                    " must be a str, bytes or os.PathLike without NUL bytes");
+                }
+                nb::object holder = nb::steal(encoded);
+                names.emplace_back(PyBytes_AS_STRING(encoded), static_cast<size_t>(PyBytes_GET_SIZE(encoded)));
+            }
+            struct Got {
+                int fd = -1, err = 0;
+                struct stat st {};
+            };
+            std::vector<Got> got(names.size());
+            {
+                NoGil nogil;
+                struct {
+                    uint64_t flags, mode, resolve;
+                } how{static_cast<uint64_t>(flags | O_CLOEXEC), 0, 0x08 | 0x02};
+                for (size_t i = 0; i < names.size(); ++i) {
+                    Got& g = got[i];
+                    int fd;
+                    do {
+                        fd = static_cast<int>(syscall(437 /* SYS_openat2 */, dirfd, names[i].c_str(), &how, sizeof how));
+                    } while (fd < 0 && errno == EINTR);
+                    if (fd < 0) {
+                        g.err = errno;
+                        continue;
+                    }
+                    if (fstat(fd, &g.st) != 0) {
+                        g.err = errno;
+                        close(fd);
+                        continue;
+                    }
+                    if (!S_ISREG(g.st.st_mode) || g.st.st_size != size) {
+                        close(fd);
+                        continue;
+                    }
+                    int fl = direct ? O_DIRECT : 0;
+                    if (fcntl(fd, F_SETFL, fl) != 0 && (!direct || fcntl(fd, F_SETFL, 0) != 0)) {
+                        g.err = errno;
+                        close(fd);
+                        continue;
+                    }
+                    g.fd = fd;
+                }
+            }
+            nb::list out;
+            for (const Got& g : got) {
+                auto ns = [](const struct timespec& t) { return static_cast<int64_t>(t.tv_sec) * 1000000000LL + t.tv_nsec; };
+                out.append(nb::make_tuple(g.fd, g.err, static_cast<int64_t>(g.st.st_mode),
+                                          static_cast<uint64_t>(g.st.st_dev), static_cast<uint64_t>(g.st.st_ino),
+                                          static_cast<int64_t>(g.st.st_size), ns(g.st.st_atim), ns(g.st.st_mtim)));
+            }
+            return out;
+        },
+        "dirfd"_a, "paths"_a, "flags"_a, "size"_a, "direct"_a);
     m.def("xxh3_available", [] { return xxh3_available(); },
           "Whether reads can be checked against xxh3-64 checksums in the engine (built with xxhash.h).");
     m.def(

@@ -201,6 +201,7 @@ class KVCacheStore:
         self._partial: dict[bytes, tuple[Slot, set[int]]] = {}
         self._writes: list[Future[None]] = []
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sfstore-kvcache")
+        self._preparing = False  # a prepare_pinned job is running
         self._closed = False
         if device is not None and getattr(device, "kind", None) != "device":
             raise errors.ConfigError(f"KVCacheStore: device must be a DevicePath or None, not {device!r}")
@@ -750,6 +751,31 @@ class KVCacheStore:
                           hits_shared=tiers.count("shared"), bytes_got=n * (len(keys) - tiers.count(None)),
                           corrupt_dropped=corrupt, unreadable=unreadable)
         return tiers
+
+    def prepare_pinned(self, idle: int) -> bool:
+        """Allocate pinned slots in the background until ``idle`` hold no block (within the pinned tier's
+        capacity), so that the blocks that come next (an engine's next loads) fill them without paying for
+        allocating registered memory on the way. Returns at once: whether a job was started (not when one is
+        still running, nothing is missing, or the store is closed)."""
+        with self._lock:
+            if self._closed or self._preparing or (self.pinned.idle >= idle or self.pinned.full):
+                return False
+            self._preparing = True
+
+        def run() -> None:
+            try:
+                self.pinned.top_up(idle)
+            finally:
+                with self._lock:
+                    self._preparing = False
+
+        try:
+            self._executor.submit(run)
+        except RuntimeError:  # the executor shut down meanwhile (close)
+            with self._lock:
+                self._preparing = False
+            return False
+        return True
 
     def hold(self, keys: Sequence[bytes], *, count: bool = False) -> HeldBlocks:
         """The blocks of ``keys``, pinned in the pinned tier for the caller until it releases them (fetched from

@@ -127,10 +127,30 @@ class PinnedTier:
             raise
 
     @property
+    def full(self) -> bool:
+        """Whether every slot the capacity allows is allocated."""
+        with self.lock:
+            return self._made >= self.capacity
+
+    @property
     def idle(self) -> int:
         """Slots allocated that hold no block, ready for :meth:`take`."""
         with self.lock:
             return len(self._free)
+
+    def top_up(self, idle: int) -> int:
+        """Allocate slots until ``idle`` hold no block (or the tier's capacity is allocated): the blocks that come
+        next fill them without allocating. Returns the slots allocated by this call."""
+        made = 0
+        while True:
+            with self.lock:
+                if len(self._free) >= idle or self._made >= self.capacity:
+                    return made
+                self._made += 1
+            slot = self._new_slot()
+            with self.lock:
+                self._free.append(slot)
+            made += 1
 
     def reserve(self, n: int) -> int:
         """Allocate slots now until ``n`` exist (at most the tier's capacity), so that the first reads into them
@@ -358,8 +378,7 @@ class SharedTier:
         opened: list[tuple[int, int, os.stat_result]] = []  # (key's index, descriptor, status) to read
         drops: list[tuple[int, os.stat_result]] = []  # corrupt files, removed once their descriptors are closed
         try:
-            for i, key in enumerate(keys):
-                fd, status, st = self._open_block(key)
+            for i, (fd, status, st) in enumerate(self._open_blocks(keys)):
                 if fd is not None and st is not None:
                     opened.append((i, fd, st))
                     continue
@@ -388,6 +407,37 @@ class SharedTier:
                 os.close(fd)
         for i, st in drops:  # (after the close: NFS renames a file still open where it is unlinked)
             self._drop(*self._entry(keys[i]), st)
+        return out
+
+    def _open_blocks(self, keys: Sequence[bytes]) -> list[tuple[int | None, str, os.stat_result | None]]:
+        """:meth:`_open_block` of each key; in one call into the native helper where the kernel resolves beneath
+        a directory (``openat2``): one release of the GIL for the whole batch, not a few calls per file."""
+        many = _open_many
+        if many is None or len(keys) < 2:
+            return [self._open_block(k) for k in keys]
+        names = [f"{h[:2]}/{h}.kvb" for h in (k.hex() for k in keys)]
+        try:
+            got = many(self._dir(), names, _READ_FLAGS, HEADER + self.geom.block_bytes, bool(self.fp.direct))
+        except OSError:  # the directory itself is not there (nothing written yet): each key answers alone
+            return [self._open_block(k) for k in keys]
+        if any(g[1] == errno.ENOSYS for g in got):  # a kernel without openat2 (before 5.6): file by file
+            _no_open_many()
+            for g in got:
+                if g[0] >= 0:
+                    os.close(g[0])
+            return [self._open_block(k) for k in keys]
+        out: list[tuple[int | None, str, os.stat_result | None]] = []
+        for fd, err, mode, dev, ino, size, atime_ns, mtime_ns in got:
+            if err:  # as a failed open of _open_block (a link out of the directory: EXDEV, ELOOP)
+                out.append((None, "missing" if err == errno.ENOENT else "unreadable", None))
+                continue
+            st = os.stat_result((mode, ino, dev, 1, 0, 0, size, atime_ns // 10**9, mtime_ns // 10**9,
+                                 mtime_ns // 10**9, atime_ns / 1e9, mtime_ns / 1e9, mtime_ns / 1e9,
+                                 atime_ns, mtime_ns, mtime_ns))
+            if fd >= 0:
+                out.append((fd, "open", st))
+            else:  # not kept: a regular file of another size is corrupt, anything else unreadable
+                out.append((None, "corrupt" if stat.S_ISREG(mode) else "unreadable", st))
         return out
 
     def _open_block(self, key: bytes) -> tuple[int | None, str, os.stat_result | None]:
@@ -862,6 +912,22 @@ def _native_beneath() -> Any:
 
 
 _beneath = _native_beneath()
+
+
+def _native_open_many() -> Any:
+    try:
+        from sfstore import _native
+    except ImportError:
+        return None
+    return getattr(_native, "open_files_beneath", None)
+
+
+_open_many = _native_open_many()
+
+
+def _no_open_many() -> None:
+    global _open_many
+    _open_many = None
 
 
 class _Late(Exception):

@@ -1058,8 +1058,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self._counted_worker:
             self._counted_worker = True
             self._ahead.add_worker(1)
-        # the first loads' slots, allocated now rather than on the way to the first request that hits
-        self.store.pinned.reserve(min(self._step_blocks, self.store.pinned.capacity // 2))
+        # the first loads' slots, allocated now rather than on the way to the first request that hits (and kept
+        # ready after each step: wait_for_save)
+        self.store.pinned.reserve(self._ready_slots)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -1078,6 +1079,11 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """After wake-up: the caches registered before sleep again. Idempotent."""
         if self._asleep:
             self._kv_caches, self._asleep = self._asleep, {}
+
+    @property
+    def _ready_slots(self) -> int:
+        """Idle pinned slots kept ready for the next step's loads (one step's worth, at most half the tier)."""
+        return min(self._step_blocks, self.store.pinned.capacity // 2)
 
     def _layer_of(self, layer_name: str) -> int | None:
         return self._layer_index.get(layer_name)
@@ -1469,8 +1475,11 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.store.wait_for_puts()
         if self._saved_keys:
             self._record_saves()
+        stepped = bool(self._saved_keys or self._load_req)
         self._saved_keys = set()
         self._release_held()
+        if stepped:  # the blocks this step loaded or saved took slots: the next step's are allocated meanwhile
+            self.store.prepare_pinned(self._ready_slots)
         self._loads = []
         self._load_ok = ([], [])
         self._load_req = {}

@@ -3,6 +3,7 @@ engine's per-layer loads as one copy per layer instead of one per block."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -123,3 +124,28 @@ def test_reserve_allocates_slots_up_front_within_the_capacity(tmp_path: Path) ->
         assert kv.pinned.idle == cap - 2  # the puts took reserved slots: nothing allocated on the way
     finally:
         kv.close()
+
+
+def test_prepare_pinned_allocates_idle_slots_in_the_background(tmp_path: Path) -> None:
+    kv = KVCacheStore(GEOM, model_id="tiny", pinned_bytes=8 * (GEOM.block_bytes + 4096))
+    try:
+        keys = kv.keys_for(range(GEOM.block_tokens * 3))
+        kv.put(keys, blocks_for(GEOM, 3))  # three slots hold blocks, none idle
+        assert kv.pinned.idle == 0
+        assert kv.prepare_pinned(4)
+        kv.wait_for_puts()
+        deadline = time.monotonic() + 10
+        while kv.pinned.idle < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert kv.pinned.idle == 4
+        assert not kv.prepare_pinned(4)  # nothing missing
+        assert kv.prepare_pinned(100) or kv.pinned.full  # never past the capacity
+        for _ in range(1000):
+            if kv.pinned.full:
+                break
+            time.sleep(0.01)
+        assert kv.pinned.full and kv.pinned.idle == kv.pinned.capacity - 3
+        assert not kv.prepare_pinned(100)
+    finally:
+        kv.close()
+    assert not kv.prepare_pinned(1)  # closed: nothing started

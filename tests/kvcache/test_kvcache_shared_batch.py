@@ -117,6 +117,36 @@ def test_a_batch_answers_each_file_as_it_is(tmp_path: Path, pinned: int, submits
         kv.close()
 
 
+@pytest.mark.parametrize("link", ["absolute", "dotdot", "directory"])
+def test_a_link_out_of_the_directory_in_a_batch_is_refused_and_left_alone(tmp_path: Path, link: str) -> None:
+    """The batch's files are opened in one native call (openat2 beneath the tier's directory): a block file, or
+    the directory above it, that is a symlink to a good block elsewhere is never read through."""
+    shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
+    keys = _publish(shared, {0: 0, 1: 1, 2: 2})
+    _publish(elsewhere, {0: 0, 1: 1, 2: 2})
+    kv = _open(shared, pinned=PINNED)
+    try:
+        target, victim = _file(kv, elsewhere, keys[1]), _file(kv, shared, keys[1])
+        if link == "directory":  # the key's fan-out directory swapped for a link to the other tree's
+            other = [k for k in (keys[0], keys[2]) if _file(kv, shared, k).parent == victim.parent]
+            for k in other:
+                _file(kv, shared, k).unlink()
+            os.rename(victim.parent, tmp_path / "moved")
+            os.symlink(target.parent, victim.parent)
+        else:
+            victim.unlink()
+            os.symlink(target if link == "absolute" else os.path.relpath(target, victim.parent), victim)
+        dests = [np.zeros(w.GEOM.block_bytes, dtype=np.uint8) for _ in keys]
+        got = kv.get_into(keys, dests)
+        assert got[1] is None and not dests[1].any()
+        if link != "directory":  # the batch's other files are read as usual
+            assert got[0] == got[2] == "shared"
+            assert np.array_equal(dests[0], w.block(0)) and np.array_equal(dests[2], w.block(2))
+        assert target.exists() and os.path.islink(victim if link != "directory" else victim.parent)
+    finally:
+        kv.close()
+
+
 def test_the_tier_answers_a_status_per_key(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     _publish(shared, {0: 0, 2: 2, 3: 3})
@@ -166,11 +196,12 @@ def test_a_renamed_file_of_another_key_is_corrupt_and_dropped(tmp_path: Path) ->
 
 
 def _stall_one(kv: KVCacheStore, key: bytes, stall: Stall) -> Callable[[], None]:
-    """Make the open of ``key``'s file wait on ``stall`` (the other files of a batch open at once); returns the
-    undo."""
+    """Make the open of ``key``'s file wait on ``stall``: alone (the other files of a batch open at once), or
+    within the batch's one native call that opens every file (where a stalled mount would hold the call);
+    returns the undo."""
     assert kv.shared is not None
     tier = kv.shared
-    real = tier._open
+    real, real_many = tier._open, tier._open_blocks
     name = "/".join(tier._entry(key))
 
     def stalled(rel: str, flags: int) -> int:
@@ -178,8 +209,18 @@ def _stall_one(kv: KVCacheStore, key: bytes, stall: Stall) -> Callable[[], None]
             stall.wait()
         return real(rel, flags)
 
+    def stalled_many(keys: Any) -> Any:
+        if key in keys and len(keys) > 1:
+            stall.wait()
+        return real_many(keys)
+
     tier._open = stalled  # type: ignore[method-assign]
-    return lambda: setattr(tier, "_open", real)
+    tier._open_blocks = stalled_many  # type: ignore[method-assign]
+
+    def undo() -> None:
+        tier._open, tier._open_blocks = real, real_many  # type: ignore[method-assign]
+
+    return undo
 
 
 @pytest.mark.parametrize("pinned", [PINNED, 0], ids=["pinned-tier", "no-pinned-tier"])
