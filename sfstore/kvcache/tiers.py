@@ -141,25 +141,21 @@ class PinnedTier:
     def top_up(self, idle: int) -> int:
         """Allocate slots until ``idle`` hold no block (or the tier's capacity is allocated): the blocks that come
         next fill them without allocating. Returns the slots allocated by this call."""
-        made = 0
-        while True:
-            with self.lock:
-                if len(self._free) >= idle or self._made >= self.capacity:
-                    return made
-                self._made += 1
-            slot = self._new_slot()
-            with self.lock:
-                self._free.append(slot)
-            made += 1
+        return self._allocate_until(lambda: len(self._free) >= idle or self._made >= self.capacity)
 
     def reserve(self, n: int) -> int:
         """Allocate slots now until ``n`` exist (at most the tier's capacity), so that the first reads into them
         do not pay for allocating registered memory (``mmap`` and ``mlock``: far more than the copy into them)
         on the way to the caller. Returns the slots allocated by this call."""
+        return self._allocate_until(lambda: self._made >= min(n, self.capacity))
+
+    def _allocate_until(self, enough: Callable[[], bool]) -> int:
+        """Allocate idle slots one at a time (the lock is not held while allocating) until ``enough()`` (asked under
+        the lock); returns how many."""
         made = 0
         while True:
             with self.lock:
-                if self._made >= min(n, self.capacity):
+                if enough():
                     return made
                 self._made += 1
             slot = self._new_slot()
@@ -903,26 +899,17 @@ _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
 
 
-def _native_beneath() -> Any:
+def _native_function(name: str) -> Any:
+    """The native helper's function ``name``, or ``None`` without the helper (or in a build without it)."""
     try:
         from sfstore import _native
     except ImportError:
         return None
-    return getattr(_native, "open_beneath", None)
+    return getattr(_native, name, None)
 
 
-_beneath = _native_beneath()
-
-
-def _native_open_many() -> Any:
-    try:
-        from sfstore import _native
-    except ImportError:
-        return None
-    return getattr(_native, "open_files_beneath", None)
-
-
-_open_many = _native_open_many()
+_beneath = _native_function("open_beneath")
+_open_many = _native_function("open_files_beneath")
 
 
 def _no_open_many() -> None:
