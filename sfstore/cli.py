@@ -49,15 +49,17 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 def _cmd_probe(args: argparse.Namespace) -> int:
     from sfstore.probe import format_table, probe
 
-    report = probe(data_dir=args.data_dir)
-    # Where each data class goes (the router sits above the probe, so the command joins the two).
+    # Where each data class goes (the router sits above the probe, so the command joins the two). The router is
+    # opened first: a config file's data_dir is a setting it sets, which the probe's data_dir check then reads.
     try:
         router = sfstore.open(args.config)
-        report["routing"] = router.describe()
+        routing: dict[str, Any] = router.describe()
         routing_text = router.format()
     except SfstoreError as exc:
-        report["routing"] = {"status": "error", "reason": str(exc)}
+        routing = {"status": "error", "reason": str(exc)}
         routing_text = f"error: {exc}"
+    report = probe(data_dir=args.data_dir)
+    report["routing"] = routing
     if args.json:
         json.dump(report, sys.stdout, indent=2, sort_keys=False, default=str)
         sys.stdout.write("\n")

@@ -261,6 +261,19 @@ def test_cli_probe_data_dir_option(tmp_path: Path) -> None:
     assert json.loads(result.stdout)["data_dir"]["path"] == str(tmp_path / "opt")
 
 
+def test_cli_probe_checks_the_data_dir_a_config_file_sets(tmp_path: Path) -> None:
+    config = tmp_path / "sfstore.toml"
+    config.write_text(f'data_dir = "{tmp_path / "from-config"}"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("SFSTORE_DATA_DIR", "SFSTORE_ROOT", "SFSTORE_CONFIG")}
+    result = subprocess.run([sys.executable, "-m", "sfstore.cli", "probe", "--json", "--config", str(config)],
+                            capture_output=True, text=True, env=dict(env, PYTHONPATH=str(REPO)), cwd=REPO,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["data_dir"]["path"] == str(tmp_path / "from-config")
+    assert report["routing"].get("status") != "error", report["routing"]
+
+
 def test_cli_version_and_usage(tmp_path: Path) -> None:
     result = _cli("--version", data_dir=tmp_path)
     assert result.returncode == 0 and result.stdout.strip() == f"sfstore {sfstore.__version__}"
