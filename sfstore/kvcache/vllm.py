@@ -782,7 +782,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     Attributes
     ----------
     stage_copies : bool or None
-        Copy through host staging buffers (the path of a GPU cache); ``None``: when the cache is not on the CPU.
+        Copy through host staging buffers (the path of a GPU cache). ``None``: loads always do (a CPU cache too,
+        one copy per layer, where its pages can be viewed as one tensor); saves when the cache is not on the CPU.
     load_ahead : int
         How many layers past the one it waits for :meth:`wait_for_layer_load` issues the copies of.
     prefetch_chunks, blocks_per_prefetch : int
