@@ -508,6 +508,33 @@ nb::dict engine_stats(PyEngine& self) {
     return d;
 }
 
+// A path argument as the bytes the kernel takes: str (undecodable bytes as surrogate escapes, as os.fsdecode
+// makes them), bytes or os.PathLike; `what` names it in the error.
+std::string fs_path(nb::handle obj, const std::string& what) {
+    PyObject* encoded = nullptr;
+    if (!PyUnicode_FSConverter(obj.ptr(), &encoded)) {
+        PyErr_Clear();
+        raise_sf("invalid", EINVAL,
+                 what + " must be a str, bytes or os.PathLike without NUL bytes, not " + std::string(nb::repr(obj).c_str()));
+    }
+    nb::object holder = nb::steal(encoded);
+    return std::string(PyBytes_AS_STRING(encoded), static_cast<size_t>(PyBytes_GET_SIZE(encoded)));
+}
+
+// openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS): the kernel refuses (EXDEV) any resolution that would leave
+// dirfd, symlinks and ".." included, in one system call (Linux 5.6+; ENOSYS before). The descriptor, or -errno.
+// Called without the GIL.
+int openat2_beneath(int dirfd, const char* path, int flags, unsigned mode) noexcept {
+    struct {
+        uint64_t flags, mode, resolve;
+    } how{static_cast<uint64_t>(flags | O_CLOEXEC), flags & O_CREAT ? mode : 0, 0x08 | 0x02};
+    int fd;
+    do {
+        fd = static_cast<int>(syscall(437 /* SYS_openat2 */, dirfd, path, &how, sizeof how));
+    } while (fd < 0 && errno == EINTR);
+    return fd < 0 ? -errno : fd;
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -724,31 +751,14 @@ NB_MODULE(_native, m) {
     m.def(
         "open_beneath",
         [](int dirfd, nb::handle path_obj, int flags, unsigned mode) {
-            // str (undecodable bytes as surrogate escapes, as os.fsdecode makes them), bytes or os.PathLike.
-            PyObject* encoded = nullptr;
-            if (!PyUnicode_FSConverter(path_obj.ptr(), &encoded)) {
-                PyErr_Clear();
-                raise_sf("invalid", EINVAL,
-                         "open_beneath: path must be a str, bytes or os.PathLike without NUL bytes, not " +
-                             std::string(nb::repr(path_obj).c_str()));
-            }
-            nb::object holder = nb::steal(encoded);
-            const std::string path(PyBytes_AS_STRING(encoded), static_cast<size_t>(PyBytes_GET_SIZE(encoded)));
-            // openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS): the kernel refuses (EXDEV) any resolution that
-            // would leave dirfd, symlinks and ".." included, in one system call (Linux 5.6+; ENOSYS before).
-            struct {
-                uint64_t flags, mode, resolve;
-            } how{static_cast<uint64_t>(flags | O_CLOEXEC), flags & O_CREAT ? mode : 0, 0x08 | 0x02};
-            int fd, e = 0;
+            const std::string path = fs_path(path_obj, "open_beneath: path");
+            int fd;
             {
                 NoGil nogil;
-                do {
-                    fd = static_cast<int>(syscall(437 /* SYS_openat2 */, dirfd, path.c_str(), &how, sizeof how));
-                } while (fd < 0 && errno == EINTR);
-                if (fd < 0) e = errno;
+                fd = openat2_beneath(dirfd, path.c_str(), flags, mode);
             }
             if (fd < 0) {
-                errno = e;
+                errno = -fd;
                 PyErr_SetFromErrnoWithFilename(PyExc_OSError, path.c_str());
                 throw nb::python_error();
             }
@@ -770,14 +780,11 @@ NB_MODULE(_native, m) {
             names.reserve(static_cast<size_t>(n < 0 ? 0 : n));
             for (Py_ssize_t i = 0; i < n; ++i) {
                 nb::object item = nb::steal(PySequence_GetItem(paths.ptr(), i));
-                PyObject* encoded = nullptr;
-                if (!item.is_valid() || !PyUnicode_FSConverter(item.ptr(), &encoded)) {
+                if (!item.is_valid()) {
                     PyErr_Clear();
-                    raise_sf("invalid", EINVAL, "open_files_beneath: path " + std::to_string(i) +
-                                                    " must be a str, bytes or os.PathLike without NUL bytes");
+                    raise_sf("invalid", EINVAL, "open_files_beneath: paths must be a list");
                 }
-                nb::object holder = nb::steal(encoded);
-                names.emplace_back(PyBytes_AS_STRING(encoded), static_cast<size_t>(PyBytes_GET_SIZE(encoded)));
+                names.push_back(fs_path(item, "open_files_beneath: path " + std::to_string(i)));
             }
             struct Got {
                 int fd = -1, err = 0;
@@ -786,17 +793,11 @@ NB_MODULE(_native, m) {
             std::vector<Got> got(names.size());
             {
                 NoGil nogil;
-                struct {
-                    uint64_t flags, mode, resolve;
-                } how{static_cast<uint64_t>(flags | O_CLOEXEC), 0, 0x08 | 0x02};
                 for (size_t i = 0; i < names.size(); ++i) {
                     Got& g = got[i];
-                    int fd;
-                    do {
-                        fd = static_cast<int>(syscall(437 /* SYS_openat2 */, dirfd, names[i].c_str(), &how, sizeof how));
-                    } while (fd < 0 && errno == EINTR);
+                    int fd = openat2_beneath(dirfd, names[i].c_str(), flags, 0);
                     if (fd < 0) {
-                        g.err = errno;
+                        g.err = -fd;
                         continue;
                     }
                     if (fstat(fd, &g.st) != 0) {

@@ -758,7 +758,7 @@ class KVCacheStore:
         allocating registered memory on the way. Returns at once: whether a job was started (not when one is
         still running, nothing is missing, or the store is closed)."""
         with self._lock:
-            if self._closed or self._preparing or (self.pinned.idle >= idle or self.pinned.full):
+            if self._closed or self._preparing or self.pinned.ready(idle):
                 return False
             self._preparing = True
 

@@ -138,10 +138,16 @@ class PinnedTier:
         with self.lock:
             return len(self._free)
 
+    def ready(self, idle: int) -> bool:
+        """Whether ``idle`` slots hold no block, or the tier's capacity is allocated (:meth:`top_up` has nothing to
+        do)."""
+        with self.lock:
+            return len(self._free) >= idle or self.full
+
     def top_up(self, idle: int) -> int:
-        """Allocate slots until ``idle`` hold no block (or the tier's capacity is allocated): the blocks that come
-        next fill them without allocating. Returns the slots allocated by this call."""
-        return self._allocate_until(lambda: len(self._free) >= idle or self._made >= self.capacity)
+        """Allocate slots until :meth:`ready` (``idle`` hold no block): the blocks that come next fill them without
+        allocating. Returns the slots allocated by this call."""
+        return self._allocate_until(lambda: self.ready(idle))
 
     def reserve(self, n: int) -> int:
         """Allocate slots now until ``n`` exist (at most the tier's capacity), so that the first reads into them

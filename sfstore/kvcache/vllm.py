@@ -961,10 +961,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         load = self._pending_loads.get(request.request_id)
         if num_external_tokens <= 0 or load is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)  # type: ignore[no-any-return]
-        found = self._host_hits.get(request.request_id)
-        if found is None:
-            found = sum(1 for k in load.keys if k in self.store.pinned)
-        host = min(num_external_tokens, found * self.block_tokens)
+        host = min(num_external_tokens, self._host_hits.get(request.request_id, 0) * self.block_tokens)
         out = {CacheHitSource.HOST: host, CacheHitSource.DISK: num_external_tokens - host}
         return {src: n for src, n in out.items() if n > 0}
 
@@ -1148,7 +1145,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     continue
                 try:
                     if self._load_staged(cache):
-                        tiers, _event = self._issue_load(cache, layer, ks, bs)
+                        tiers, _event = self._issue_load(cache, layer, bs)
                         devices[str(cache.device)] = cache.device
                     else:
                         tiers = self._load_layer(cache, layer, ks, bs)
@@ -1250,9 +1247,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 tiers = [None] * len(keys)
             self._note_failed(block_ids, tiers)
             return
-        event = self._ensure_issued(layer, cache, keys, block_ids)
+        event = self._ensure_issued(layer, cache, block_ids)
         for ahead in self._layers_after(layer):
-            self._ensure_issued(ahead, self._kv_caches[self.layout.layer_names[ahead]], keys, block_ids)
+            self._ensure_issued(ahead, self._kv_caches[self.layout.layer_names[ahead]], block_ids)
         self.load_log.append(("wait", layer))
         _wait_event(_current_stream(cache.device), event)
 
@@ -1267,16 +1264,16 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 out.append(j)
         return out
 
-    def _ensure_issued(self, layer: int, cache: torch.Tensor, keys: list[bytes], block_ids: list[int]) -> Any:
+    def _ensure_issued(self, layer: int, cache: torch.Tensor, block_ids: list[int]) -> Any:
         """The event of layer ``layer``'s load copy, issuing it first if this step has not (once per layer)."""
         if layer in self._issued:
             return self._issued[layer]
         try:
-            tiers, event = self._issue_load(cache, layer, keys, block_ids)
+            tiers, event = self._issue_load(cache, layer, block_ids)
         except Exception:  # recomputed instead (get_block_ids_with_load_errors)
             log.exception("SfstoreConnector: loading layer %s of %d blocks failed",
-                          self.layout.layer_names[layer], len(keys))
-            tiers, event = [None] * len(keys), None
+                          self.layout.layer_names[layer], len(block_ids))
+            tiers, event = [None] * len(block_ids), None
         self._issued[layer] = event
         self.load_log.append(("issue", layer))
         self._note_failed(block_ids, tiers)
@@ -1331,8 +1328,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._dst_index[key] = idx
         return idx
 
-    def _issue_load(self, cache: torch.Tensor, layer: int, keys: list[bytes],
-                    block_ids: list[int]) -> tuple[list[str | None], Any]:
+    def _issue_load(self, cache: torch.Tensor, layer: int, block_ids: list[int]) -> tuple[list[str | None], Any]:
         """Issue one layer's load into a staged cache: one copy of that layer of every block the step holds
         (``store.hold``, in ``_resolve_loads``) into one staging buffer (on this thread), then one host-to-device
         copy and one scatter into the pages, enqueued on the load stream. Returns each block's tier and the event
