@@ -909,5 +909,97 @@ NB_MODULE(_native, m) {
         },
         "out"_a, "sources"_a, "offset"_a, "nbytes"_a,
         "Copy bytes [offset, offset + nbytes) of each source buffer into consecutive rows of out (GIL released).");
+    m.def(
+        "scatter",
+        [](nb::handle out, nb::handle sources, Py_ssize_t offset, std::vector<Py_ssize_t> out_offsets,
+           std::vector<Py_ssize_t> counts, std::vector<Py_ssize_t> out_strides, std::vector<Py_ssize_t> src_strides,
+           Py_ssize_t run) {
+            // For each source i and each (a, b, c) < counts: `run` bytes from
+            //   sources[i] + offset + a*src_strides[0] + b*src_strides[1] + c*src_strides[2]
+            // to out + out_offsets[i] + a*out_strides[0] + b*out_strides[1] + c*out_strides[2].
+            // One call copies a layer of many blocks straight into strided pages (an engine's paged KV cache), where
+            // gather + a permuting copy would pass every byte twice. Every extent is checked before any byte moves.
+            auto bad = [](const std::string& msg) { raise_sf("invalid", EINVAL, "scatter: " + msg); };
+            if (counts.size() != 3 || out_strides.size() != 3 || src_strides.size() != 3)
+                bad("counts, out_strides and src_strides must have 3 entries each");
+            if (offset < 0 || run < 0) bad("offset and run must be >= 0");
+            constexpr Py_ssize_t kLimit = Py_ssize_t(1) << 48;  // no product below can overflow
+            Py_ssize_t out_extent = run, src_extent = run;
+            for (int k = 0; k < 3; ++k) {
+                if (counts[k] < 0 || counts[k] > kLimit || out_strides[k] < 0 || out_strides[k] > kLimit ||
+                    src_strides[k] < 0 || src_strides[k] > kLimit)
+                    bad("counts and strides must be in [0, 2**48]");
+            }
+            bool empty = run == 0 || counts[0] == 0 || counts[1] == 0 || counts[2] == 0;
+            if (!empty) {
+                for (int k = 0; k < 3; ++k) {
+                    __int128 o = static_cast<__int128>(counts[k] - 1) * out_strides[k];
+                    __int128 q = static_cast<__int128>(counts[k] - 1) * src_strides[k];
+                    if (o > kLimit || q > kLimit) bad("an extent is too large");
+                    out_extent += static_cast<Py_ssize_t>(o);
+                    src_extent += static_cast<Py_ssize_t>(q);
+                }
+            }
+            if (!PySequence_Check(sources.ptr())) bad("sources must be a sequence");
+            Py_ssize_t n = PySequence_Size(sources.ptr());
+            if (n < 0) {
+                PyErr_Clear();
+                bad("sources must be a sequence");
+            }
+            if (static_cast<size_t>(n) != out_offsets.size())
+                bad(std::to_string(n) + " sources but " + std::to_string(out_offsets.size()) + " out_offsets");
+            Py_buffer dst;
+            if (PyObject_GetBuffer(out.ptr(), &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+                PyErr_Clear();
+                bad("out must be a writable contiguous buffer");
+            }
+            std::vector<Py_buffer> views;
+            views.reserve(static_cast<size_t>(n));
+            auto release_all = [&] {
+                for (auto& v : views) PyBuffer_Release(&v);
+                PyBuffer_Release(&dst);
+            };
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                Py_ssize_t at = out_offsets[static_cast<size_t>(i)];
+                if (!empty && (at < 0 || at > dst.len || dst.len - at < out_extent)) {
+                    std::string msg = "out_offsets[" + std::to_string(i) + "] = " + std::to_string(at) + " with an "
+                                      "extent of " + std::to_string(out_extent) + " bytes leaves out (" +
+                                      std::to_string(dst.len) + " bytes)";
+                    release_all();
+                    bad(msg);
+                }
+                nb::object item = nb::steal(PySequence_GetItem(sources.ptr(), i));
+                Py_buffer v;
+                if (!item.is_valid() || PyObject_GetBuffer(item.ptr(), &v, PyBUF_C_CONTIGUOUS) < 0) {
+                    PyErr_Clear();
+                    release_all();
+                    bad("source " + std::to_string(i) + " is not a contiguous buffer");
+                }
+                views.push_back(v);
+                if (!empty && (v.len < offset || v.len - offset < src_extent)) {
+                    std::string msg = "source " + std::to_string(i) + " holds " + std::to_string(v.len) +
+                                      " bytes, fewer than " + std::to_string(offset) + " + " + std::to_string(src_extent);
+                    release_all();
+                    bad(msg);
+                }
+            }
+            if (!empty) {
+                NoGil nogil;
+                char* d = static_cast<char*>(dst.buf);
+                const size_t r = static_cast<size_t>(run);
+                for (Py_ssize_t i = 0; i < n; ++i) {
+                    const char* src = static_cast<const char*>(views[static_cast<size_t>(i)].buf) + offset;
+                    char* base = d + out_offsets[static_cast<size_t>(i)];
+                    for (Py_ssize_t a = 0; a < counts[0]; ++a)
+                        for (Py_ssize_t b = 0; b < counts[1]; ++b)
+                            for (Py_ssize_t c = 0; c < counts[2]; ++c)
+                                std::memcpy(base + a * out_strides[0] + b * out_strides[1] + c * out_strides[2],
+                                            src + a * src_strides[0] + b * src_strides[1] + c * src_strides[2], r);
+                }
+            }
+            release_all();
+        },
+        "out"_a, "sources"_a, "offset"_a, "out_offsets"_a, "counts"_a, "out_strides"_a, "src_strides"_a, "run"_a,
+        "Copy a 3-D grid of runs of each source buffer into out at its offset (GIL released; extents checked).");
     m.def("page_size", [] { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); });
 }

@@ -45,30 +45,83 @@ class HeldBlocks:
         """The tier each row was found in, in row order."""
         return [self.tiers[i] for i in self.rows]
 
-    def copy_layer_into(self, layer: int, out: Any) -> None:
-        """Copy layer ``layer`` of every row into consecutive rows of ``out``: a writable C-contiguous host buffer
-        (a numpy array, a CPU torch tensor, a ``bytearray``) of at least ``len(self) * geometry.layer_bytes``
-        bytes, each row laid out as :attr:`KVGeometry.layer_shape`.
+    def copy_layer_into(self, layer: int, out: Any, rows_at: Sequence[int] | None = None) -> None:
+        """Copy layer ``layer`` of every row into ``out``.
+
+        Parameters
+        ----------
+        layer : int
+            The layer, in ``[0, geometry.num_layers)``.
+        out : buffer or tensor
+            Without ``rows_at``: a writable C-contiguous host buffer (a numpy array, a CPU torch tensor, a
+            ``bytearray``) of at least ``len(self) * geometry.layer_bytes`` bytes; row ``j`` goes to its ``j``-th
+            ``layer_bytes``, laid out as :attr:`KVGeometry.layer_shape`. With ``rows_at``: a CPU torch tensor or
+            numpy array of shape ``(P, *geometry.layer_shape)`` and the geometry's dtype, with any non-negative
+            strides but a contiguous last dimension (a strided view of an engine's paged cache, such as
+            :func:`~sfstore.kvcache.vllm.pages_as_layers`); row ``j`` goes to ``out[rows_at[j]]``.
+        rows_at : sequence of int, optional
+            Where each row goes in ``out`` (``len(self)`` indices in ``[0, P)``).
 
         Raises
         ------
         sfstore.errors.InvalidRequestError
-            ``layer`` is out of range, the blocks were released, or ``out`` is not a buffer that large.
+            ``layer`` is out of range, the blocks were released, or ``out`` / ``rows_at`` do not fit.
+
+        Notes
+        -----
+        Either form is one call into the native helper with the GIL released. With ``rows_at`` the bytes move once,
+        straight into the strided destination, where a contiguous copy followed by a permuting copy into the pages
+        moves them twice; its cost grows with the number of contiguous runs (``kv * tokens * heads`` per row).
         """
         g = self.geometry
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < g.num_layers:
             raise errors.InvalidRequestError(f"copy_layer_into: layer {layer!r} is not an int in [0, {g.num_layers})")
         if self._pinned is None:
             raise errors.InvalidRequestError("copy_layer_into: the blocks were released")
+        from sfstore import _native  # present: the slots are its buffers
+
+        if rows_at is not None:
+            base, offsets, counts, out_strides, src_strides, run = self._scatter_plan(out, rows_at)
+            _native.scatter(base, self._buffers, layer * g.layer_bytes, offsets, counts, out_strides, src_strides, run)
+            return
         if (type(out).__module__ or "").startswith("torch"):
             if out.device.type != "cpu" or not out.is_contiguous():
                 raise errors.InvalidRequestError("copy_layer_into: out must be a contiguous CPU tensor")
             import torch
 
             out = out.detach().view(-1).view(torch.uint8).numpy()  # the same memory, through the buffer protocol
-        from sfstore import _native  # present: the slots are its buffers
-
         _native.gather(out, self._buffers, layer * g.layer_bytes, g.layer_bytes)
+
+    def _scatter_plan(self, out: Any, rows_at: Sequence[int]) -> tuple[Any, list[int], list[int], list[int],
+                                                                        list[int], int]:
+        """The native scatter's arguments for rows going to ``out[rows_at[j]]``: a byte view of the memory ``out``
+        spans, each row's byte offset in it, and the counts and byte strides of the runs (the last dimension) on
+        both sides."""
+        import numpy as np
+
+        g = self.geometry
+        arr = _as_strided_array(out, g.itemsize)
+        if arr.ndim != 1 + len(g.layer_shape) or tuple(arr.shape[1:]) != g.layer_shape:
+            raise errors.InvalidRequestError(f"copy_layer_into: out must be of shape (P, "
+                                             f"{', '.join(map(str, g.layer_shape))}), not {tuple(arr.shape)}")
+        if any(st < 0 for st in arr.strides) or arr.strides[-1] != g.itemsize:
+            raise errors.InvalidRequestError("copy_layer_into: out's last dimension must be contiguous, its strides "
+                                             "non-negative")
+        if not arr.flags.writeable:
+            raise errors.InvalidRequestError("copy_layer_into: out is read-only")
+        rows = list(rows_at)
+        if len(rows) != len(self._slots):
+            raise errors.InvalidRequestError(f"copy_layer_into: {len(rows)} rows_at for {len(self._slots)} rows")
+        pages = int(arr.shape[0])
+        for r in rows:
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < pages:
+                raise errors.InvalidRequestError(f"copy_layer_into: rows_at holds {r!r}, not an index in [0, {pages})")
+        span = g.itemsize + sum((n - 1) * st for n, st in zip(arr.shape, arr.strides, strict=True)) if pages else 0
+        # one contiguous byte view from out's first byte over every byte it spans (the strides are non-negative)
+        base = np.lib.stride_tricks.as_strided(arr.view(np.uint8), shape=(span,), strides=(1,))
+        src = [st * g.itemsize for st in _contiguous_strides(g.layer_shape)[:-1]]
+        return (base, [r * int(arr.strides[0]) for r in rows], list(g.layer_shape[:-1]),
+                [int(st) for st in arr.strides[1:-1]], src, g.layer_shape[-1] * g.itemsize)
 
     def release(self) -> None:
         """Unpin every block (idempotent): the pinned tier may evict or reuse them from now on."""
@@ -84,3 +137,44 @@ class HeldBlocks:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    """The strides of a C-contiguous array of ``shape`` in elements: ``[prod(shape[1:]), ..., 1]``."""
+    out = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        out[i] = out[i + 1] * int(shape[i + 1])
+    return out
+
+
+_SAME_SIZE_INTS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _as_strided_array(out: Any, itemsize: int) -> Any:
+    """``out`` (a CPU torch tensor or a numpy array) as a numpy array over the same memory and strides, its elements
+    reinterpreted as integers of ``itemsize`` bytes (numpy has no bfloat16); ``InvalidRequestError`` otherwise."""
+    import numpy as np
+
+    kind = _SAME_SIZE_INTS.get(itemsize)
+    if (type(out).__module__ or "").startswith("torch"):
+        import torch
+
+        if out.device.type != "cpu":
+            raise errors.InvalidRequestError("copy_layer_into: with rows_at, out must be on the CPU")
+        if out.element_size() != itemsize or kind is None:
+            raise errors.InvalidRequestError(f"copy_layer_into: out's elements are {out.element_size()} bytes, the "
+                                             f"blocks' {itemsize}")
+        try:
+            return out.detach().view(getattr(torch, kind)).numpy()
+        except RuntimeError as exc:  # a view torch cannot reinterpret (its last dimension is not contiguous)
+            raise errors.InvalidRequestError(f"copy_layer_into: out cannot be viewed as bytes: {exc}") from None
+    if not isinstance(out, np.ndarray):
+        raise errors.InvalidRequestError("copy_layer_into: with rows_at, out must be a CPU torch tensor or a numpy "
+                                         f"array, not {type(out).__name__}")
+    if out.itemsize != itemsize or kind is None:
+        raise errors.InvalidRequestError(f"copy_layer_into: out's elements are {out.itemsize} bytes, the blocks' "
+                                         f"{itemsize}")
+    try:
+        return out.view(kind)
+    except ValueError as exc:
+        raise errors.InvalidRequestError(f"copy_layer_into: out cannot be viewed as bytes: {exc}") from None

@@ -267,6 +267,19 @@ class KVCacheStore:
             return True
         return self.shared is not None and self.shared.contains(k)
 
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """:meth:`contains` of each key: the upper tiers answer from memory, and the blocks only the shared tier
+        may have are asked of it in one operation (one deadline, one handoff to its workers) instead of one per
+        block; past its deadline, or while it is quarantined, those answer ``False``."""
+        self._check_open()
+        ks = self._check_keys(keys)
+        out = [k in self.pinned or (self.block is not None and self.block.contains(k)) for k in ks]
+        need = [i for i, found in enumerate(out) if not found]
+        if need and self.shared is not None:
+            for i, found in zip(need, self.shared.present([ks[i] for i in need]), strict=True):
+                out[i] = found
+        return out
+
     def lookup(self, token_ids: Sequence[int] | Any, extra: Iterable[Any] = ()) -> int:
         """How many leading tokens of ``token_ids`` have their KV blocks in some tier (a multiple of
         ``block_tokens``): the prefix an engine can load instead of computing."""

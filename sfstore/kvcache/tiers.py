@@ -347,6 +347,17 @@ class SharedTier:
         status, n = self.guard.run(self._leading_present, list(keys), what="a lookup")
         return int(n) if status == OK else 0
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """:meth:`contains` of each key, in one operation under the deadline (every answer ``False`` past it or
+        while quarantined)."""
+        if not keys:
+            return []
+        status, found = self.guard.run(self._present, list(keys), what="a lookup")
+        return [bool(f) for f in found] if status == OK else [False] * len(keys)
+
+    def _present(self, keys: list[bytes]) -> list[bool]:
+        return [self._contains(k) for k in keys]
+
     def _leading_present(self, keys: list[bytes]) -> int:
         for i, k in enumerate(keys):
             if not self._contains(k):

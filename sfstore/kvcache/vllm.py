@@ -53,9 +53,10 @@ and the copies overlap the forward pass instead of stopping the engine's thread 
   buffer is handed out again only once the copy that used it completed, checked without waiting: the CPU waits
   only when the device falls that many layers behind (loads) or the save thread does (saves).
 
-On a CPU cache the streams and events are ``None``: the same steps run with synchronous copies (loads through a
-staging tensor too, one copy per layer; saves gather a layer's pages with one ``index_select``; ``stage_copies``
-False, or pages that cannot be viewed as one tensor, copy block by block straight into the pages).
+On a CPU cache the streams and events are ``None``: the same steps run with synchronous copies (loads copy a layer
+of every held block straight into its strided pages with one native call, ``HeldBlocks.copy_layer_into`` with
+``rows_at``; saves gather a layer's pages with one ``index_select``; ``stage_copies`` True takes a GPU cache's path
+through a staging tensor, and False, or pages that cannot be viewed as one tensor, copy block by block).
 
 ``kv_connector_extra_config`` keys (all optional):
 
@@ -313,6 +314,8 @@ class _Tracker:
     prompt_len: int
     block_ids: list[int] = dataclasses.field(default_factory=list)
     saved_blocks: int = 0  # leading blocks already in the store or sent to be saved
+    # leading blocks the lookup found in the store (the last one too, which vLLM recomputes for its last token)
+    stored_blocks: int = 0
 
 
 # -- one store per process and configuration -------------------------------------------------------------------------
@@ -782,8 +785,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     Attributes
     ----------
     stage_copies : bool or None
-        Copy through host staging buffers (the path of a GPU cache). ``None``: loads always do (a CPU cache too,
-        one copy per layer, where its pages can be viewed as one tensor); saves when the cache is not on the CPU.
+        Copy through host staging buffers (the path of a GPU cache). ``None``: where the cache is not on the CPU
+        (a CPU cache whose pages can be viewed as one tensor loads a layer with one copy straight into them).
     load_ahead : int
         How many layers past the one it waits for :meth:`wait_for_layer_load` issues the copies of.
     prefetch_chunks, blocks_per_prefetch : int
@@ -847,7 +850,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._step_blocks = (int(getattr(sched, "max_num_batched_tokens", 0) or 0) // self.block_tokens
                              + int(getattr(sched, "max_num_seqs", 0) or 0))
         # scheduler side
-        self._lookups: dict[str, int] = {}  # req_id -> num_computed_tokens of the last lookup
+        # req_id -> (num_computed_tokens, leading blocks in the store) of the last lookup
+        self._lookups: dict[str, tuple[int, int]] = {}
         self._trackers: dict[str, _Tracker] = {}
         self._pending_loads: dict[str, BlockTransfer] = {}
         self._host_hits: dict[str, int] = {}  # req_id -> its blocks to load that were in the pinned tier
@@ -924,13 +928,17 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         limit = (request.num_tokens - 1) // self.block_tokens * self.block_tokens
         if limit <= num_computed_tokens:
             return 0, False
-        hit = self.store.lookup(list(tokens[:limit]), self._extra(request))
-        self._lookups[request.request_id] = num_computed_tokens
-        return max(0, hit - num_computed_tokens), False
+        # The lookup covers every full block, the last one too (vLLM recomputes its last token, so that block is
+        # never loaded): one more name in the same call to the shared tier, and the save that follows need not ask
+        # again whether the block it recomputes is stored already.
+        full = min(len(tokens), request.num_tokens) // self.block_tokens * self.block_tokens
+        found = self.store.lookup(list(tokens[:max(full, limit)]), self._extra(request))
+        self._lookups[request.request_id] = (num_computed_tokens, found // self.block_tokens)
+        return max(0, min(found, limit) - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tokens = self._cacheable_tokens(request)
-        start = self._lookups.pop(request.request_id, 0)
+        start, stored = self._lookups.pop(request.request_id, (0, 0))
         self._pending_loads.pop(request.request_id, None)
         if tokens is None:
             return
@@ -938,6 +946,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if tracker is None:
             tracker = _Tracker(request.request_id, tokens, self._extra(request), request.num_prompt_tokens)
             self._trackers[request.request_id] = tracker
+        tracker.stored_blocks = stored
         if num_external_tokens <= 0:
             return
         bt = self.block_tokens
@@ -1011,6 +1020,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         rewritten."""
         if tracker.saved_blocks < _NOTHING_TO_SAVE and computed < tracker.saved_blocks * self.block_tokens:
             tracker.saved_blocks = computed // self.block_tokens
+            tracker.stored_blocks = min(tracker.stored_blocks, tracker.saved_blocks)  # a failed one was dropped
 
     def _plan_save(self, tracker: _Tracker, computed: int) -> BlockTransfer | None:
         bt = self.block_tokens
@@ -1023,7 +1033,11 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         keys = self.store.keys_for(list(tokens[:end * bt]), tracker.extra)
         first = tracker.saved_blocks
         tracker.saved_blocks = end
-        chosen = [i for i in range(first, end) if not self.store.contains(keys[i])]
+        # Blocks the lookup found are not asked about again (on a full hit, the last block, recomputed); the rest
+        # in one question to the shared tier, not one per block.
+        ask = list(range(max(first, tracker.stored_blocks), end))
+        stored = self.store.contains_many([keys[i] for i in ask])
+        chosen = [i for i, done in zip(ask, stored, strict=True) if not done]
         if not chosen:
             return None
         return BlockTransfer(tracker.req_id, [keys[i] for i in chosen], [tracker.block_ids[i] for i in chosen],
@@ -1340,6 +1354,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                              f"{0 if held is None else len(held)}")
         if not n:
             return [], None
+        if cache.device.type == "cpu" and self.stage_copies is None:  # one native copy into the pages, no staging
+            held.copy_layer_into(layer, pages_as_layers(cache, self.layout), rows_at=block_ids)
+            return list(held.tiers_of_rows), None
         page_bytes = self._page_bytes(cache.dtype)
         pool = self._pool("load", cache.device)
         buf = pool.acquire(n * page_bytes)

@@ -101,6 +101,101 @@ def test_native_gather_copies_rows_and_refuses_what_does_not_fit() -> None:
             _native.gather(*args)
 
 
+def _paged_cache(pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CPU paged cache ``[P, heads, kv, tokens, dim]`` (per head, the K rows then the V rows) and its view in the
+    store's layer shape ``[P, kv, tokens, heads, dim]``: strided, contiguous only in its last dimension."""
+    kv, n, h, d = GEOM.layer_shape
+    cache = torch.zeros((pages, h, kv, n, d), dtype=torch.bfloat16)
+    return cache, cache.permute(0, 2, 3, 1, 4)
+
+
+def test_copy_layer_into_rows_at_lands_each_layer_in_its_strided_page_and_nothing_else(kv: KVCacheStore) -> None:
+    keys = kv.keys_for(range(GEOM.block_tokens * 3))
+    blocks = blocks_for(GEOM, 3, seed=4)
+    kv.put(keys, blocks)
+    cache, view = _paged_cache(8)
+    pages = [6, 1, 4]
+    with kv.hold(keys) as held:
+        for layer in range(GEOM.num_layers):
+            cache.fill_(7)
+            held.copy_layer_into(layer, view, rows_at=pages)
+            for j, p in enumerate(pages):
+                assert torch.equal(view[p], blocks[j][layer]), (layer, p)
+            untouched = [p for p in range(8) if p not in pages]
+            assert bool((cache[untouched] == 7).all())  # no byte outside the rows' pages
+        as_numpy = view.view(torch.int16).numpy()  # a numpy array over the same strided memory
+        cache.zero_()
+        held.copy_layer_into(2, as_numpy, rows_at=pages)
+        assert torch.equal(view[1], blocks[1][2])
+
+
+@pytest.mark.parametrize("bad", ["shape", "itemsize", "count", "index", "negative", "bool", "last-dim", "reversed"])
+def test_copy_layer_into_rows_at_refuses_what_does_not_fit(kv: KVCacheStore, bad: str) -> None:
+    keys = kv.keys_for(range(GEOM.block_tokens * 2))
+    kv.put(keys, blocks_for(GEOM, 2))
+    cache, view = _paged_cache(4)
+    out: object = view
+    rows: list[object] = [0, 3]
+    if bad == "shape":
+        out = cache  # the pages as they are, not viewed as the store's layers
+    elif bad == "itemsize":
+        out = view.float()
+    elif bad == "count":
+        rows = [0]
+    elif bad == "index":
+        rows = [0, 4]
+    elif bad == "negative":
+        rows = [-1, 0]
+    elif bad == "bool":
+        rows = [True, 0]
+    elif bad == "last-dim":
+        out = torch.zeros((4, *GEOM.layer_shape[:-1], 2 * GEOM.layer_shape[-1]), dtype=torch.bfloat16)[..., ::2]
+    else:  # a numpy array with a negative stride: torch cannot view it
+        out = np.zeros((4, *GEOM.layer_shape), dtype=np.int16)[::-1]
+    with kv.hold(keys) as held, pytest.raises(errors.InvalidRequestError):
+        held.copy_layer_into(0, out, rows_at=rows)  # type: ignore[arg-type]
+    assert bool((cache == 0).all())
+
+
+def test_native_scatter_copies_a_grid_of_runs_and_refuses_extents_past_either_side() -> None:
+    # two sources of 2 x 3 runs of 4 bytes, contiguous; out holds them transposed at offsets 0 and 40
+    srcs = [bytes(range(i * 24, i * 24 + 24)) for i in range(2)]
+    out = bytearray(64)
+    _native.scatter(out, srcs, 0, [0, 40], [1, 2, 3], [0, 4, 8], [0, 12, 4], 4)
+    for i, base in enumerate((0, 40)):
+        for b in range(2):
+            for c in range(3):
+                at = base + b * 4 + c * 8
+                assert out[at:at + 4] == srcs[i][b * 12 + c * 4:b * 12 + c * 4 + 4]
+    _native.scatter(out, [], 0, [], [1, 1, 1], [0, 0, 0], [0, 0, 0], 4)  # nothing to copy
+    ok = dict(out=out, sources=srcs, offset=0, out_offsets=[0, 40], counts=[1, 2, 3], out_strides=[0, 4, 8],
+              src_strides=[0, 12, 4], run=4)
+    for change in [dict(out_offsets=[0, 41]), dict(out_offsets=[-1, 0]), dict(out_offsets=[0]), dict(offset=1),
+                   dict(offset=-1), dict(run=-4), dict(counts=[1, 2]), dict(out_strides=[0, -4, 8]),
+                   dict(counts=[1 << 50, 1, 1]), dict(out=bytes(64)), dict(sources=[srcs[0], 5]), dict(sources=7),
+                   dict(src_strides=[0, 12, 5])]:
+        before = bytes(out)
+        with pytest.raises(errors.InvalidRequestError):
+            _native.scatter(**{**ok, **change})  # type: ignore[arg-type]
+        assert bytes(out) == before  # checked before any byte moved
+
+
+def test_contains_many_asks_the_shared_tier_once_for_what_memory_lacks(tmp_path: Path) -> None:
+    with KVCacheStore(GEOM, model_id="m", pinned_bytes=1 << 20, shared_dir=tmp_path / "shared") as s:
+        keys = s.keys_for(range(GEOM.block_tokens * 4))
+        s.put(keys[:3], blocks_for(GEOM, 3))
+        s.wait_for_puts()
+        s.evict(keys[:2], tiers=("pinned",))  # 0 and 1 only in the shared directory, 2 in both, 3 nowhere
+        calls = s.shared.guard.counters.snapshot()["calls"]
+        assert s.contains_many(keys) == [True, True, True, False]
+        assert s.shared.guard.counters.snapshot()["calls"] == calls + 1
+        assert s.contains_many(keys[2:3]) == [True]  # memory answers: the shared tier is not asked
+        assert s.shared.guard.counters.snapshot()["calls"] == calls + 1
+        assert s.contains_many([]) == []
+        with pytest.raises(errors.InvalidRequestError):
+            s.contains_many([b"short"])
+
+
 def test_get_layer_into_contiguous_tensors_in_one_batch_is_bit_exact(kv: KVCacheStore) -> None:
     keys = kv.keys_for(range(GEOM.block_tokens * 3))
     blocks = blocks_for(GEOM, 3, seed=4)

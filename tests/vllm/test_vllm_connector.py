@@ -459,6 +459,42 @@ def test_a_saving_step_never_lists_the_shared_directory_with_stand_in_attention_
         assert store.stats()["resident"]["shared"] == 6 and listings == [1]  # stats() itself does list
 
 
+def test_a_full_hit_plans_no_save_and_asks_the_shared_tier_once_with_stand_in_attention_kernel(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new server gets every block of a stored prompt but the last, which vLLM recomputes for its last token:
+    that block is in the shared tier already, so the step saves nothing, and the scheduler learnt it in the
+    lookup's one call to the shared tier (not in a second one while building the step's metadata). A spy on
+    TierGuard.run (it calls through) records what each call to the shared tier was for."""
+    from sfstore.kvcache.deadline import TierGuard
+
+    asked: list[str] = []
+    real_run = TierGuard.run
+
+    def spying(self: TierGuard, fn: Any, *args: Any, **kw: Any) -> Any:
+        asked.append(str(kw.get("what")))
+        return real_run(self, fn, *args, **kw)
+
+    extra = {"pinned_bytes": 4 << 20, "shared_dir": str(tmp_path / "shared"), "model_id": "tiny-full-hit"}
+    prompt = [(i * 31 + 7) % 1000 for i in range(96)]  # 6 full blocks, the last token in the last one
+    with engine(model_dir, extra) as a:
+        a.add(make_request("a1", prompt))
+        a.run()
+        a.connector.store.wait_for_puts()
+    with engine(model_dir, extra) as b:
+        b.add(make_request("b1", prompt))
+        monkeypatch.setattr(TierGuard, "run", spying)
+        so = b.step()
+        monkeypatch.setattr(TierGuard, "run", real_run)
+        new = so.scheduled_new_reqs[0]
+        assert new.num_computed_tokens == 80 and so.num_scheduled_tokens["b1"] == 16
+        meta = b.step_log[-1]["meta"]
+        assert [len(t.keys) for t in meta.loads] == [5] and meta.saves == []
+        assert asked.count("a lookup") == 1  # the scheduler's lookup; the rest are the 5 blocks' reads
+        assert all(w == "a lookup" or w.startswith("a read of") for w in asked), asked
+        b.run()
+
+
 def test_chunked_prefill_saves_each_block_once_with_stand_in_attention_kernel(model_dir: Path) -> None:
     prompt = [(i * 13 + 3) % 1000 for i in range(150)]  # 9 full blocks
     extra = {"pinned_bytes": 4 << 20, "model_id": "tiny-chunked"}

@@ -253,10 +253,10 @@ def test_a_block_evicted_midway_still_lands_in_every_layer(model_dir: Path, monk
         assert store.pinned.idle == free_before + 1  # back to the tier at the step's end
 
 
-@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("staged", [True, False, None])
 @pytest.mark.parametrize("layout,kv_layout", LAYOUTS)
 def test_a_block_gone_before_the_reads_is_a_load_error_and_the_others_land(model_dir: Path, tmp_path: Path,
-                                                                            staged: bool, layout: str,
+                                                                            staged: bool | None, layout: str,
                                                                             kv_layout: str) -> None:
     """A block missing when the step prefetches its blocks is reported; the others, read from the shared tier's
     files by several prefetches at once, each land in their own page, staged or straight into a CPU cache; each
@@ -385,8 +385,8 @@ def test_staged_save_pool_bounds_the_buffers_in_flight(model_dir: Path) -> None:
         conn.clear_connector_metadata()
 
 
-@pytest.mark.parametrize("staged", [True, False])
-def test_saves_of_a_step_ended_early_are_discarded(model_dir: Path, staged: bool) -> None:
+@pytest.mark.parametrize("staged", [True, False, None])
+def test_saves_of_a_step_ended_early_are_discarded(model_dir: Path, staged: bool | None) -> None:
     """Staged (put_layer per layer, partial blocks dropped) or gathered into the step's save buffer (a CPU cache:
     nothing put unless every layer arrived)."""
     with worker(model_dir) as (conn, caches):
@@ -405,8 +405,8 @@ def test_saves_of_a_step_ended_early_are_discarded(model_dir: Path, staged: bool
         assert conn.get_kv_connector_kv_cache_events() is None
 
 
-@pytest.mark.parametrize("staged", [True, False])
-def test_saves_stop_for_a_request_whose_load_failed(model_dir: Path, staged: bool) -> None:
+@pytest.mark.parametrize("staged", [True, False, None])
+def test_saves_stop_for_a_request_whose_load_failed(model_dir: Path, staged: bool | None) -> None:
     """A block of r1 could not be loaded: r1's blocks computed this step attended to it and are not saved; r2's
     are."""
     with worker(model_dir) as (conn, caches):
