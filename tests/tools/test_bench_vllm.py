@@ -36,7 +36,7 @@ def ttft_entries() -> list[dict[str, Any]]:
         {"name": "ttft-1536", "params": {"prompt_tokens": 1536},
          "sides": {"none": _side(46, 48, 50), "sfstore-pinned": _side(12, 12.5, 13),
                    "sfstore-shared-cold": _side(20, 22, 24), "example-cold": _side(14, 15, 16),
-                   "sfstore-miss": _side(50, 51, 52)}},
+                   "example-warm": _side(19, 20, 21), "sfstore-miss": _side(50, 51, 52)}},
     ]
 
 
@@ -65,7 +65,11 @@ def test_pair_cases_ratios_and_goals() -> None:
     assert "ttft-1536-miss-vs-none" in by_name
     goals = {a["case"]: a for a in acceptance}
     assert set(goals) == {"ttft-1536-shared-cold-vs-none", "ttft-1536-pinned-vs-none",
-                          "ttft-1536-shared-cold-vs-example"}  # goals at 1536 tokens only
+                          "ttft-1536-shared-cold-vs-example", "ttft-1536-pinned-vs-example-warm"}  # at 1536 only
+    warm = goals["ttft-1536-pinned-vs-example-warm"]  # the peer's hit in the process that saved: 20 / 12.5 = 1.6
+    assert warm["status"] == "met" and warm["ratio"] == pytest.approx(20 / 12.5)
+    assert by_name["ttft-1536-pinned-vs-example-warm"]["reference_tool"] == "vLLM ExampleConnector"
+    assert "ttft-512-pinned-vs-example-warm" not in by_name  # no such side at 512
     assert goals["ttft-1536-shared-cold-vs-none"]["target"] == 2.0
     assert goals["ttft-1536-shared-cold-vs-none"]["status"] == "met"
     assert goals["ttft-1536-pinned-vs-none"]["target"] == 5.0
@@ -86,8 +90,9 @@ def test_pair_cases_goal_na_when_a_side_failed() -> None:
 def test_ttft_table_has_a_column_per_side() -> None:
     text = render_ttft_table(ttft_entries())
     head, *rows = text.splitlines()
+    # the sides in the order they first appear (example-warm only at 1536)
     assert head.split() == ["TTFT", "(ms)", "none", "sfstore-pinned", "sfstore-shared-cold", "example-cold",
-                            "sfstore-miss"]
+                            "sfstore-miss", "example-warm"]
     assert rows[1].startswith("ttft-1536") and "48.0 ms (46.0-50.0)" in rows[1]
     assert "n/a (engine process exited 1)" in rows[0]
 
