@@ -124,14 +124,12 @@ Pipeline parallelism and hybrid (HMA) models are not supported.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -140,14 +138,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from sfstore import defaults, errors
-from sfstore.kvcache.geometry import DTYPE_SIZES, KVGeometry
+from sfstore.kvcache import vllm_staging as staging
 from sfstore.kvcache.held import HeldBlocks
 from sfstore.kvcache.shared_budget import check_namespace
 from sfstore.kvcache.store import KVCacheStore
+from sfstore.kvcache.vllm_layout import KVLayout, block_layer_view, layout_for, pages_as_layers
+from sfstore.kvcache.vllm_metrics import (
+    OWN_STATS,
+    STORE_STATS,
+    BlockRemoved,
+    BlockStored,
+    KVEvents,
+    SfstoreConnectorStats,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -161,129 +167,6 @@ __all__ = ["SfstoreConnector", "SfstoreConnectorMetadata", "BlockTransfer", "lay
            "pages_as_layers"]
 
 log = logging.getLogger(__name__)
-
-KV_LAYOUTS = ("auto", "split", "cpu", "opaque")
-
-
-# -- the geometry and the view of one block's layer ------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    geometry: KVGeometry
-    layer_names: tuple[str, ...]  # store layer index -> vLLM layer name
-    page_shape: tuple[int, int, int]  # one block of one layer in vLLM: (H, N, C)
-    mode: str  # "split" | "cpu" | "opaque"
-
-    @property
-    def layer_index(self) -> dict[str, int]:
-        return {name: i for i, name in enumerate(self.layer_names)}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def layout_for(kv_cache_config: KVCacheConfig, mode: str = "auto", *, cpu_platform: bool | None = None) -> _Layout:
-    """The store geometry and block mapping for a vLLM ``KVCacheConfig`` (one attention spec for all layers)."""
-    if mode not in KV_LAYOUTS:
-        raise errors.ConfigError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, not {mode!r}")
-    names: list[str] = []
-    specs: list[Any] = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        if not isinstance(spec, AttentionSpec):
-            raise errors.NotSupportedOnHostError(
-                f"SfstoreConnector stores attention KV caches only, not {type(spec).__name__} "
-                f"(layers {group.layer_names[:3]}...)"
-            )
-        names.extend(group.layer_names)
-        specs.append(spec)
-    if not specs:
-        raise errors.ConfigError("the vLLM KV cache config has no attention layers")
-    first = specs[0]
-    for s in specs[1:]:
-        if (s.block_size, s.num_heads, s.state_content_size_bytes, s.dtype) != (
-            first.block_size, first.num_heads, first.state_content_size_bytes, first.dtype
-        ):
-            raise errors.NotSupportedOnHostError(
-                "SfstoreConnector needs one KV page shape for every layer; this model's groups differ "
-                f"({first} vs {s}): hybrid models are not supported"
-            )
-    spec = first
-    dtype = _dtype_name(spec.dtype)
-    if dtype not in DTYPE_SIZES:
-        raise errors.NotSupportedOnHostError(
-            f"KV cache dtype {dtype} is not one sfstore stores ({', '.join(DTYPE_SIZES)})"
-        )
-    itemsize = DTYPE_SIZES[dtype]
-    if spec.state_content_size_bytes % itemsize:
-        raise errors.NotSupportedOnHostError(
-            f"a KV page cell of {spec.state_content_size_bytes} bytes is not whole {dtype} elements"
-        )
-    cells = spec.state_content_size_bytes // itemsize
-    heads = spec.num_heads
-    tokens = spec.num_states if hasattr(spec, "num_states") else spec.block_size
-    if tokens != spec.block_size:
-        raise errors.NotSupportedOnHostError(
-            f"SfstoreConnector needs one KV state per token (the spec stores {tokens} per block of {spec.block_size})"
-        )
-    dense = (
-        not isinstance(spec, MLAAttentionSpec)
-        and spec.num_head_slots is None
-        and spec.state_content_bytes is None
-        and spec.head_size == spec.head_size_v
-        and cells == 2 * spec.head_size
-        and str(getattr(spec.kv_quant_mode, "name", "NONE")) == "NONE"
-    )
-    if mode == "auto":
-        if cpu_platform is None:
-            from vllm.platforms import current_platform
-
-            cpu_platform = bool(current_platform.is_cpu())
-        mode = ("cpu" if cpu_platform else "split") if dense else "opaque"
-    elif mode != "opaque" and not dense:
-        raise errors.ConfigError(f"kv_layout {mode!r} needs a dense K/V cache; this model's ({spec}) takes 'opaque'")
-    if mode == "opaque":
-        geom = KVGeometry(len(names), spec.block_size, heads, cells, dtype, kv=1)
-    else:
-        geom = KVGeometry(len(names), spec.block_size, heads, spec.head_size, dtype, kv=2)
-    return _Layout(geom, tuple(names), (heads, spec.block_size, cells), mode)
-
-
-def block_layer_view(layer_cache: torch.Tensor, block_id: int, layout: _Layout) -> torch.Tensor:
-    """A view of block ``block_id`` of one layer's ``[B, H, N, C]`` cache with the store's layer shape
-    ``(kv, tokens, heads, dim)`` (strided, no copy)."""
-    page = layer_cache[block_id]
-    if tuple(page.shape) != layout.page_shape:
-        raise errors.InvalidRequestError(
-            f"a vLLM KV page is {tuple(page.shape)}, but the KV cache config says {layout.page_shape}"
-        )
-    h, n, c = layout.page_shape
-    view: torch.Tensor
-    if layout.mode == "split":  # cell = [K(d) | V(d)]
-        view = page.view(h, n, 2, c // 2).permute(2, 1, 0, 3)
-    elif layout.mode == "cpu":  # per head: N rows of K, then N rows of V (the CPU kernel's view of the page)
-        view = page.view(h, 2, n, c // 2).permute(1, 2, 0, 3)
-    else:  # opaque: (1, N, H, C)
-        view = page.permute(1, 0, 2).unsqueeze(0)
-    return view
-
-
-def pages_as_layers(pages: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    """A view of a batch of pages (``[B, H, N, C]``: one layer's cache, or a staging copy of its pages) as the
-    store's layers, ``[B, kv, tokens, heads, dim]`` (strided, no copy): ``pages_as_layers(c, l)[b]`` is
-    ``block_layer_view(c, b, l)``. One copy through it moves a whole layer's blocks; ``RuntimeError`` where the
-    pages' memory does not allow the view (a cache that is not contiguous across pages)."""
-    b = pages.shape[0]
-    h, n, c = layout.page_shape
-    view: torch.Tensor
-    if layout.mode == "split":
-        view = pages.view(b, h, n, 2, c // 2).permute(0, 3, 2, 1, 4)
-    elif layout.mode == "cpu":
-        view = pages.view(b, h, 2, n, c // 2).permute(0, 2, 3, 1, 4)
-    else:
-        view = pages.permute(0, 2, 1, 3).unsqueeze(1)
-    return view
-
 
 # -- metadata: scheduler -> worker -----------------------------------------------------------------------------------
 @dataclasses.dataclass
@@ -357,7 +240,7 @@ def _warn_unknown_keys(extra: dict[str, Any]) -> None:
         log.warning("SfstoreConnector: kv_connector_extra_config key %r is not one it reads; ignored%s", k, hint)
 
 
-def _acquire_store(layout: _Layout, model_id: str, extra: dict[str, Any]) -> tuple[KVCacheStore, tuple[Any, ...]]:
+def _acquire_store(layout: KVLayout, model_id: str, extra: dict[str, Any]) -> tuple[KVCacheStore, tuple[Any, ...]]:
     cfg = extra.get("sfstore_config")
     shared = extra.get("shared_dir")
     fsync = bool(extra.get("fsync_shared", False))
@@ -501,283 +384,6 @@ def _set_load_failure_policy(kv_transfer_config: Any, extra: dict[str, Any], rol
     return policy
 
 
-# -- connector stats (vLLM's metrics) ---------------------------------------------------------------------------------
-try:  # vLLM's newer hooks: KV events and connector stats (in 0.32 and 0.33)
-    from vllm.distributed.kv_events import BlockRemoved as _BlockRemoved
-    from vllm.distributed.kv_events import BlockStored as _BlockStored
-    from vllm.distributed.kv_events import KVConnectorKVEvents, KVEventAggregator
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats as _Stats
-except ImportError:  # pragma: no cover - an older vLLM: the hooks are not there, nothing calls them
-    _BlockRemoved = _BlockStored = KVConnectorKVEvents = KVEventAggregator = _Stats = None
-
-# (stat name, store counter) counted from the store's counters; the others by the connector itself
-_STORE_STATS = (("hits_pinned", "hits_pinned"), ("hits_block", "hits_block"), ("hits_shared", "hits_shared"),
-                ("misses", "misses"), ("bytes_loaded", "bytes_got"), ("bytes_saved", "bytes_put"),
-                ("corrupt_dropped", "corrupt_dropped"))
-_OWN_STATS = ("load_failures", "blocks_saved", "blocks_prefetched_by_scheduler")
-
-if _Stats is not None:
-
-    @dataclasses.dataclass
-    class SfstoreConnectorStats(_Stats):  # type: ignore[misc]
-        """sfstore's counts for vLLM's metrics, summed over workers and intervals."""
-
-        def reset(self) -> None:
-            self.data = dict[str, Any]()
-
-        def aggregate(self, other: Any) -> SfstoreConnectorStats:
-            for k, v in (other.data if other is not None else {}).items():
-                self.data[k] = self.data.get(k, 0) + v
-            return self
-
-        def reduce(self) -> dict[str, int | float]:
-            out: dict[str, int | float] = dict(self.data)
-            loads = sum(int(self.data.get(k, 0)) for k in ("hits_pinned", "hits_block", "hits_shared"))
-            tried = loads + int(self.data.get("misses", 0))
-            if tried:
-                out["hit_rate"] = loads / tried
-            return out
-
-        def is_empty(self) -> bool:
-            return not any(self.data.values())
-
-    class _KVEvents(KVConnectorKVEvents):  # type: ignore[misc]
-        """KV events of the workers, keeping those every worker reported (one tensor-parallel shard each)."""
-
-        def __init__(self, num_workers: int) -> None:
-            self._agg = KVEventAggregator(num_workers)
-
-        def add_events(self, events: list[Any]) -> None:
-            self._agg.add_events(events)
-
-        def aggregate(self) -> _KVEvents:
-            common = self._agg.get_common_events()
-            self._agg.clear_events()
-            self._agg.add_events(common)
-            self._agg.reset_workers()
-            return self
-
-        def increment_workers(self, count: int = 1) -> None:
-            self._agg.increment_workers(count)
-
-        def get_all_events(self) -> list[Any]:
-            return list(self._agg.get_all_events())
-
-        def get_number_of_workers(self) -> int:
-            return int(self._agg.get_number_of_workers())
-
-        def clear_events(self) -> None:
-            self._agg.clear_events()
-            self._agg.reset_workers()
-else:  # pragma: no cover
-    SfstoreConnectorStats = None  # type: ignore[assignment,misc]
-    _KVEvents = None  # type: ignore[assignment,misc]
-
-
-# -- staged copies: CUDA streams and events (nothing on the CPU), the staging pool, the save worker -------------------
-def _new_stream(device: torch.device) -> Any:
-    """A CUDA stream of its own on ``device`` for the connector's copies; ``None`` for a CPU tensor (copies are then
-    synchronous and need no ordering)."""
-    stream_type: Any = torch.cuda.Stream  # (untyped in torch's stubs)
-    return stream_type(device=device) if device.type == "cuda" else None
-
-
-def _current_stream(device: torch.device) -> Any:
-    """The stream the engine computes on now (``None`` on the CPU)."""
-    return torch.cuda.current_stream(device) if device.type == "cuda" else None
-
-
-def _record(stream: Any) -> Any:
-    """An event recorded on ``stream`` after the work enqueued there so far; ``None`` without a stream."""
-    if stream is None:
-        return None
-    event_type: Any = torch.cuda.Event  # (untyped in torch's stubs)
-    event = event_type(blocking=True)  # a thread that waits for it sleeps instead of spinning (the save worker)
-    event.record(stream)
-    return event
-
-
-def _wait_event(stream: Any, event: Any) -> None:
-    """Make ``stream``'s later work wait for ``event`` on the device (no CPU wait)."""
-    if stream is not None and event is not None:
-        stream.wait_event(event)
-
-
-def _wait_stream(stream: Any, other: Any) -> None:
-    """Make ``stream``'s later work wait for what ``other`` has enqueued so far (no CPU wait)."""
-    if stream is not None and other is not None:
-        stream.wait_stream(other)
-
-
-def _host_wait(event: Any) -> None:
-    """Block the calling thread until ``event`` completed (CUDA releases the GIL meanwhile)."""
-    if event is not None:
-        event.synchronize()
-
-
-def _done(event: Any) -> bool:
-    return event is None or bool(event.query())
-
-
-def _on(stream: Any) -> contextlib.AbstractContextManager[Any]:
-    """Enqueue the block's device work on ``stream`` (tensors it allocates belong to it)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-_STAGING_MIN_BYTES = 1 << 20
-
-
-class _StagingPool:
-    """Host buffers for staged copies, pinned for a GPU cache, reused rather than allocated (and pinned) per layer.
-
-    A buffer goes back with :meth:`release` and the event of the last copy that reads or writes it; it is handed
-    out again only once that event completed (:func:`_done`). At most ``limit`` buffers exist: past it,
-    :meth:`acquire` waits for the oldest copy (a CPU wait only when the device falls ``limit`` layers behind) or,
-    when every buffer is out (with the save worker), for one to come back.
-
-    Parameters
-    ----------
-    pin : bool
-        Pinned (page-locked) memory: needed for asynchronous host-device copies.
-    limit : int
-        Most buffers this pool holds at once.
-    """
-
-    def __init__(self, pin: bool, limit: int) -> None:
-        self.pin = pin
-        self.limit = max(1, limit)
-        self.allocated = 0  # buffers made so far
-        self._free: list[torch.Tensor] = []  # by capacity, smallest first
-        self._pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()  # (event, buffer)
-        self._out = 0
-        self._cond = threading.Condition()
-
-    def _reclaim(self) -> None:
-        for entry in [e for e in self._pending if _done(e[0])]:
-            self._pending.remove(entry)
-            self._add_free(entry[1])
-
-    def _add_free(self, buf: torch.Tensor) -> None:
-        self._free.append(buf)
-        self._free.sort(key=lambda b: b.numel())
-
-    def reclaim(self) -> None:
-        """Put back the buffers whose copies completed (no wait)."""
-        with self._cond:
-            self._reclaim()
-
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        """A flat ``uint8`` buffer of at least ``nbytes``, whose last copy completed."""
-        while True:
-            event = None
-            with self._cond:
-                self._reclaim()
-                for i, buf in enumerate(self._free):
-                    if buf.numel() >= nbytes:
-                        self._out += 1
-                        return self._free.pop(i)
-                if len(self._free) + len(self._pending) + self._out < self.limit or self._free:
-                    if len(self._free) + len(self._pending) + self._out >= self.limit:
-                        self._free.pop(0)  # too small for this copy: make room for one that fits
-                    self._out += 1
-                    break
-                if self._pending:
-                    event = self._pending[0][0]
-                else:
-                    self._cond.wait()
-                    continue
-            _host_wait(event)
-        try:
-            size = max(_STAGING_MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        except BaseException:
-            with self._cond:
-                self._out -= 1
-                self._cond.notify_all()
-            raise
-        self.allocated += 1
-        return buf
-
-    def release(self, buf: torch.Tensor, event: Any = None) -> None:
-        """Give ``buf`` back; it is reused once ``event`` (the copy that still uses it, if any) completed."""
-        with self._cond:
-            self._out -= 1
-            if event is None:
-                self._add_free(buf)
-            else:
-                self._pending.append((event, buf))
-            self._cond.notify_all()
-
-    def synchronize(self) -> None:
-        """Wait for every copy still using a buffer of this pool."""
-        with self._cond:
-            pending = list(self._pending)
-        for event, _buf in pending:
-            _host_wait(event)
-        self.reclaim()
-
-    def in_flight(self) -> list[torch.Tensor]:
-        """The buffers waiting for their copies (not handed out until those complete)."""
-        with self._cond:
-            return [buf for _e, buf in self._pending]
-
-
-class _SaveWorker:
-    """One thread that runs the connector's save jobs in the order they were handed over.
-
-    A job waits for its device-to-host copy (its event) on this thread and then calls ``store.put_layer``: the
-    engine's thread only enqueues the copy. :meth:`wait` returns once every job handed over so far has run.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._cond = threading.Condition()
-        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
-        self.handed = 0
-        self.done = 0
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._cond:
-            if self._closing:
-                raise errors.InvalidRequestError("SfstoreConnector: a save handed over after shutdown")
-            self._jobs.append(job)
-            self.handed += 1
-            self._cond.notify_all()
-
-    def wait(self) -> None:
-        """Until every job handed over before this call has run."""
-        with self._cond:
-            target = self.handed
-            while self.done < target:
-                self._cond.wait()
-
-    def close(self) -> None:
-        self.wait()
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs and not self._closing:
-                    self._cond.wait()
-                if not self._jobs:
-                    return
-                job = self._jobs.popleft()
-            try:
-                job()
-            except BaseException:  # a job logs its own errors; this thread must outlive any of them
-                log.exception("SfstoreConnector: a save job failed")
-            finally:
-                with self._cond:
-                    self.done += 1
-                    self._cond.notify_all()
-
-
 # -- the connector ---------------------------------------------------------------------------------------------------
 class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM KV connector (v1 API) that loads and saves KV-cache blocks through a :class:`KVCacheStore`.
@@ -870,7 +476,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         self._events: list[Any] = []  # worker: KV events since the last get_kv_connector_kv_cache_events
         self._worker_events: Any = None  # scheduler: the workers' events since the last take_events
-        self._stats = dict.fromkeys(_OWN_STATS, 0)
+        self._stats = dict.fromkeys(OWN_STATS, 0)
         self._stats_base: dict[str, int] = self.store.counters.snapshot()
         self._load_req: dict[int, str] = {}  # block id -> request, of this step's loads
         self._failed_reqs: set[str] = set()  # requests with a block not loaded this step
@@ -879,8 +485,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.stage_copies: bool | None = None
         # staged copies: per-device streams, the staging pools, the save thread, this step's issued loads
         self._streams: dict[tuple[str, str], Any] = {}
-        self._pools: dict[str, _StagingPool] = {}
-        self._saver: _SaveWorker | None = None
+        self._pools: dict[str, staging.StagingPool] = {}
+        self._saver: staging.SaveWorker | None = None
         self._issued: dict[int, Any] = {}  # store layer -> event of its load copy (None: done, or on the CPU)
         self._load_ordered: set[str] = set()  # devices whose load stream waits for the step's earlier work
         self._step_start: dict[str, Any] = {}  # device -> event on the compute stream at start_load_kv
@@ -1116,7 +722,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # The loads go after what the engine enqueued so far (a previous step's kernels, vLLM zeroing the
             # new blocks), not after the forward pass's work enqueued before the first wait_for_layer_load.
             devices = {str(c.device): c.device for c in self._kv_caches.values() if self._load_staged(c)}
-            self._step_start = {key: _record(_current_stream(dev)) for key, dev in devices.items()}
+            self._step_start = {key: staging.record(staging.current_stream(dev)) for key, dev in devices.items()}
             keys = [k for t in self._loads for k in t.keys]
             self._dropped_before = self._dropped()
             if len(keys) > self.store.pinned.capacity // 2:
@@ -1169,7 +775,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 failed.update(b for b, tier in zip(bs, tiers, strict=True) if tier is None)
             self._release_held()  # every layer of the chunk copied out of its slots
         for device in devices.values():  # the forward pass runs after every copy (on the device, no CPU wait)
-            _wait_stream(_current_stream(device), self._stream("load", device))
+            staging.wait_stream(staging.current_stream(device), self._stream("load", device))
         for b in failed:
             self._load_failed(b)
         self._loads = []  # done: wait_for_layer_load has nothing left to copy
@@ -1265,7 +871,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for ahead in self._layers_after(layer):
             self._ensure_issued(ahead, self._kv_caches[self.layout.layer_names[ahead]], block_ids)
         self.load_log.append(("wait", layer))
-        _wait_event(_current_stream(cache.device), event)
+        staging.wait_event(staging.current_stream(cache.device), event)
 
     def _layers_after(self, layer: int) -> list[int]:
         """The next ``load_ahead`` store layers with a registered cache (the engine runs them in this order)."""
@@ -1302,17 +908,17 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """A CPU cache, unstaged: the store copies each block's layer straight into its page."""
         return self.store.get_layer_into(keys, layer, [block_layer_view(cache, b, self.layout) for b in block_ids])
 
-    def _pool(self, kind: str, device: torch.device) -> _StagingPool:
+    def _pool(self, kind: str, device: torch.device) -> staging.StagingPool:
         pool = self._pools.get(kind)
         if pool is None:
-            pool = self._pools[kind] = _StagingPool(device.type == "cuda", self.staging_buffers)
+            pool = self._pools[kind] = staging.StagingPool(device.type == "cuda", self.staging_buffers)
         return pool
 
     def _stream(self, kind: str, device: torch.device) -> Any:
         """The connector's ``"load"`` or ``"save"`` stream on ``device`` (``None`` on the CPU)."""
         key = (kind, str(device))
         if key not in self._streams:
-            self._streams[key] = _new_stream(device)
+            self._streams[key] = staging.new_stream(device)
         return self._streams[key]
 
     def _pages(self, buf: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -1370,15 +976,15 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if device not in self._load_ordered:  # once per step: after the work before start_load_kv
                 start = self._step_start.get(device)
                 if start is not None:
-                    _wait_event(stream, start)
+                    staging.wait_event(stream, start)
                 else:
-                    _wait_stream(stream, _current_stream(cache.device))
+                    staging.wait_stream(stream, staging.current_stream(cache.device))
                 self._load_ordered.add(device)
-            with _on(stream):
+            with staging.on(stream):
                 dst = self._index(block_ids, cache.device, stream)
                 # one copy into the pages through their view as the store's layers (the device permutes)
                 pages_as_layers(cache, self.layout).index_copy_(0, dst, src.to(cache.device, non_blocking=True))
-            event = _record(stream)
+            event = staging.record(stream)
         except BaseException:
             if stream is not None:
                 stream.synchronize()  # a copy enqueued before the error may still read the buffer
@@ -1437,16 +1043,16 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         stream = self._stream("save", device)
         try:
             pages = self._pages(buf, len(block_ids), kv_layer.dtype)
-            _wait_stream(stream, _current_stream(device))  # after this layer's attention wrote the pages
-            with _on(stream):
+            staging.wait_stream(stream, staging.current_stream(device))  # after this layer's attention wrote the pages
+            with staging.on(stream):
                 idx = self._index(block_ids, device, stream)
                 if stream is None:
                     torch.index_select(kv_layer, 0, idx, out=pages)
                 else:
                     pages.copy_(kv_layer.index_select(0, idx), non_blocking=True)
-            event = _record(stream)
+            event = staging.record(stream)
             if self._saver is None:
-                self._saver = _SaveWorker("sfstore-vllm-save")
+                self._saver = staging.SaveWorker("sfstore-vllm-save")
             self._saver.submit(lambda: self._put_staged(event, pool, buf, pages, keys, layer))
         except BaseException:
             if stream is not None:
@@ -1455,12 +1061,12 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise
         self._saved_keys.update(keys)  # handed over: wait_for_save discards them if still partial at the end
 
-    def _put_staged(self, event: Any, pool: _StagingPool, buf: torch.Tensor, pages: torch.Tensor,
+    def _put_staged(self, event: Any, pool: staging.StagingPool, buf: torch.Tensor, pages: torch.Tensor,
                     keys: list[bytes], layer: int) -> None:
         """On the save worker: once the device-to-host copy completed, the store copies each block's slice out of
         the staging buffer, which then goes back to the pool."""
         try:
-            _host_wait(event)
+            staging.host_wait(event)
             self.store.put_layer(keys, layer, [block_layer_view(pages, i, self.layout) for i in range(len(keys))])
         except Exception:  # a cache: a failed save is a later miss (wait_for_save drops the partial blocks)
             log.exception("SfstoreConnector: saving layer %d of %d blocks failed", layer, len(keys))
@@ -1510,7 +1116,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """KV events of this step's saved blocks (those now in the pinned tier): one ``BlockStored`` per tier the
         store writes them to (``sfstore/pinned``, ``sfstore/block``, ``sfstore/shared``; the lower tiers receive
         them in the background unless ``wait_for_lower_tiers``)."""
-        if not self.has_connector_metadata() or _BlockStored is None:
+        if not self.has_connector_metadata() or BlockStored is None:
             return
         meta = self._get_connector_metadata()
         tiers = self.store.tiers  # not stats(): it lists the shared directory, and this runs every step
@@ -1522,24 +1128,24 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     continue
                 self._stats["blocks_saved"] += 1
                 for tier in tiers:
-                    self._events.append(_BlockStored(
+                    self._events.append(BlockStored(
                         block_hashes=[key], parent_block_hash=parent, token_ids=toks,
                         block_size=self.block_tokens, lora_id=None, medium=f"sfstore/{tier}", lora_name=None,
                     ))
 
     def _record_failed_loads(self, keys: list[bytes]) -> None:
         self._stats["load_failures"] += len(keys)
-        if _BlockRemoved is not None and keys:
+        if BlockRemoved is not None and keys:
             # gone from the tier it was found in (dropped if it failed verification); which tier is not known
-            self._events.append(_BlockRemoved(block_hashes=list(keys), medium=None))
+            self._events.append(BlockRemoved(block_hashes=list(keys), medium=None))
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         """Worker side: the blocks stored and removed since the last call, for vLLM's KV event publisher (routers
         such as Dynamo or llm-d see what sfstore holds); ``medium`` names the sfstore tier."""
-        if not self._events or _KVEvents is None:
+        if not self._events or KVEvents is None:
             return None
         events, self._events = self._events, []
-        out = _KVEvents(num_workers=1)
+        out = KVEvents(num_workers=1)
         out.add_events(events)
         return out
 
@@ -1547,7 +1153,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Scheduler side: collect the workers' KV events (those every worker reported, as vLLM's own connectors
         aggregate them across tensor-parallel ranks)."""
         events = getattr(connector_output, "kv_cache_events", None)
-        if events is None or _KVEvents is None or not isinstance(events, _KVEvents):
+        if events is None or KVEvents is None or not isinstance(events, KVEvents):
             return
         if self._worker_events is None:
             self._worker_events = events
@@ -1568,20 +1174,20 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_kv_connector_stats(self) -> Any:
         """Worker side: what the connector did since the last call (vLLM's metrics: hits per tier, misses, load
         failures, blocks saved, bytes loaded and saved, blocks dropped as corrupt)."""
-        if _Stats is None or self._is_scheduler:
+        if SfstoreConnectorStats is None or self._is_scheduler:
             return None  # the workers report (in one process both roles share the store: it would count twice)
         now = self.store.counters.snapshot()
-        data = {name: int(now.get(src, 0)) - int(self._stats_base.get(src, 0)) for name, src in _STORE_STATS}
+        data = {name: int(now.get(src, 0)) - int(self._stats_base.get(src, 0)) for name, src in STORE_STATS}
         self._stats_base = now
         data.update(self._stats)
-        self._stats = dict.fromkeys(_OWN_STATS, 0)
+        self._stats = dict.fromkeys(OWN_STATS, 0)
         stats = SfstoreConnectorStats(data=data)
         return None if stats.is_empty() else stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         """The stats object of this connector, from its dict (how vLLM rebuilds stats sent between processes)."""
-        if _Stats is None:
+        if SfstoreConnectorStats is None:
             return None
         return SfstoreConnectorStats(data=dict(data or {}))
 

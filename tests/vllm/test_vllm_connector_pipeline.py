@@ -41,6 +41,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from sfstore.kvcache import vllm as sfvllm  # noqa: E402
+from sfstore.kvcache import vllm_staging as staging  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -495,7 +496,7 @@ class CopyInFlight:
 
 
 def test_staging_pool_hands_out_a_buffer_only_once_its_copy_completed() -> None:
-    pool = sfvllm._StagingPool(pin=False, limit=2)
+    pool = staging.StagingPool(pin=False, limit=2)
     a = pool.acquire(100)
     first = CopyInFlight()
     pool.release(a, first)
