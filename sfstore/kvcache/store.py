@@ -875,11 +875,19 @@ class KVCacheStore:
                 self._executor.submit(self._promote_to_block, promote)
         self.counters.add(corrupt_dropped=corrupt, unreadable=unreadable)
         if count:
-            self.counters.add(
-                gets=len(keys), misses=sum(1 for t in tiers if t is None),
-                hits_pinned=tiers.count("pinned"), hits_block=tiers.count("block"), hits_shared=tiers.count("shared"),
-            )
+            self.count_loads(tiers)
         return slots, tiers
+
+    def count_loads(self, tiers: Sequence[str | None]) -> None:
+        """Count blocks a caller loaded from an uncounted :meth:`prefetch` (``count=False``), once it used them:
+        ``gets``, ``misses`` (``None``) and ``hits_*`` by the tier each came from, as the prefetch answered. For a
+        prefetch started ahead that may never be used (an engine's scheduler reading ahead for a request that can
+        still be aborted): only the blocks used are counted."""
+        ts = list(tiers)
+        self.counters.add(
+            gets=len(ts), misses=sum(1 for t in ts if t is None),
+            hits_pinned=ts.count("pinned"), hits_block=ts.count("block"), hits_shared=ts.count("shared"),
+        )
 
     # -- deadlines ------------------------------------------------------------------------------------------------
     def _pin(self, slots: Sequence[Slot]) -> Callable[[], None]:

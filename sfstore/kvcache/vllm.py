@@ -791,10 +791,10 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _prefetch(self, keys: list[bytes]) -> list[tuple[int, Any]]:
         """``store.prefetch`` of ``keys`` in up to ``prefetch_chunks`` parts (at least ``blocks_per_prefetch``
-        blocks each), run at once by the store's background threads. Each block is counted once (``gets``,
-        ``hits_*``) by the tier it came from."""
+        blocks each), run at once by the store's background threads. Uncounted: :meth:`_resolve_loads` counts each
+        block (``gets``, ``hits_*``) by the tier it came from, once the step uses it."""
         per = max(self.blocks_per_prefetch, -(-len(keys) // max(1, self.prefetch_chunks)))
-        return [(len(keys[i:i + per]), self.store.prefetch(keys[i:i + per], count=True))
+        return [(len(keys[i:i + per]), self.store.prefetch(keys[i:i + per]))
                 for i in range(0, len(keys), per)]
 
     def _resolve_loads(self) -> tuple[list[bytes], list[int]]:
@@ -814,6 +814,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 log.exception("SfstoreConnector: prefetching %d blocks failed", count)
                 tiers.extend([None] * count)
         self._load_future = None
+        self.store.count_loads(tiers)  # here, not by the prefetch: one the scheduler started may never be taken
         found = [i for i, tier in enumerate(tiers) if tier is not None]
         # pinned for the step's copies: a block the prefetch brought in cannot leave the tier between layers
         self._release_held()

@@ -625,3 +625,46 @@ def test_loads_ahead_are_taken_once_and_only_for_the_same_blocks() -> None:
     ahead.put("r3", [b"d"], futures)
     ahead.drop("r3")
     assert ahead.take("r3", [b"d"]) is None
+
+
+class _StandInBlocks:
+    """vLLM's KVCacheBlocks as update_state_after_alloc reads it (``get_block_ids``), for a scheduler call made
+    by hand."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self._ids = ids
+
+    def get_block_ids(self) -> list[list[int]]:
+        return [self._ids]
+
+
+def test_a_read_ahead_the_worker_never_takes_is_not_counted(model_dir: Path, tmp_path: Path) -> None:
+    """The scheduler starts a request's reads as soon as it allocated its blocks; the request can end before the
+    worker takes them (an abort). The store's gets / hits count a block when the worker uses it, not when it
+    was read ahead."""
+    extra = {"pinned_bytes": 4 << 20, "shared_dir": str(tmp_path / "shared"), "model_id": "tiny-ahead-count"}
+    prompt = [(i * 43 + 1) % 1000 for i in range(100)]  # 6 full blocks
+    with engine(model_dir, extra) as eng:
+        conn, store = eng.connector, eng.connector.store
+        keys = store.keys_for(prompt[:96], ())
+        store.put(keys, [torch.zeros(conn.layout.geometry.block_bytes // 2, dtype=DTYPE) for _ in keys])
+        store.wait_for_puts()
+        store.evict(keys, tiers=("pinned",))  # read from the shared tier's files
+        req = make_request("gone", prompt)
+        n, _ = conn.get_num_new_matched_tokens(req, 0)
+        assert n == 96
+        before = store.counters.snapshot()
+        conn.update_state_after_alloc(req, _StandInBlocks(list(range(1, 8))), n)
+        started = conn._ahead.take("gone", keys)  # what the worker would have taken
+        assert started is not None
+        assert [t for _, f in started for t in f.get()] == ["shared"] * 6  # read ahead, into the pinned tier
+        conn.request_finished(req, [])
+        now = store.counters.snapshot()
+        assert {k: now[k] - before[k] for k in ("gets", "hits_shared", "hits_pinned", "misses")} == {
+            "gets": 0, "hits_shared": 0, "hits_pinned": 0, "misses": 0}
+        # a request the worker does load is counted once, by the tier the read ahead found each block in
+        eng.add(make_request("kept", [*prompt[:96], 5, 6, 7]))
+        eng.step()
+        now = store.counters.snapshot()
+        assert now["gets"] - before["gets"] == 6 and now["hits_pinned"] - before["hits_pinned"] == 6
+        eng.run()
