@@ -36,7 +36,8 @@ def ttft_entries() -> list[dict[str, Any]]:
         {"name": "ttft-1536", "params": {"prompt_tokens": 1536},
          "sides": {"none": _side(46, 48, 50), "sfstore-pinned": _side(12, 12.5, 13),
                    "sfstore-shared-cold": _side(20, 22, 24), "example-cold": _side(14, 15, 16),
-                   "example-warm": _side(19, 20, 21), "sfstore-miss": _side(50, 51, 52)}},
+                   "example-warm": _side(19, 20, 21), "sfstore-miss": _side(50, 51, 52),
+                   "floor": _side(9, 10, 11)}},
     ]
 
 
@@ -70,6 +71,10 @@ def test_pair_cases_ratios_and_goals() -> None:
     assert warm["status"] == "met" and warm["ratio"] == pytest.approx(20 / 12.5)
     assert by_name["ttft-1536-pinned-vs-example-warm"]["reference_tool"] == "vLLM ExampleConnector"
     assert "ttft-512-pinned-vs-example-warm" not in by_name  # no such side at 512
+    # the floor (vLLM's own time for a hit) bounds every goal: the other side's TTFT over it
+    assert warm["bound"] == pytest.approx(20 / 10) and goals["ttft-1536-pinned-vs-none"]["bound"] == pytest.approx(4.8)
+    assert warm["line"].endswith("; a connector with free loads: 2.00x")
+    assert not any(c["params"]["side"] == "floor" or c["params"]["versus"] == "floor" for c in cases)
     assert goals["ttft-1536-shared-cold-vs-none"]["target"] == 2.0
     assert goals["ttft-1536-shared-cold-vs-none"]["status"] == "met"
     assert goals["ttft-1536-pinned-vs-none"]["target"] == 5.0
@@ -92,7 +97,7 @@ def test_ttft_table_has_a_column_per_side() -> None:
     head, *rows = text.splitlines()
     # the sides in the order they first appear (example-warm only at 1536)
     assert head.split() == ["TTFT", "(ms)", "none", "sfstore-pinned", "sfstore-shared-cold", "example-cold",
-                            "sfstore-miss", "example-warm"]
+                            "sfstore-miss", "example-warm", "floor"]
     assert rows[1].startswith("ttft-1536") and "48.0 ms (46.0-50.0)" in rows[1]
     assert "n/a (engine process exited 1)" in rows[0]
 

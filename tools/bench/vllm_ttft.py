@@ -6,12 +6,14 @@ extra config) and ``eager`` (vLLM's ``enforce_eager``; default off: the model co
 
 The process builds its engine, runs a warm-up prompt, prints ``@@ready {}`` and then serves the suite, which keeps
 every side's process alive and interleaves them prompt by prompt (so a change of load on the machine hits every side
-alike): each line on stdin is a JSON command, ``{"prompt": [token ids], "repeat": 1 or 2, "wait_puts": bool}``;
-each prompt is one ``LLM.generate`` with ``max_tokens=1`` (its wall time is the time to first token), ``repeat`` 2
-times it again at once (a hit from the pinned tier), ``wait_puts`` waits after the first pass until sfstore's
-blocks reached the shared tier (outside the timings). The answer is one line ``@@reply {"ttft_s": [...],
-"cached": [...]}`` (``cached``: vLLM's ``num_cached_tokens`` of each pass), or ``@@error {"error": ...}``;
-``{"quit": true}`` ends the process. Lines without the ``@@`` prefix are vLLM's own output.
+alike): each line on stdin is a JSON command, ``{"prompt": [token ids], "repeat": 1 or 2, "wait_puts": bool,
+"floor": bool}``; each prompt is one ``LLM.generate`` with ``max_tokens=1`` (its wall time is the time to first
+token), ``repeat`` 2 times it again at once (a hit from the pinned tier), ``wait_puts`` waits after the first pass
+until sfstore's blocks reached the shared tier (outside the timings), ``floor`` (sfstore only) times the prompt once
+more with the connector's loads cut out (``floor_s``: vLLM's own time for the hit, the least any connector could
+reach). The answer is one line ``@@reply {"ttft_s": [...], "cached": [...]}`` (``cached``: vLLM's
+``num_cached_tokens`` of each pass), or ``@@error {"error": ...}``; ``{"quit": true}`` ends the process. Lines
+without the ``@@`` prefix are vLLM's own output.
 """
 
 from __future__ import annotations
@@ -56,6 +58,23 @@ def build(spec: dict[str, Any]) -> Any:
     return llm, params, TokensPrompt
 
 
+def _floor_pass(llm: Any, params: Any, prompt: Any) -> float:
+    """TTFT of ``prompt`` (a hit) with the connector's loads cut out: the scheduler still reports the hit, so vLLM
+    computes only the last block, but nothing is copied into the pages (the output is meaningless: timing only).
+    What is left is vLLM's own time for a hit, the least any connector could reach."""
+    from sfstore.kvcache.vllm import SfstoreConnector as C
+
+    real = (C.start_load_kv, C.wait_for_layer_load)
+    C.start_load_kv = lambda self, forward_context, **kw: None  # type: ignore[method-assign]
+    C.wait_for_layer_load = lambda self, layer_name: None  # type: ignore[method-assign]
+    try:
+        t0 = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        return time.perf_counter() - t0
+    finally:
+        C.start_load_kv, C.wait_for_layer_load = real  # type: ignore[method-assign]
+
+
 def serve(spec: dict[str, Any]) -> None:
     """Build the engine, then answer commands from stdin until ``quit`` or end of input."""
     try:
@@ -82,6 +101,8 @@ def serve(spec: dict[str, Any]) -> None:
 
                     for entry in list(sfvllm._stores.values()):
                         entry[0].wait_for_puts()  # the shared files are complete before anything times them
+            if cmd.get("floor") and spec["connector"] == "sfstore":
+                out["floor_s"] = _floor_pass(llm, params, tokens_prompt(prompt_token_ids=cmd["prompt"]))
         except Exception as exc:
             _say("error", {"error": f"{type(exc).__name__}: {exc}"})
             continue

@@ -17,7 +17,11 @@ time of ``LLM.generate(max_tokens=1)`` for one prompt (after a warm-up prompt at
 * ``example-warm``: the same prompt again in the ``ExampleConnector`` process that just saved it (its files in the
   page cache): the peer's hit in that case, beside ``sfstore-pinned``;
 * ``sfstore-miss``: the process that saved the blocks, timing the first pass (a miss that saves every block), for
-  what saving costs.
+  what saving costs;
+* ``floor``: that process once more with the connector's loads cut out (vLLM still skips the hit tokens, nothing is
+  copied, the output is meaningless): vLLM's own time for a hit, the least any connector could reach. Each goal
+  against another side also reports ``bound``, that side's TTFT over the floor's: the ratio a connector with free
+  loads would get.
 
 Both connectors load the same tokens (every full block but the last token's) and the same KV bytes: sfstore as one
 file per block (a 4 KiB header, then the block, verified with its xxh3-64 on the way in), ``ExampleConnector`` as
@@ -65,7 +69,7 @@ PAIRS = (("sfstore-shared-cold", "none", 0.5), ("sfstore-pinned", "none", 0.2),
          ("sfstore-shared-cold", "example-cold", 1 / 1.5), ("sfstore-pinned", "example-warm", 1 / 1.5),
          ("sfstore-miss", "none", None))
 GOAL_TOKENS = 1536
-SIDES = ("none", "sfstore-pinned", "sfstore-shared-cold", "example-cold", "example-warm", "sfstore-miss")
+SIDES = ("none", "sfstore-pinned", "sfstore-shared-cold", "example-cold", "example-warm", "sfstore-miss", "floor")
 HIT_SIDES = ("sfstore-pinned", "sfstore-shared-cold", "example-cold", "example-warm")
 REFERENCE_TOOLS = {"none": "vLLM, no connector", "example-cold": "vLLM ExampleConnector",
                    "example-warm": "vLLM ExampleConnector"}
@@ -125,13 +129,14 @@ class _Engine:
         tail = Path(self._log.name).read_text()[-400:]
         return "error", {"error": f"engine process {self.name} exited {code}: {tail}"}
 
-    def ask(self, prompt: list[int], repeat: int = 1, wait_puts: bool = False) -> dict[str, Any]:
+    def ask(self, prompt: list[int], repeat: int = 1, wait_puts: bool = False, floor: bool = False) -> dict[str, Any]:
         """Time ``prompt`` (``repeat`` passes): ``{"ttft_s": [...], "cached": [...]}`` or ``{"error": ...}``."""
         if self.error is not None:
             return {"error": self.error}
         assert self._proc.stdin is not None
         try:
-            self._proc.stdin.write(json.dumps({"prompt": prompt, "repeat": repeat, "wait_puts": wait_puts}) + "\n")
+            self._proc.stdin.write(json.dumps({"prompt": prompt, "repeat": repeat, "wait_puts": wait_puts,
+                                               "floor": floor}) + "\n")
             self._proc.stdin.flush()
         except OSError as exc:
             self.error = f"engine process {self.name}: {exc}"
@@ -224,8 +229,12 @@ def pair_cases(ttft: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[d
             else:
                 r = float(case["ratio"])
                 met = r >= target
-                item.update(ratio=r, status="met" if met else "missed", met=met,
-                            line=f"goal: {goal}: {'PASS' if met else 'MISS'}, TTFT {1 / r:.2f}x ({r:.2f}x faster)")
+                line = f"goal: {goal}: {'PASS' if met else 'MISS'}, TTFT {1 / r:.2f}x ({r:.2f}x faster)"
+                floor = entry["sides"].get("floor") or {}
+                if floor.get("median_s"):
+                    item["bound"] = float(b["median_s"]) / float(floor["median_s"])
+                    line += f"; a connector with free loads: {item['bound']:.2f}x"
+                item.update(ratio=r, status="met" if met else "missed", met=met, line=line)
                 if not met:
                     item["missed_by"] = target - r
             acceptance.append(item)
@@ -280,9 +289,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for i in order:
             p = prompts[i]
             note("none", engines["none"].ask(p))
-            saved = engines["sfstore-save"].ask(p, repeat=2, wait_puts=True)
+            saved = engines["sfstore-save"].ask(p, repeat=2, wait_puts=True, floor=True)
             note("sfstore-miss", saved, 0)
             note("sfstore-pinned", saved, 1)
+            if "floor_s" in saved:
+                note("floor", {"ttft_s": [saved["floor_s"]], "cached": [saved["cached"][1]]})
             files["sfstore-shared"] = _evict(shared, check=i == order[-1])
             note("sfstore-shared-cold", engines["sfstore-cold"].ask(p))
             note("example-warm", engines["example-save"].ask(p, repeat=2), 1)
