@@ -26,7 +26,8 @@ from sfstore.blocks.layout import SUM_KV64
 from sfstore.buffers import RegisteredBufferPool, as_buffer, is_device_buffer
 from sfstore.checksums import xxh3_64
 from sfstore.counters import Counters
-from sfstore.futures import ExecutorFuture
+from sfstore.futures import DoneFuture, ExecutorFuture
+from sfstore.futures import Future as SfFuture
 from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
 from sfstore.kvcache.held import HeldBlocks
@@ -804,14 +805,22 @@ class KVCacheStore:
         slots, tiers = self._fetch(ks, count=bool(count))
         return HeldBlocks(self.pinned, self.geometry, slots, tiers)
 
-    def prefetch(self, keys: Sequence[bytes], *, count: bool = False) -> ExecutorFuture[list[str | None]]:
+    def prefetch(self, keys: Sequence[bytes], *, count: bool = False) -> SfFuture[list[str | None]]:
         """Bring the blocks into the pinned tier in the background; ``.get()`` gives the tier of each.
 
         ``count``: count the blocks in ``gets`` / ``hits_*`` / ``misses``, for callers whose reads that follow
         (:meth:`get_layer_into`) are of these blocks (an engine's per-layer loads), so each is counted once.
+
+        Where every block is in the pinned tier already, the future is done on return and no background work is
+        started: a pool thread woken for nothing would compete with the caller for the interpreter lock.
         """
         self._check_open()  # (an empty batch is a valid no-op, as in every call)
         ks = self._check_keys(keys)
+        if all(k in self.pinned for k in ks):
+            tiers: list[str | None] = ["pinned"] * len(ks)
+            if count:
+                self.count_loads(tiers)
+            return DoneFuture(tiers)
 
         def run() -> list[str | None]:
             slots, tiers = self._fetch(ks, count=bool(count))

@@ -244,3 +244,23 @@ def test_prepare_pinned_allocates_idle_slots_in_the_background(tmp_path: Path) -
     finally:
         kv.close()
     assert not kv.prepare_pinned(1)  # closed: nothing started
+
+
+def test_a_prefetch_of_pinned_blocks_is_done_on_return_and_counted_once(tmp_path: Path) -> None:
+    from sfstore.futures import DoneFuture
+
+    with KVCacheStore(GEOM, model_id="m", pinned_bytes=1 << 20, shared_dir=tmp_path / "shared") as s:
+        keys = s.keys_for(range(GEOM.block_tokens * 3))
+        s.put(keys, blocks_for(GEOM, 3))
+        s.wait_for_puts()
+        before = s.counters.snapshot()
+        fut = s.prefetch(keys, count=True)
+        assert isinstance(fut, DoneFuture) and fut.done()  # no background work for blocks already pinned
+        assert fut.get() == ["pinned"] * 3
+        now = s.counters.snapshot()
+        assert (now["gets"] - before["gets"], now["hits_pinned"] - before["hits_pinned"]) == (3, 3)
+        s.evict(keys[1:2], tiers=("pinned",))
+        mixed = s.prefetch(keys)  # one block to read: in the background, as before
+        assert not isinstance(mixed, DoneFuture)
+        assert mixed.get(30) == ["pinned", "shared", "pinned"]
+        assert s.counters.snapshot()["gets"] == now["gets"]  # count=False
