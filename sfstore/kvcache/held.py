@@ -56,9 +56,10 @@ class HeldBlocks:
             Without ``rows_at``: a writable C-contiguous host buffer (a numpy array, a CPU torch tensor, a
             ``bytearray``) of at least ``len(self) * geometry.layer_bytes`` bytes; row ``j`` goes to its ``j``-th
             ``layer_bytes``, laid out as :attr:`KVGeometry.layer_shape`. With ``rows_at``: a CPU torch tensor or
-            numpy array of shape ``(P, *geometry.layer_shape)`` and the geometry's dtype, with any non-negative
-            strides but a contiguous last dimension (a strided view of an engine's paged cache, such as
-            :func:`~sfstore.kvcache.vllm.pages_as_layers`); row ``j`` goes to ``out[rows_at[j]]``.
+            numpy array of shape ``(P, *geometry.layer_shape)`` whose elements are the geometry's size (the bytes
+            move as they are), with any non-negative strides but a contiguous last dimension (a strided view of
+            an engine's paged cache, such as :func:`~sfstore.kvcache.vllm_layout.pages_as_layers`); row ``j`` goes
+            to ``out[rows_at[j]]``.
         rows_at : sequence of int, optional
             Where each row goes in ``out`` (``len(self)`` indices in ``[0, P)``).
 
