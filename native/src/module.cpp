@@ -508,6 +508,60 @@ nb::dict engine_stats(PyEngine& self) {
     return d;
 }
 
+// Buffer views one call holds: `out` (writable) and each source, all C-contiguous, released when the call ends,
+// normally or by an error raised on the way (the GIL is held again by then).
+struct HeldViews {
+    Py_buffer out{};
+    bool has_out = false;
+    std::vector<Py_buffer> sources;
+    HeldViews() = default;
+    HeldViews(const HeldViews&) = delete;
+    HeldViews& operator=(const HeldViews&) = delete;
+    ~HeldViews() {
+        for (auto& v : sources) PyBuffer_Release(&v);
+        if (has_out) PyBuffer_Release(&out);
+    }
+};
+
+// `out` as a writable C-contiguous buffer; `what` prefixes the error.
+void hold_out(HeldViews& h, nb::handle out, const std::string& what) {
+    if (PyObject_GetBuffer(out.ptr(), &h.out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        raise_sf("invalid", EINVAL, what + ": out must be a writable contiguous buffer");
+    }
+    h.has_out = true;
+}
+
+// The length of the sequence `sources`; `what` prefixes the error.
+Py_ssize_t sequence_length(nb::handle sources, const std::string& what) {
+    Py_ssize_t n = PySequence_Check(sources.ptr()) ? PySequence_Size(sources.ptr()) : -1;
+    if (n < 0) {
+        PyErr_Clear();
+        raise_sf("invalid", EINVAL, what + ": sources must be a sequence");
+    }
+    return n;
+}
+
+// Each item of `sources` as a C-contiguous view holding at least `offset + need` bytes (no size check with
+// `need` < 0); `what` prefixes the error.
+void hold_sources(HeldViews& h, nb::handle sources, Py_ssize_t n, Py_ssize_t offset, Py_ssize_t need,
+                  const std::string& what) {
+    h.sources.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        nb::object item = nb::steal(PySequence_GetItem(sources.ptr(), i));
+        Py_buffer v;
+        if (!item.is_valid() || PyObject_GetBuffer(item.ptr(), &v, PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            raise_sf("invalid", EINVAL, what + ": source " + std::to_string(i) + " is not a contiguous buffer");
+        }
+        h.sources.push_back(v);
+        if (need >= 0 && (v.len < offset || v.len - offset < need))
+            raise_sf("invalid", EINVAL, what + ": source " + std::to_string(i) + " holds " + std::to_string(v.len) +
+                                            " bytes, fewer than " + std::to_string(offset) + " + " +
+                                            std::to_string(need));
+    }
+}
+
 // A path argument as the bytes the kernel takes: str (undecodable bytes as surrogate escapes, as os.fsdecode
 // makes them), bytes or os.PathLike; `what` names it in the error.
 std::string fs_path(nb::handle obj, const std::string& what) {
@@ -859,53 +913,20 @@ NB_MODULE(_native, m) {
             // for what would be one Python-level copy per source (an engine's per-layer loads), the GIL released
             // around the copies (every view is held until they are done).
             if (offset < 0 || nbytes < 0) raise_sf("invalid", EINVAL, "gather: offset and nbytes must be >= 0");
-            if (!PySequence_Check(sources.ptr())) raise_sf("invalid", EINVAL, "gather: sources must be a sequence");
-            Py_ssize_t n = PySequence_Size(sources.ptr());
-            if (n < 0) {
-                PyErr_Clear();
-                raise_sf("invalid", EINVAL, "gather: sources must be a sequence");
-            }
-            Py_buffer dst;
-            if (PyObject_GetBuffer(out.ptr(), &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-                PyErr_Clear();
-                raise_sf("invalid", EINVAL, "gather: out must be a writable contiguous buffer");
-            }
-            std::vector<Py_buffer> views;
-            views.reserve(static_cast<size_t>(n));
-            auto release_all = [&] {
-                for (auto& v : views) PyBuffer_Release(&v);
-                PyBuffer_Release(&dst);
-            };
-            if (nbytes > 0 && n > (dst.len / nbytes)) {
-                std::string msg = "gather: out holds " + std::to_string(dst.len) + " bytes, not " +
-                                  std::to_string(n) + " x " + std::to_string(nbytes);
-                release_all();
-                raise_sf("invalid", EINVAL, msg);
-            }
-            for (Py_ssize_t i = 0; i < n; ++i) {
-                nb::object item = nb::steal(PySequence_GetItem(sources.ptr(), i));
-                Py_buffer v;
-                if (!item.is_valid() || PyObject_GetBuffer(item.ptr(), &v, PyBUF_C_CONTIGUOUS) < 0) {
-                    PyErr_Clear();
-                    release_all();
-                    raise_sf("invalid", EINVAL, "gather: source " + std::to_string(i) + " is not a contiguous buffer");
-                }
-                views.push_back(v);
-                if (v.len < offset || v.len - offset < nbytes) {
-                    std::string msg = "gather: source " + std::to_string(i) + " holds " + std::to_string(v.len) +
-                                      " bytes, fewer than " + std::to_string(offset) + " + " + std::to_string(nbytes);
-                    release_all();
-                    raise_sf("invalid", EINVAL, msg);
-                }
-            }
+            Py_ssize_t n = sequence_length(sources, "gather");
+            HeldViews h;
+            hold_out(h, out, "gather");
+            if (nbytes > 0 && n > (h.out.len / nbytes))
+                raise_sf("invalid", EINVAL, "gather: out holds " + std::to_string(h.out.len) + " bytes, not " +
+                                                std::to_string(n) + " x " + std::to_string(nbytes));
+            hold_sources(h, sources, n, offset, nbytes, "gather");
             {
                 NoGil nogil;
-                char* d = static_cast<char*>(dst.buf);
+                char* d = static_cast<char*>(h.out.buf);
                 for (Py_ssize_t i = 0; i < n; ++i)
-                    std::memcpy(d + i * nbytes, static_cast<const char*>(views[static_cast<size_t>(i)].buf) + offset,
+                    std::memcpy(d + i * nbytes, static_cast<const char*>(h.sources[static_cast<size_t>(i)].buf) + offset,
                                 static_cast<size_t>(nbytes));
             }
-            release_all();
         },
         "out"_a, "sources"_a, "offset"_a, "nbytes"_a,
         "Copy bytes [offset, offset + nbytes) of each source buffer into consecutive rows of out (GIL released).");
@@ -940,55 +961,24 @@ NB_MODULE(_native, m) {
                     src_extent += static_cast<Py_ssize_t>(q);
                 }
             }
-            if (!PySequence_Check(sources.ptr())) bad("sources must be a sequence");
-            Py_ssize_t n = PySequence_Size(sources.ptr());
-            if (n < 0) {
-                PyErr_Clear();
-                bad("sources must be a sequence");
-            }
+            Py_ssize_t n = sequence_length(sources, "scatter");
             if (static_cast<size_t>(n) != out_offsets.size())
                 bad(std::to_string(n) + " sources but " + std::to_string(out_offsets.size()) + " out_offsets");
-            Py_buffer dst;
-            if (PyObject_GetBuffer(out.ptr(), &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-                PyErr_Clear();
-                bad("out must be a writable contiguous buffer");
-            }
-            std::vector<Py_buffer> views;
-            views.reserve(static_cast<size_t>(n));
-            auto release_all = [&] {
-                for (auto& v : views) PyBuffer_Release(&v);
-                PyBuffer_Release(&dst);
-            };
-            for (Py_ssize_t i = 0; i < n; ++i) {
+            HeldViews h;
+            hold_out(h, out, "scatter");
+            for (Py_ssize_t i = 0; i < n && !empty; ++i) {
                 Py_ssize_t at = out_offsets[static_cast<size_t>(i)];
-                if (!empty && (at < 0 || at > dst.len || dst.len - at < out_extent)) {
-                    std::string msg = "out_offsets[" + std::to_string(i) + "] = " + std::to_string(at) + " with an "
-                                      "extent of " + std::to_string(out_extent) + " bytes leaves out (" +
-                                      std::to_string(dst.len) + " bytes)";
-                    release_all();
-                    bad(msg);
-                }
-                nb::object item = nb::steal(PySequence_GetItem(sources.ptr(), i));
-                Py_buffer v;
-                if (!item.is_valid() || PyObject_GetBuffer(item.ptr(), &v, PyBUF_C_CONTIGUOUS) < 0) {
-                    PyErr_Clear();
-                    release_all();
-                    bad("source " + std::to_string(i) + " is not a contiguous buffer");
-                }
-                views.push_back(v);
-                if (!empty && (v.len < offset || v.len - offset < src_extent)) {
-                    std::string msg = "source " + std::to_string(i) + " holds " + std::to_string(v.len) +
-                                      " bytes, fewer than " + std::to_string(offset) + " + " + std::to_string(src_extent);
-                    release_all();
-                    bad(msg);
-                }
+                if (at < 0 || at > h.out.len || h.out.len - at < out_extent)
+                    bad("out_offsets[" + std::to_string(i) + "] = " + std::to_string(at) + " with an extent of " +
+                        std::to_string(out_extent) + " bytes leaves out (" + std::to_string(h.out.len) + " bytes)");
             }
+            hold_sources(h, sources, n, offset, empty ? -1 : src_extent, "scatter");
             if (!empty) {
                 NoGil nogil;
-                char* d = static_cast<char*>(dst.buf);
+                char* d = static_cast<char*>(h.out.buf);
                 const size_t r = static_cast<size_t>(run);
                 for (Py_ssize_t i = 0; i < n; ++i) {
-                    const char* src = static_cast<const char*>(views[static_cast<size_t>(i)].buf) + offset;
+                    const char* src = static_cast<const char*>(h.sources[static_cast<size_t>(i)].buf) + offset;
                     char* base = d + out_offsets[static_cast<size_t>(i)];
                     for (Py_ssize_t a = 0; a < counts[0]; ++a)
                         for (Py_ssize_t b = 0; b < counts[1]; ++b)
@@ -997,7 +987,6 @@ NB_MODULE(_native, m) {
                                             src + a * src_strides[0] + b * src_strides[1] + c * src_strides[2], r);
                 }
             }
-            release_all();
         },
         "out"_a, "sources"_a, "offset"_a, "out_offsets"_a, "counts"_a, "out_strides"_a, "src_strides"_a, "run"_a,
         "Copy a 3-D grid of runs of each source buffer into out at its offset (GIL released; extents checked).");
