@@ -260,13 +260,12 @@ class KVCacheStore:
 
     def contains(self, key: bytes) -> bool:
         """Whether any tier has the block."""
-        self._check_open()
-        k = self._check_keys([key])[0]
-        if k in self.pinned:
-            return True
-        if self.block is not None and self.block.contains(k):
-            return True
-        return self.shared is not None and self.shared.contains(k)
+        return self.contains_many([key])[0]
+
+    def _in_memory(self, key: bytes) -> bool:
+        """Whether a tier that answers from this process's memory has the block: the pinned tier, or the block
+        store's index."""
+        return key in self.pinned or (self.block is not None and self.block.contains(key))
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """:meth:`contains` of each key: the upper tiers answer from memory, and the blocks only the shared tier
@@ -274,7 +273,7 @@ class KVCacheStore:
         block; past its deadline, or while it is quarantined, those answer ``False``."""
         self._check_open()
         ks = self._check_keys(keys)
-        out = [k in self.pinned or (self.block is not None and self.block.contains(k)) for k in ks]
+        out = [self._in_memory(k) for k in ks]
         need = [i for i, found in enumerate(out) if not found]
         if need and self.shared is not None:
             for i, found in zip(need, self.shared.present([ks[i] for i in need]), strict=True):
@@ -290,7 +289,7 @@ class KVCacheStore:
         # operation (one deadline, one handoff to its workers) instead of one per block.
         need: list[int] = []
         for i, k in enumerate(keys):
-            if k in self.pinned or (self.block is not None and self.block.contains(k)):
+            if self._in_memory(k):
                 continue
             if self.shared is None:
                 return i * self.geometry.block_tokens

@@ -336,8 +336,7 @@ class SharedTier:
     def contains(self, key: bytes) -> bool:
         """Whether a regular file (not yet verified) is at the key's name inside the directory (``False`` past
         the deadline or while quarantined)."""
-        status, found = self.guard.run(self._contains, key, what="a lookup")
-        return status == OK and bool(found)
+        return self.present([key])[0]
 
     def leading_present(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, have a regular file at their name (not yet verified): one

@@ -950,10 +950,11 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return idx
 
     def _issue_load(self, cache: torch.Tensor, layer: int, block_ids: list[int]) -> tuple[list[str | None], Any]:
-        """Issue one layer's load into a staged cache: one copy of that layer of every block the step holds
-        (``store.hold``, in ``_resolve_loads``) into one staging buffer (on this thread), then one host-to-device
-        copy and one scatter into the pages, enqueued on the load stream. Returns each block's tier and the event
-        after the scatter (``None`` on the CPU, where both copies are done on return)."""
+        """Issue one layer's load of every block the step holds (``store.hold``, in ``_resolve_loads``). A CPU cache
+        (``stage_copies`` auto) takes it with one native copy straight into its strided pages. Otherwise: one copy
+        into a staging buffer (on this thread), then one host-to-device copy and one scatter into the pages,
+        enqueued on the load stream. Returns each block's tier and the event after the scatter (``None`` on the
+        CPU, where every copy is done on return)."""
         held = self._held
         n = len(block_ids)
         if held is None or len(held) != n:
@@ -1000,9 +1001,10 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return cache.device.type != "cpu" if self.stage_copies is None else self.stage_copies
 
     def _load_staged(self, cache: torch.Tensor) -> bool:
-        """Whether a layer's loads go through one host staging tensor (one copy into the pages per layer and step;
-        for a GPU cache its one host-device copy) or block by block straight into the pages (``stage_copies``
-        off, or a CPU cache whose pages :func:`pages_as_layers` cannot view as one)."""
+        """Whether a layer's loads are one batched copy per layer and step (:meth:`_issue_load`: for a GPU cache
+        through a host staging tensor and its one host-device copy, for a CPU cache straight into its pages) or
+        block by block straight into the pages (``stage_copies`` off, or a CPU cache whose pages
+        :func:`pages_as_layers` cannot view as one)."""
         if self.stage_copies is not None:
             return self.stage_copies
         return cache.device.type != "cpu" or self._layers_viewable.get(id(cache), False)
