@@ -8,12 +8,12 @@ holds it) computes the same sums.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
 
-__all__ = ["xxh3_64", "xxh3_64_hex", "kvsum64", "kvsum64_finish", "KVSUM_WORD"]
+__all__ = ["xxh3_64", "xxh3_64_many", "xxh3_64_hex", "kvsum64", "kvsum64_finish", "KVSUM_WORD"]
 
 
 def _pick() -> Callable[[Any], int]:
@@ -30,6 +30,23 @@ def _pick() -> Callable[[Any], int]:
 #: ``xxh3_64(buffer) -> int`` of any contiguous buffer (bytes, memoryview, numpy array): a C function, called
 #: directly, as it runs once per block on the hot paths.
 xxh3_64: Callable[[Any], int] = _pick()
+
+
+def _pick_many() -> Callable[[Sequence[Any]], list[int]]:
+    try:
+        from sfstore import _native
+
+        if _native.xxh3_available() and hasattr(_native, "xxh3_64_many"):
+            return _native.xxh3_64_many
+    except ImportError:
+        pass
+    return lambda buffers: [xxh3_64(b) for b in buffers]
+
+
+#: ``xxh3_64_many(buffers) -> list[int]``: :data:`xxh3_64` of each buffer, in one call into the native helper
+#: that releases the GIL once for all of them (a batch of blocks read together is verified with one hand-over of
+#: the interpreter, not one per block).
+xxh3_64_many: Callable[[Sequence[Any]], list[int]] = _pick_many()
 
 
 def xxh3_64_hex(data: Any) -> str:

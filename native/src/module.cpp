@@ -907,6 +907,26 @@ NB_MODULE(_native, m) {
         "data"_a, "xxh3-64 (seed 0) of a contiguous buffer, as the engine checks reads; releases the GIL for "
                   "64 KiB and more.");
     m.def(
+        "xxh3_64_many",
+        [](nb::handle sources) {
+            // One release of the GIL for a batch's checksums (a batch of KV blocks read together), not one per
+            // buffer: each release and retake is a hand-over that a busy main thread pays for.
+            if (!xxh3_available()) raise_sf("invalid", EINVAL, "this build has no xxh3");
+            Py_ssize_t n = sequence_length(sources, "xxh3_64_many");
+            HeldViews h;
+            hold_sources(h, sources, n, 0, -1, "xxh3_64_many");
+            std::vector<uint64_t> sums(static_cast<size_t>(n));
+            {
+                NoGil nogil;  // every view is held (no resize while exported) until the call ends
+                for (size_t i = 0; i < sums.size(); ++i)
+                    sums[i] = xxh3_64(h.sources[i].buf, static_cast<size_t>(h.sources[i].len));
+            }
+            nb::list out;
+            for (uint64_t v : sums) out.append(v);
+            return out;
+        },
+        "sources"_a, "xxh3-64 (seed 0) of each contiguous buffer in ``sources``, with the GIL released once.");
+    m.def(
         "gather",
         [](nb::handle out, nb::handle sources, Py_ssize_t offset, Py_ssize_t nbytes) {
             // out[i * nbytes : (i + 1) * nbytes] = sources[i][offset : offset + nbytes], for every source: one call

@@ -21,7 +21,7 @@ from typing import Any
 
 from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
-from sfstore.checksums import kvsum64, xxh3_64
+from sfstore.checksums import kvsum64, xxh3_64, xxh3_64_many
 from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard, late
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
@@ -40,8 +40,12 @@ _SUM = struct.Struct("<Q")
 
 @dataclass(eq=False)
 class Slot:
-    """A block in a registered buffer (``data``) and its shared-file header (``header``, ``HEADER`` bytes);
-    ``readers`` pin it against eviction."""
+    """A block in a registered buffer (``buffer``) and its shared-file header (``header``, ``HEADER`` bytes);
+    ``readers`` pin it against eviction.
+
+    A pinned tier's slot is one registered buffer laid out as a block file is (``root``: the header, then the
+    block; ``header`` and ``buffer`` are slices of it), so a shared-tier read fills it with one request per file.
+    """
 
     buffer: Any
     header: Any
@@ -51,6 +55,7 @@ class Slot:
     # a torch uint8 tensor over ``buffer``, made on first use by a batched copy and kept for the slot's life
     # (torch is optional: nothing here imports it)
     tensor: Any = None
+    root: Any = None  # the registered buffer ``header`` and ``buffer`` slice, when they are slices of one
 
     def data(self, nbytes: int) -> memoryview:
         return memoryview(self.buffer)[:nbytes]
@@ -96,8 +101,7 @@ class PinnedTier:
         self.geom = geom
         self.slot_bytes = -(-geom.block_bytes // 4096) * 4096
         self.capacity = max(0, budget_bytes // (self.slot_bytes + HEADER))
-        self._pool = RegisteredBufferPool(self.slot_bytes)
-        self._headers = RegisteredBufferPool(HEADER)
+        self._pool = RegisteredBufferPool(HEADER + self.slot_bytes)
         self._free: list[Slot] = []
         self._made = 0  # slots allocated so far (each lives until close)
         self.entries: OrderedDict[bytes, Slot] = OrderedDict()
@@ -115,11 +119,11 @@ class PinnedTier:
 
     def _new_slot(self, readers: int = 0) -> Slot:
         try:
-            buf = self._pool.acquire()
+            root = self._pool.acquire()
             try:
-                return Slot(buf, self._headers.acquire(), readers=readers)
+                return Slot(root[HEADER:], root[:HEADER], readers=readers, root=root)
             except BaseException:
-                buf.release()
+                root.release()
                 raise
         except BaseException:
             with self.lock:
@@ -236,8 +240,8 @@ class PinnedTier:
                 s.tensor = None  # the buffer's last export, before its release
                 s.buffer.release()
                 s.header.release()
+                s.root.release()  # (after its slices)
         self._pool.close()
-        self._headers.close()
 
 
 class SharedTier:
@@ -398,14 +402,18 @@ class SharedTier:
                 if status == "corrupt" and st is not None:
                     drops.append((i, st))
             results = self._submit_files([fd for _i, fd, _st in opened], [views[i] for i, _fd, _st in opened])
+            read: list[tuple[int, int, os.stat_result, tuple[int, int] | None, memoryview]] = []
             for (i, fd, st), got in zip(opened, results, strict=True):
                 if got is None:  # the read failed (as an OSError of the single read would be)
                     self.fp.counters.add(errors=1)
                     out[i] = ("unreadable", 0)
                     continue
                 found = read_header(views[i][0][:HEADER], self.geom, keys[i]) if got == HEADER + n else None
-                block = _block_bytes(views[i], n)
-                if found is None or block_sum(found[1], block) != found[0]:
+                read.append((i, fd, st, found, _block_bytes(views[i], n)))
+            # every host put's block hashed in one call (one release of the GIL for the batch)
+            sums = iter(xxh3_64_many([b for _i, _fd, _st, f, b in read if f is not None and f[1] == SUM_XXH3]))
+            for i, fd, st, found, block in read:
+                if found is None or (next(sums) if found[1] == SUM_XXH3 else block_sum(found[1], block)) != found[0]:
                     self.fp.counters.add(files=1)
                     out[i] = ("corrupt", 0)
                     drops.append((i, st))
@@ -590,8 +598,7 @@ class SharedTier:
         return [str(g) for g in got] if status == OK else [status] * len(keys)
 
     def _read_slots(self, keys: list[bytes], slots: list[Slot]) -> list[str]:
-        found = self._read_batch(keys, [[memoryview(s.header)[:HEADER], memoryview(s.buffer)[:self.slot_bytes]]
-                                        for s in slots])
+        found = self._read_batch(keys, [_slot_views(s, self.slot_bytes) for s in slots])
         if not late():
             for slot, (status, checksum) in zip(slots, found, strict=True):
                 if status == "hit":
@@ -656,8 +663,7 @@ class SharedTier:
         return status, out
 
     def _read_slot(self, key: bytes, slot: Slot) -> str:
-        status, checksum = self._read(key, [memoryview(slot.header)[:HEADER],
-                                            memoryview(slot.buffer)[:self.slot_bytes]])
+        status, checksum = self._read(key, _slot_views(slot, self.slot_bytes))
         if status == "hit" and not late():
             slot.checksum = checksum
         return status
@@ -946,6 +952,14 @@ def _not_late() -> None:
 def _is_sub(name: str) -> bool:
     """Whether ``name`` is one of the tier's 256 subdirectories (two lowercase hex digits)."""
     return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
+
+
+def _slot_views(slot: Slot, slot_bytes: int) -> list[memoryview]:
+    """The views a block file is read into in ``slot``: its whole root buffer (header, then block: one request),
+    else the header and the block."""
+    if slot.root is not None:
+        return [memoryview(slot.root)[:HEADER + slot_bytes]]
+    return [memoryview(slot.header)[:HEADER], memoryview(slot.buffer)[:slot_bytes]]
 
 
 def _block_bytes(views: list[memoryview], n: int) -> memoryview:
