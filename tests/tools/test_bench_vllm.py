@@ -82,6 +82,12 @@ def test_pair_cases_ratios_and_goals() -> None:
     assert goals["ttft-1536-shared-cold-vs-example"]["status"] == "missed"
     assert goals["ttft-1536-shared-cold-vs-example"]["line"].startswith(
         "goal: 1536-token TTFT, sfstore-shared-cold >= 1.5x faster than example-cold: MISS")
+    # a cold hit is bounded by the pinned hit too (the same hit, nothing read from disk): 15 / 12.5
+    cold = goals["ttft-1536-shared-cold-vs-example"]
+    assert cold["bound_no_disk"] == pytest.approx(15 / 12.5)
+    assert cold["line"].endswith("; a connector with free loads: 1.50x; a cold read costing no more than a pinned "
+                                 "hit: 1.20x")
+    assert "bound_no_disk" not in goals["ttft-1536-shared-cold-vs-none"] and "bound_no_disk" not in warm
 
 
 def test_pair_cases_goal_na_when_a_side_failed() -> None:

@@ -234,6 +234,11 @@ def pair_cases(ttft: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[d
                 if floor.get("median_s"):
                     item["bound"] = float(b["median_s"]) / float(floor["median_s"])
                     line += f"; a connector with free loads: {item['bound']:.2f}x"
+                pinned = entry["sides"].get("sfstore-pinned") or {}
+                if ours == "sfstore-shared-cold" and other != "none" and pinned.get("median_s"):
+                    # sfstore's pinned hit is the same hit with nothing read from disk: no cold read can beat it
+                    item["bound_no_disk"] = float(b["median_s"]) / float(pinned["median_s"])
+                    line += f"; a cold read costing no more than a pinned hit: {item['bound_no_disk']:.2f}x"
                 item.update(ratio=r, status="met" if met else "missed", met=met, line=line)
                 if not met:
                     item["missed_by"] = target - r
