@@ -765,6 +765,19 @@ class KVCacheStore:
                           corrupt_dropped=corrupt, unreadable=unreadable)
         return tiers
 
+    def allocate_pinned(self) -> int:
+        """Allocate the pinned tier's whole budget now: every slot it can hold, registered (locked in memory where
+        the limits allow) and ready, so that later puts, gets and prefetches do not pay for allocating registered
+        memory (``mmap``, page faults and ``mlock`` of each new slot) on the way: once the tier is full, a new
+        block takes the least recently used one's slot. The way a server that wants steady latency commits its
+        budget at start. Returns the slots allocated by this call (0 when they all exist).
+
+        Takes time and memory in proportion to ``pinned_bytes``, at once; without this call slots are allocated as
+        blocks first arrive (and :meth:`prepare_pinned` keeps some ready).
+        """
+        self._check_open()
+        return self.pinned.reserve(self.pinned.capacity)
+
     def prepare_pinned(self, idle: int) -> bool:
         """Allocate pinned slots in the background until ``idle`` hold no block (within the pinned tier's
         capacity), so that the blocks that come next (an engine's next loads) fill them without paying for

@@ -108,14 +108,27 @@ class PinnedTier:
         self.lock = threading.RLock()
 
     def take(self) -> Slot:
-        """A slot to fill (a free one, else a new buffer); give it back with :meth:`insert` or :meth:`drop`."""
+        """A slot to fill: a free one, else (the tier full of blocks) the least recently used block's, else a new
+        buffer; give it back with :meth:`insert` or :meth:`drop`. A full tier so reuses its memory rather than
+        allocating past its budget (which only blocks all pinned at once make it do)."""
         with self.lock:
-            if self._free:
-                slot = self._free.pop()
+            slot = self._free.pop() if self._free else self._evict_for_reuse()
+            if slot is not None:
                 slot.key, slot.readers, slot.checksum = b"", 1, 0
                 return slot
             self._made += 1
         return self._new_slot(readers=1)
+
+    def _evict_for_reuse(self) -> Slot | None:
+        """Once the tier holds as many blocks as its capacity: the least recently used unpinned one leaves, and its
+        slot is returned (under the lock). Slots out for reads and writes in flight do not count: while they are
+        out, new ones are allocated, as before the tier is full."""
+        if len(self.entries) < self.capacity:
+            return None
+        victim = next((s for s in self.entries.values() if s.readers == 0), None)
+        if victim is not None:
+            del self.entries[victim.key]
+        return victim
 
     def _new_slot(self, readers: int = 0) -> Slot:
         try:

@@ -79,6 +79,10 @@ through a staging tensor, and False, or pages that cannot be viewed as one tenso
 ``pinned_bytes``
     Budget of the pinned host tier, bytes or a size such as ``"4GiB"`` (default: the ``kvcache_pinned_bytes``
     setting).
+``pinned_preallocate``
+    Allocate the whole pinned tier when vLLM registers its caches (default True: registered memory for
+    ``pinned_bytes`` is taken and locked at start, in a time that grows with it, so that no step's loads or
+    saves pay for allocating it; without it, slots are allocated as blocks first arrive, on the engine's time).
 ``shared_bytes``
     Budget of the shared tier's cache namespace, kept by every process and node that writes it (its least
     recently read blocks are evicted beyond it; 0: unbounded). Default: the ``kvcache_shared_bytes`` setting.
@@ -129,6 +133,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -145,6 +150,7 @@ from sfstore.kvcache import vllm_staging as staging
 from sfstore.kvcache.held import HeldBlocks
 from sfstore.kvcache.shared_budget import check_namespace
 from sfstore.kvcache.store import KVCacheStore
+from sfstore.kvcache.tiers import HEADER
 from sfstore.kvcache.vllm_layout import KVLayout, block_layer_view, layout_for, pages_as_layers
 from sfstore.kvcache.vllm_metrics import (
     OWN_STATS,
@@ -217,8 +223,25 @@ _STORE_OPTIONS = {
 }
 _EXTRA_CONFIG_KEYS = frozenset({
     "sfstore_config", "shared_dir", "model_id", "kv_load_failure_policy", "fsync_shared", "kv_layout",
-    "save_decode_tokens", "wait_for_lower_tiers", *_STORE_OPTIONS,
+    "save_decode_tokens", "wait_for_lower_tiers", "pinned_preallocate", *_STORE_OPTIONS,
 })
+
+
+def _flag(extra: dict[str, Any], name: str, default: bool) -> bool:
+    """The boolean key ``name`` of ``kv_connector_extra_config``: a bool, or one of the texts a setting takes
+    (``"false"`` is False); :class:`~sfstore.errors.ConfigError` for anything else."""
+    raw = extra.get(name)
+    if raw is None:
+        return default
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str):
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+    raise errors.ConfigError(f"kv_connector_extra_config {name}: expected true or false, not {raw!r}")
 
 
 def _store_options(extra: dict[str, Any]) -> dict[str, Any]:
@@ -243,7 +266,7 @@ def _warn_unknown_keys(extra: dict[str, Any]) -> None:
 def _acquire_store(layout: KVLayout, model_id: str, extra: dict[str, Any]) -> tuple[KVCacheStore, tuple[Any, ...]]:
     cfg = extra.get("sfstore_config")
     shared = extra.get("shared_dir")
-    fsync = bool(extra.get("fsync_shared", False))
+    fsync = _flag(extra, "fsync_shared", False)
     options = _store_options(extra)
     key = (layout.geometry, model_id, str(cfg) if cfg is not None else None,
            str(shared) if shared is not None else None, fsync, tuple(sorted(options.items())))
@@ -445,8 +468,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.load_failure_policy = _set_load_failure_policy(self._kv_transfer_config, extra, role)
         tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         self.model_id = str(model_id) if tp == 1 else f"{model_id}#tp{self._tp_rank(role)}/{tp}"
-        self.save_decode_tokens = bool(extra.get("save_decode_tokens", False))
-        self.wait_for_lower_tiers = bool(extra.get("wait_for_lower_tiers", False))
+        self.save_decode_tokens = _flag(extra, "save_decode_tokens", False)
+        self.wait_for_lower_tiers = _flag(extra, "wait_for_lower_tiers", False)
+        self.pinned_preallocate = _flag(extra, "pinned_preallocate", True)
         self.store, key = _acquire_store(self.layout, self.model_id, extra)
         self._store_key: tuple[Any, ...] | None = key
         self._ahead = _loads_ahead(key)
@@ -676,9 +700,16 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self._counted_worker:
             self._counted_worker = True
             self._ahead.add_worker(1)
-        # the first loads' slots, allocated now rather than on the way to the first request that hits (and kept
-        # ready after each step: wait_for_save)
-        self.store.pinned.reserve(self._ready_slots)
+        # Slots allocated now, not on the engine's time: a slot allocated after a step (or during one) costs mmap,
+        # page faults and mlock beside vLLM's own work, in that request's time to first token
+        if self.pinned_preallocate:
+            t0 = time.monotonic()
+            made = self.store.allocate_pinned()
+            if made:
+                log.info("SfstoreConnector: pinned tier allocated: %d slots, %.0f MiB, in %.2f s", made,
+                         made * (HEADER + self.store.pinned.slot_bytes) / (1 << 20), time.monotonic() - t0)
+        else:  # the first loads' slots (and one step's kept ready after each step: wait_for_save)
+            self.store.pinned.reserve(self._ready_slots)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

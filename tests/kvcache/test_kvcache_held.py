@@ -221,6 +221,24 @@ def test_reserve_allocates_slots_up_front_within_the_capacity(tmp_path: Path) ->
         kv.close()
 
 
+def test_allocate_pinned_allocates_the_whole_tier_once(tmp_path: Path) -> None:
+    kv = KVCacheStore(GEOM, model_id="tiny", pinned_bytes=5 * (GEOM.block_bytes + 4096))
+    try:
+        cap = kv.pinned.capacity
+        assert cap == 5 and kv.pinned.idle == 0
+        assert kv.allocate_pinned() == cap and kv.pinned.full and kv.pinned.idle == cap
+        assert kv.allocate_pinned() == 0  # all there already
+        keys = kv.keys_for(range(GEOM.block_tokens * 7))
+        for k, b in zip(keys, blocks_for(GEOM, 7), strict=True):  # more blocks than slots, one at a time:
+            kv.put([k], [b])  # the oldest leave, and their slots take the next ones (nothing more is allocated)
+        assert kv.pinned.full and kv.pinned.idle == 0 and kv.pinned._made == cap
+        assert kv.get_into(keys[-5:], [np.empty(GEOM.block_bytes, np.uint8) for _ in range(5)]) == ["pinned"] * 5
+    finally:
+        kv.close()
+    with pytest.raises(errors.InvalidRequestError, match="closed"):
+        kv.allocate_pinned()
+
+
 def test_prepare_pinned_allocates_idle_slots_in_the_background(tmp_path: Path) -> None:
     kv = KVCacheStore(GEOM, model_id="tiny", pinned_bytes=8 * (GEOM.block_bytes + 4096))
     try:

@@ -599,7 +599,9 @@ def test_bad_store_settings_are_config_errors_and_unknown_keys_warn(
     from sfstore import errors
 
     for bad, match in (({"cache_namespace": "../up"}, "cache_namespace"), ({"io_timeout_ms": "soon"}, "io_timeout_ms"),
-                       ({"shared_bytes": -1}, "shared_bytes"), ({"quarantine_ms": 0}, "quarantine_ms")):
+                       ({"shared_bytes": -1}, "shared_bytes"), ({"quarantine_ms": 0}, "quarantine_ms"),
+                       ({"save_decode_tokens": "sometimes"}, "save_decode_tokens"),
+                       ({"pinned_preallocate": 1}, "pinned_preallocate"), ({"fsync_shared": "yes please"}, "fsync")):
         cfg = make_config(model_dir, bad)
         with pytest.raises(errors.ConfigError, match=match):
             KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg, 32))

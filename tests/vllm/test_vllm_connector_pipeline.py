@@ -81,11 +81,12 @@ def kv_cache_config(cfg: VllmConfig) -> KVCacheConfig:
 
 @contextlib.contextmanager
 def worker(model_dir: Path, *, layout: str = "LBHNC", kv_layout: str = "auto", device: str = "cpu",
-           pinned_bytes: int = 4 << 20,
-           shared_dir: Path | None = None) -> Iterator[tuple[Any, dict[str, torch.Tensor]]]:
-    """vLLM's worker-side connector with ``stage_copies`` on, and its registered paged caches."""
+           pinned_bytes: int = 4 << 20, shared_dir: Path | None = None,
+           options: dict[str, Any] | None = None) -> Iterator[tuple[Any, dict[str, torch.Tensor]]]:
+    """vLLM's worker-side connector with ``stage_copies`` on, and its registered paged caches; ``options``: more
+    ``kv_connector_extra_config`` keys."""
     extra: dict[str, Any] = {"pinned_bytes": pinned_bytes, "kv_layout": kv_layout,
-                             "model_id": f"pipeline-{uuid.uuid4().hex}"}
+                             "model_id": f"pipeline-{uuid.uuid4().hex}", **(options or {})}
     if shared_dir is not None:
         extra["shared_dir"] = str(shared_dir)
     cfg = VllmConfig(
@@ -573,3 +574,14 @@ def test_gpu_staged_saves_hand_over_and_are_bit_exact(model_dir: Path) -> None:
         for key, blk in zip(keys, blocks, strict=True):
             assert torch.equal(bits(stored_block(store, key)), bits(blk))
         assert all(buf.is_pinned() for buf in conn._pools["save"]._free)
+
+
+def test_the_pinned_tier_is_allocated_when_vllm_registers_its_caches(model_dir: Path) -> None:
+    """By default the whole pinned tier is allocated at start, so no step pays for allocating registered memory;
+    with ``pinned_preallocate`` false (here as text, as a JSON config may give it) only one step's slots are."""
+    with worker(model_dir) as (conn, _caches):
+        assert conn.pinned_preallocate and conn.store.pinned.full
+        assert conn.store.pinned.idle == conn.store.pinned.capacity
+    with worker(model_dir, options={"pinned_preallocate": "false"}) as (conn, _caches):
+        assert not conn.pinned_preallocate and not conn.store.pinned.full
+        assert conn.store.pinned.idle == conn._ready_slots < conn.store.pinned.capacity
