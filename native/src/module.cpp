@@ -882,6 +882,48 @@ NB_MODULE(_native, m) {
             return out;
         },
         "dirfd"_a, "paths"_a, "flags"_a, "size"_a, "direct"_a);
+    m.def(
+        "stat_files_beneath",
+        [](int dirfd, nb::handle paths, int flags, bool leading) {
+            // Whether each path is there, for a batch of lookups (one GIL release for all): opened beneath dirfd
+            // with `flags` (O_PATH: nothing is read, a FIFO does not wait), fstat'ed and closed. Per path its
+            // st_mode, or -errno where the open or fstat failed; with `leading`, the list stops after the first
+            // path that is not a regular file (a lookup counts the blocks present from the first).
+            if (!PySequence_Check(paths.ptr())) raise_sf("invalid", EINVAL, "stat_files_beneath: paths must be a list");
+            Py_ssize_t n = PySequence_Size(paths.ptr());
+            std::vector<std::string> names;
+            names.reserve(static_cast<size_t>(n < 0 ? 0 : n));
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                nb::object item = nb::steal(PySequence_GetItem(paths.ptr(), i));
+                if (!item.is_valid()) {
+                    PyErr_Clear();
+                    raise_sf("invalid", EINVAL, "stat_files_beneath: paths must be a list");
+                }
+                names.push_back(fs_path(item, "stat_files_beneath: path " + std::to_string(i)));
+            }
+            std::vector<int64_t> modes;
+            modes.reserve(names.size());
+            {
+                NoGil nogil;
+                for (const std::string& name : names) {
+                    int fd = openat2_beneath(dirfd, name.c_str(), flags, 0);
+                    struct stat st {};
+                    int64_t got;
+                    if (fd < 0) {
+                        got = fd;
+                    } else {
+                        got = fstat(fd, &st) == 0 ? static_cast<int64_t>(st.st_mode) : -static_cast<int64_t>(errno);
+                        close(fd);
+                    }
+                    modes.push_back(got);
+                    if (leading && (got < 0 || !S_ISREG(static_cast<mode_t>(got)))) break;
+                }
+            }
+            nb::list out;
+            for (int64_t m : modes) out.append(m);
+            return out;
+        },
+        "dirfd"_a, "paths"_a, "flags"_a, "leading"_a = false);
     m.def("xxh3_available", [] { return xxh3_available(); },
           "Whether reads can be checked against xxh3-64 checksums in the engine (built with xxhash.h).");
     m.def(

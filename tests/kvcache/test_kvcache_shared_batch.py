@@ -307,3 +307,49 @@ def test_a_large_get_reads_in_waves_each_one_batch(tmp_path: Path, submits: list
         assert kv.stats()["hits_shared"] == count
     finally:
         kv.close()
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["one-native-call", "key-by-key"])
+def test_a_lookup_answers_each_name_as_it_is(tmp_path: Path, batched: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup of many keys asks for them in one native call (``stat_files_beneath``, beneath the directory) or,
+    without it, key by key: both answer the same. Only a regular file counts; a link out of the directory, a FIFO
+    and a directory at a block's name are not blocks, and nothing is opened for reading (the FIFO waits for none)."""
+    import sfstore.kvcache.tiers as tiers
+
+    calls: list[int] = []
+    if not batched:
+        monkeypatch.setattr(tiers, "_stat_many", None)
+    elif tiers._stat_many is None:
+        pytest.skip("no native helper with stat_files_beneath here")
+    else:
+        real = tiers._stat_many
+
+        def noted(dirfd: int, paths: list[str], flags: int, leading: bool) -> list[int]:
+            calls.append(len(paths))
+            return real(dirfd, paths, flags, leading)
+
+        monkeypatch.setattr(tiers, "_stat_many", noted)
+    shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
+    keys = _publish(shared, {0: 0, 1: 1, 6: 6})
+    _publish(elsewhere, {2: 2})
+    kv = _open(shared, pinned=PINNED)
+    try:
+        assert kv.shared is not None
+        link = _file(kv, shared, keys[2])
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(_file(kv, elsewhere, keys[2]), link)  # a good block, but outside the directory
+        fifo, folder = _file(kv, shared, keys[3]), _file(kv, shared, keys[4])
+        fifo.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(fifo)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir()
+        # 0, 1 and 6 are blocks; 2 a link out; 3 a FIFO; 4 a directory; 5 nothing
+        t0 = time.monotonic()
+        assert kv.shared.present(keys[:7]) == [True, True, False, False, False, False, True]
+        assert kv.shared.leading_present(keys[:7]) == 2
+        assert kv.shared.leading_present([keys[0], keys[1], keys[6]]) == 3
+        assert kv.shared.leading_present([keys[5], keys[0]]) == 0
+        assert time.monotonic() - t0 < 5  # the FIFO was not waited on
+        assert calls == ([7, 7, 3, 2] if batched else [])  # one call a lookup
+    finally:
+        kv.close()
