@@ -575,6 +575,23 @@ std::string fs_path(nb::handle obj, const std::string& what) {
     return std::string(PyBytes_AS_STRING(encoded), static_cast<size_t>(PyBytes_GET_SIZE(encoded)));
 }
 
+// Each item of the sequence `paths` as fs_path converts it; `what` names the call in the errors.
+std::vector<std::string> path_list(nb::handle paths, const std::string& what) {
+    if (!PySequence_Check(paths.ptr())) raise_sf("invalid", EINVAL, what + ": paths must be a list");
+    Py_ssize_t n = PySequence_Size(paths.ptr());
+    std::vector<std::string> names;
+    names.reserve(static_cast<size_t>(n < 0 ? 0 : n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        nb::object item = nb::steal(PySequence_GetItem(paths.ptr(), i));
+        if (!item.is_valid()) {
+            PyErr_Clear();
+            raise_sf("invalid", EINVAL, what + ": paths must be a list");
+        }
+        names.push_back(fs_path(item, what + ": path " + std::to_string(i)));
+    }
+    return names;
+}
+
 // openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS): the kernel refuses (EXDEV) any resolution that would leave
 // dirfd, symlinks and ".." included, in one system call (Linux 5.6+; ENOSYS before). The descriptor, or -errno.
 // Called without the GIL.
@@ -828,18 +845,7 @@ NB_MODULE(_native, m) {
             // Per path: (fd, errno, st_mode, st_dev, st_ino, st_size, st_atime_ns, st_mtime_ns); fd -1 when not
             // kept: errno from the open or fstat, or 0 with the status of what is there (not a regular file of
             // that size: the caller decides what it is).
-            if (!PySequence_Check(paths.ptr())) raise_sf("invalid", EINVAL, "open_files_beneath: paths must be a list");
-            Py_ssize_t n = PySequence_Size(paths.ptr());
-            std::vector<std::string> names;
-            names.reserve(static_cast<size_t>(n < 0 ? 0 : n));
-            for (Py_ssize_t i = 0; i < n; ++i) {
-                nb::object item = nb::steal(PySequence_GetItem(paths.ptr(), i));
-                if (!item.is_valid()) {
-                    PyErr_Clear();
-                    raise_sf("invalid", EINVAL, "open_files_beneath: paths must be a list");
-                }
-                names.push_back(fs_path(item, "open_files_beneath: path " + std::to_string(i)));
-            }
+            std::vector<std::string> names = path_list(paths, "open_files_beneath");
             struct Got {
                 int fd = -1, err = 0;
                 struct stat st {};
@@ -889,18 +895,7 @@ NB_MODULE(_native, m) {
             // with `flags` (O_PATH: nothing is read, a FIFO does not wait), fstat'ed and closed. Per path its
             // st_mode, or -errno where the open or fstat failed; with `leading`, the list stops after the first
             // path that is not a regular file (a lookup counts the blocks present from the first).
-            if (!PySequence_Check(paths.ptr())) raise_sf("invalid", EINVAL, "stat_files_beneath: paths must be a list");
-            Py_ssize_t n = PySequence_Size(paths.ptr());
-            std::vector<std::string> names;
-            names.reserve(static_cast<size_t>(n < 0 ? 0 : n));
-            for (Py_ssize_t i = 0; i < n; ++i) {
-                nb::object item = nb::steal(PySequence_GetItem(paths.ptr(), i));
-                if (!item.is_valid()) {
-                    PyErr_Clear();
-                    raise_sf("invalid", EINVAL, "stat_files_beneath: paths must be a list");
-                }
-                names.push_back(fs_path(item, "stat_files_beneath: path " + std::to_string(i)));
-            }
+            std::vector<std::string> names = path_list(paths, "stat_files_beneath");
             std::vector<int64_t> modes;
             modes.reserve(names.size());
             {
