@@ -152,3 +152,36 @@ def test_a_forked_child_opens_its_own_root_descriptor(tree: tuple[Beneath, Path,
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0 and b.root_fd() == parent_fd
+
+
+def test_native_batched_stat_stays_beneath_and_stops_where_asked(tmp_path: Path) -> None:
+    """``_native.stat_files_beneath``, the batched lookup of the KV shared tier: each name resolved beneath the
+    directory by the kernel (a link out is EXDEV, never the outside file's mode), ``leading`` stopping after the
+    first name that is not a regular file, and bad arguments a typed error."""
+    native = pytest.importorskip("sfstore._native")
+    root, out = tmp_path / "root", tmp_path / "out"
+    (root / "d").mkdir(parents=True)
+    out.mkdir()
+    (root / "d" / "f").write_bytes(b"x")
+    (out / "f").write_bytes(b"y")
+    os.symlink(out / "f", root / "d" / "abs-out")
+    os.symlink("../../out/f", root / "d" / "rel-out")
+    os.symlink("f", root / "d" / "in")
+    os.mkfifo(root / "d" / "fifo")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        names = ["d/f", "d/in", "d/abs-out", "d/rel-out", "../out/f", "d/fifo", "d", "d/none"]
+        modes = native.stat_files_beneath(fd, names, os.O_PATH)
+        if modes[0] == -errno.ENOSYS:
+            pytest.skip("a kernel without openat2")
+        assert stat.S_ISREG(modes[0]) and stat.S_ISREG(modes[1])  # a link inside is followed
+        assert modes[2:5] == [-errno.EXDEV] * 3  # out of the directory: refused by the kernel
+        assert stat.S_ISFIFO(modes[5]) and stat.S_ISDIR(modes[6]) and modes[7] == -errno.ENOENT
+        assert native.stat_files_beneath(fd, names, os.O_PATH, True) == modes[:3]  # up to the first non-file
+        assert native.stat_files_beneath(fd, [], os.O_PATH, True) == []
+        with pytest.raises(errors.InvalidRequestError, match="paths must be a list"):
+            native.stat_files_beneath(fd, 5, os.O_PATH)
+        with pytest.raises(errors.InvalidRequestError, match="path 1 must be"):
+            native.stat_files_beneath(fd, ["d/f", "a\0b"], os.O_PATH)
+    finally:
+        os.close(fd)
