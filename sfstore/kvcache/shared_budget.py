@@ -312,17 +312,22 @@ class SharedBudget:
         return [r for _name, r, _st in self._records() if r is not None]
 
     def _records(self) -> Iterator[tuple[str, WriterRecord | None, os.stat_result | None]]:
+        for _fd, name, data, st in self._entries(META, "writers"):
+            if not name.startswith(".") and name.endswith(".json"):
+                yield name, (WriterRecord.parse(data) if data is not None else None), st
+
+    def _entries(self, *parts: str) -> Iterator[tuple[int, str, bytes | None, os.stat_result | None]]:
+        """Each entry of the metadata directory ``parts`` (none when it is not there): the directory's descriptor
+        (open while the entry is looked at, for an unlink), the name, its bytes (``None`` unless a small regular
+        file) and status."""
         try:
-            fd = self._open_dir(self._rel(META, "writers"))
+            fd = self._open_dir(self._rel(*parts))
         except OSError:
             return
         try:
-            names = os.listdir(fd)
-            for name in names:
-                if name.startswith(".") or not name.endswith(".json"):
-                    continue
-                rec, st = records.read_small(fd, name, _RECORD_MAX)
-                yield name, (WriterRecord.parse(rec) if rec is not None else None), st
+            for name in os.listdir(fd):
+                data, st = records.read_small(fd, name, _RECORD_MAX)
+                yield fd, name, data, st
         finally:
             os.close(fd)
 
@@ -625,26 +630,14 @@ class SharedBudget:
         minute old or whose writer, on this host, is dead."""
         found: dict[str, dict[str, Any]] = {}
         now = time.time()
-        try:
-            fd = self._open_dir(self._rel(META, "quarantine"))
-        except OSError:
-            fd = -1
-        if fd >= 0:
-            try:
-                for name in os.listdir(fd):
-                    data, st = records.read_small(fd, name, _RECORD_MAX)
-                    rec = (probe.parse_quarantine(data) if data is not None and not name.startswith(".")
-                           and name.endswith(".json") else None)
-                    if rec is not None and probe.quarantine_in_force(rec, now):
-                        found[name[:-len(".json")]] = {"name": name[:-len(".json")], **rec}
-                    elif clean and (rec is not None or (st is not None and now - st.st_mtime > 60.0) or (
-                            name.startswith(".") and self._temporary_gone(name, {}, now, 0.0, 60.0))):
-                        try:
-                            os.unlink(name, dir_fd=fd)
-                        except OSError:
-                            pass
-            finally:
-                os.close(fd)
+        for fd, name, data, st in self._entries(META, "quarantine"):
+            rec = (probe.parse_quarantine(data) if data is not None and not name.startswith(".")
+                   and name.endswith(".json") else None)
+            if rec is not None and probe.quarantine_in_force(rec, now):
+                found[name[:-len(".json")]] = {"name": name[:-len(".json")], **rec}
+            elif clean and (rec is not None or (st is not None and now - st.st_mtime > 60.0) or (
+                    name.startswith(".") and self._temporary_gone(name, {}, now, 0.0, 60.0))):
+                _unlink_entry(fd, name)
         mine = os.path.normpath(self.root)
         for rec in probe.read_quarantine_records(local_dir or probe.quarantine_dir()):
             if rec["target"] == mine and rec["namespace"] == self.namespace:
@@ -666,32 +659,19 @@ class SharedBudget:
         now = time.time()
         live: dict[int, list[WriterRecord]] = {}
         removed_records = 0
-        try:
-            wfd = self._open_dir(self._rel(META, "writers"))
-        except OSError:
-            wfd = -1
-        if wfd >= 0:
-            try:
-                for name in os.listdir(wfd):
-                    data, st = records.read_small(wfd, name, _RECORD_MAX)
-                    rec = WriterRecord.parse(data) if data is not None and not name.startswith(".") else None
-                    age = now - st.st_mtime if st is not None else 0.0
-                    if rec is None:
-                        gone = name.startswith(".") and self._temporary_gone(name, {}, now, age, grace_s)
-                        gone = gone or (not name.startswith(".") and age > 60.0)  # torn or foreign, settled
-                    else:
-                        gone = now - rec.heartbeat > self.stale_s or (
-                            rec.host == self.host and not pid_alive(rec.pid))  # ours: alive
-                        if not gone:
-                            live.setdefault(rec.pid, []).append(rec)
-                    if gone:
-                        try:
-                            os.unlink(name, dir_fd=wfd)
-                            removed_records += 1
-                        except OSError:
-                            pass
-            finally:
-                os.close(wfd)
+        for wfd, name, data, st in self._entries(META, "writers"):
+            rec = WriterRecord.parse(data) if data is not None and not name.startswith(".") else None
+            age = now - st.st_mtime if st is not None else 0.0
+            if rec is None:
+                gone = name.startswith(".") and self._temporary_gone(name, {}, now, age, grace_s)
+                gone = gone or (not name.startswith(".") and age > 60.0)  # torn or foreign, settled
+            else:
+                gone = now - rec.heartbeat > self.stale_s or (
+                    rec.host == self.host and not pid_alive(rec.pid))  # ours: alive
+                if not gone:
+                    live.setdefault(rec.pid, []).append(rec)
+            if gone:
+                removed_records += _unlink_entry(wfd, name)
         out["records_removed"] = removed_records
         try:  # a scan's base or a record whose writer was killed mid-write
             for name in self.fp.beneath.listdir(self._rel(META)):
@@ -776,3 +756,12 @@ class SharedBudget:
                 "estimate": self.estimate(refresh=True), "budget": self.budget, "writer_budgets": budgets,
                 "writers": len(live), "evicting": len(found.evicting), "temporaries": len(found.temporaries),
                 "quarantined": self.quarantines()}
+
+
+def _unlink_entry(dirfd: int, name: str) -> bool:
+    """Remove ``name`` from the directory ``dirfd``: whether it was removed (gone already, or not ours: not)."""
+    try:
+        os.unlink(name, dir_fd=dirfd)
+    except OSError:
+        return False
+    return True
