@@ -28,8 +28,11 @@ def key(kv: KVCacheStore, i: int) -> bytes:
 
 
 def open_store(shared: str, budget: int, namespace: str = "") -> KVCacheStore:
+    """A store on the shared directory alone, without a deadline: these processes test the budget and the
+    readers' verification under concurrency, and on a loaded machine (six processes on two cores) a missed
+    deadline would quarantine the tier and drop every write (deadlines: test_kvcache_deadlines.py)."""
     return KVCacheStore(GEOM, model_id="budget-test", pinned_bytes=0, shared_dir=shared, shared_bytes=budget,
-                        cache_namespace=namespace)
+                        cache_namespace=namespace, io_timeout_ms=0)
 
 
 def writer(shared: str, budget: int, first: int, count: int, namespace: str, out: Any) -> None:
@@ -37,9 +40,9 @@ def writer(shared: str, budget: int, first: int, count: int, namespace: str, out
     kv = open_store(shared, budget, namespace)
     for i in range(first, first + count):
         kv.put([key(kv, i)], [block(i)])
-    evictions = kv.stats()["evictions_shared"]
+    stats = kv.stats()
     kv.close()
-    out.put(("writer", first, evictions))
+    out.put(("writer", first, stats["evictions_shared"], stats["puts_dropped"]))
 
 
 def endless_writer(shared: str, budget: int, first: int) -> None:
@@ -68,8 +71,9 @@ def reader(shared: str, span: int, seconds: float, seed: int, out: Any) -> None:
         else:
             misses += 1
             wrong += not bool((dest == 7).all())  # a miss leaves the destination as it was
+    dropped = kv.stats()["corrupt_dropped"]
     kv.close()
-    out.put(("reader", hits, misses, wrong))
+    out.put(("reader", hits, misses, wrong, dropped))
 
 
 def killed_evictor(shared: str, budget: int, first: int, count: int) -> None:
