@@ -43,8 +43,9 @@ class Slot:
     """A block in a registered buffer (``buffer``) and its shared-file header (``header``, ``HEADER`` bytes);
     ``readers`` pin it against eviction.
 
-    A pinned tier's slot is one registered buffer laid out as a block file is (``root``: the header, then the
-    block; ``header`` and ``buffer`` are slices of it), so a shared-tier read fills it with one request per file.
+    The block has a buffer of its own, not a slice after its header in one buffer (one read request per shared
+    file instead of two): a buffer of exactly a block's size gets transparent huge pages where blocks are a
+    multiple of 2 MiB, and the copies out of it run faster.
     """
 
     buffer: Any
@@ -55,7 +56,6 @@ class Slot:
     # a torch uint8 tensor over ``buffer``, made on first use by a batched copy and kept for the slot's life
     # (torch is optional: nothing here imports it)
     tensor: Any = None
-    root: Any = None  # the registered buffer ``header`` and ``buffer`` slice, when they are slices of one
 
     def data(self, nbytes: int) -> memoryview:
         return memoryview(self.buffer)[:nbytes]
@@ -101,7 +101,8 @@ class PinnedTier:
         self.geom = geom
         self.slot_bytes = -(-geom.block_bytes // 4096) * 4096
         self.capacity = max(0, budget_bytes // (self.slot_bytes + HEADER))
-        self._pool = RegisteredBufferPool(HEADER + self.slot_bytes)
+        self._pool = RegisteredBufferPool(self.slot_bytes)
+        self._headers = RegisteredBufferPool(HEADER)
         self._free: list[Slot] = []
         self._made = 0  # slots allocated so far (each lives until close)
         self.entries: OrderedDict[bytes, Slot] = OrderedDict()
@@ -132,11 +133,11 @@ class PinnedTier:
 
     def _new_slot(self, readers: int = 0) -> Slot:
         try:
-            root = self._pool.acquire()
+            buf = self._pool.acquire()
             try:
-                return Slot(root[HEADER:], root[:HEADER], readers=readers, root=root)
+                return Slot(buf, self._headers.acquire(), readers=readers)
             except BaseException:
-                root.release()
+                buf.release()
                 raise
         except BaseException:
             with self.lock:
@@ -253,8 +254,8 @@ class PinnedTier:
                 s.tensor = None  # the buffer's last export, before its release
                 s.buffer.release()
                 s.header.release()
-                s.root.release()  # (after its slices)
         self._pool.close()
+        self._headers.close()
 
 
 class SharedTier:
@@ -994,10 +995,7 @@ def _is_sub(name: str) -> bool:
 
 
 def _slot_views(slot: Slot, slot_bytes: int) -> list[memoryview]:
-    """The views a block file is read into in ``slot``: its whole root buffer (header, then block: one request),
-    else the header and the block."""
-    if slot.root is not None:
-        return [memoryview(slot.root)[:HEADER + slot_bytes]]
+    """The views a block file is read into in ``slot``: the header, then the block."""
     return [memoryview(slot.header)[:HEADER], memoryview(slot.buffer)[:slot_bytes]]
 
 

@@ -282,3 +282,28 @@ def test_a_prefetch_of_pinned_blocks_is_done_on_return_and_counted_once(tmp_path
         assert not isinstance(mixed, DoneFuture)
         assert mixed.get(30) == ["pinned", "shared", "pinned"]
         assert s.counters.snapshot()["gets"] == now["gets"]  # count=False
+
+
+def test_a_slot_of_a_2_mib_block_gets_huge_pages_where_a_plain_buffer_does() -> None:
+    """A block's slot is a registered buffer of the block's size alone (its header is another): where the kernel
+    gives a 2 MiB buffer transparent huge pages, a 2 MiB block's slot has them too (copies out of it then take
+    far fewer TLB misses), which a slot of header and block together (2 MiB + 4 KiB) would not."""
+    from sfstore.buffers import RegisteredBufferPool
+
+    big = KVGeometry(num_layers=32, block_tokens=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    assert big.block_bytes == 2 << 20
+    probe = RegisteredBufferPool(big.block_bytes)
+    try:
+        with probe.acquire():
+            huge = probe.stats()["thp_buffers"] + probe.stats()["hugetlb_buffers"]
+    finally:
+        probe.close()
+    if not huge:
+        pytest.skip("this kernel gives a 2 MiB registered buffer no huge pages")
+    kv = KVCacheStore(big, model_id="huge", pinned_bytes=4 * (big.block_bytes + 4096))
+    try:
+        assert kv.allocate_pinned() == 4
+        got = kv.pinned._pool.stats()
+        assert got["thp_buffers"] + got["hugetlb_buffers"] == 4, got
+    finally:
+        kv.close()
