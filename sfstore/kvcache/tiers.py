@@ -107,6 +107,7 @@ class PinnedTier:
         self._made = 0  # slots allocated so far (each lives until close)
         self.entries: OrderedDict[bytes, Slot] = OrderedDict()
         self.lock = threading.RLock()
+        self._removed: list[bytes] | None = None  # keys that left the tier since take_removed (when tracked)
 
     def take(self) -> Slot:
         """A slot to fill: a free one, else (the tier full of blocks) the least recently used block's, else a new
@@ -129,6 +130,7 @@ class PinnedTier:
         victim = next((s for s in self.entries.values() if s.readers == 0), None)
         if victim is not None:
             del self.entries[victim.key]
+            self._note_removed(victim.key)
         return victim
 
     def _new_slot(self, readers: int = 0) -> Slot:
@@ -225,6 +227,7 @@ class PinnedTier:
             slot = self.entries.pop(key, None)
             if slot is None:
                 return False
+            self._note_removed(key)
             self._retire(slot)
             return True
 
@@ -238,7 +241,26 @@ class PinnedTier:
             if victim is None:
                 return
             del self.entries[victim.key]
+            self._note_removed(victim.key)
             self._free.append(victim)
+
+    def track_removals(self) -> None:
+        """From now on, note each key that leaves the tier (evicted or removed) for :meth:`take_removed`."""
+        with self.lock:
+            if self._removed is None:
+                self._removed = []
+
+    def take_removed(self) -> list[bytes]:
+        """The keys that left the tier since the last call (in order; none unless :meth:`track_removals`)."""
+        with self.lock:
+            out = self._removed or []
+            if self._removed is not None:
+                self._removed = []
+            return out
+
+    def _note_removed(self, key: bytes) -> None:
+        if self._removed is not None:  # (under the lock)
+            self._removed.append(key)
 
     def __contains__(self, key: bytes) -> bool:
         with self.lock:

@@ -499,6 +499,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._dropped_before = 0
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         self._events: list[Any] = []  # worker: KV events since the last get_kv_connector_kv_cache_events
+        self._announced: set[bytes] = set()  # worker: blocks a BlockStored said are in the pinned tier, still there
         self._worker_events: Any = None  # scheduler: the workers' events since the last take_events
         self._stats = dict.fromkeys(OWN_STATS, 0)
         self._stats_base: dict[str, int] = self.store.counters.snapshot()
@@ -697,6 +698,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 except RuntimeError:  # pages not contiguous with each other: loaded block by block
                     self._layers_viewable[id(cache)] = False
         self._kv_caches = dict(kv_caches)
+        self.store.pinned.track_removals()  # each block leaving the pinned tier is a BlockRemoved for routers
         if not self._counted_worker:
             self._counted_worker = True
             self._ahead.add_worker(1)
@@ -1161,6 +1163,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if key not in self._saved_keys or key not in self.store.pinned:  # not committed this step
                     continue
                 self._stats["blocks_saved"] += 1
+                if "pinned" in tiers:
+                    self._announced.add(key)
                 for tier in tiers:
                     self._events.append(BlockStored(
                         block_hashes=[key], parent_block_hash=parent, token_ids=toks,
@@ -1175,7 +1179,15 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         """Worker side: the blocks stored and removed since the last call, for vLLM's KV event publisher (routers
-        such as Dynamo or llm-d see what sfstore holds); ``medium`` names the sfstore tier."""
+        such as Dynamo or llm-d see what sfstore holds); ``medium`` names the sfstore tier. A block saved here
+        that leaves the pinned tier is a ``BlockRemoved`` with medium ``sfstore/pinned``; a block that failed to
+        load, one with medium ``None``."""
+        gone = [k for k in self.store.pinned.take_removed() if k in self._announced]
+        if gone and BlockRemoved is not None:
+            # evicted from the pinned tier (its least recently used blocks leave it), or removed: a lower tier may
+            # still hold them, as its own BlockStored said
+            self._announced.difference_update(gone)
+            self._events.append(BlockRemoved(block_hashes=gone, medium="sfstore/pinned"))
         if not self._events or KVEvents is None:
             return None
         events, self._events = self._events, []

@@ -307,3 +307,20 @@ def test_a_slot_of_a_2_mib_block_gets_huge_pages_where_a_plain_buffer_does() -> 
         assert got["thp_buffers"] + got["hugetlb_buffers"] == 4, got
     finally:
         kv.close()
+
+
+def test_the_pinned_tier_notes_the_keys_that_leave_it_only_when_asked() -> None:
+    kv = KVCacheStore(GEOM, model_id="tiny", pinned_bytes=2 * (GEOM.block_bytes + 4096))
+    try:
+        keys = kv.keys_for(range(GEOM.block_tokens * 4))
+        blocks = blocks_for(GEOM, 4)
+        kv.put(keys[:3], blocks[:3])  # one more than fits: the oldest left, unnoted (nothing asked for it)
+        assert kv.pinned.take_removed() == []
+        kv.pinned.track_removals()
+        kv.put(keys[3:], blocks[3:])  # evicts the least recently used of the two
+        kv.evict([keys[3]])
+        kv.evict([keys[0]])  # not in the tier: nothing left it
+        assert kv.pinned.take_removed() == [keys[1], keys[3]]
+        assert kv.pinned.take_removed() == []  # each once
+    finally:
+        kv.close()

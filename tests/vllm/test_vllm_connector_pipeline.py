@@ -585,3 +585,41 @@ def test_the_pinned_tier_is_allocated_when_vllm_registers_its_caches(model_dir: 
     with worker(model_dir, options={"pinned_preallocate": "false"}) as (conn, _caches):
         assert not conn.pinned_preallocate and not conn.store.pinned.full
         assert conn.store.pinned.idle == conn._ready_slots < conn.store.pinned.capacity
+
+
+def test_a_saved_block_that_leaves_the_pinned_tier_is_a_block_removed_event(model_dir: Path) -> None:
+    """Routers learn from KV events what each sfstore tier holds: a block saved (``BlockStored``, medium
+    ``sfstore/pinned``) and later evicted from the pinned tier (its least recently used blocks leave it once it is
+    full) is a ``BlockRemoved`` with that medium, once, and only for blocks it announced."""
+    block_bytes = LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    with worker(model_dir, pinned_bytes=3 * (block_bytes + 4096)) as (conn, caches):
+        conn.stage_copies = False
+        store = conn.store
+        assert store.pinned.capacity == 3
+        keys = store.keys_for(list(range(1200, 1200 + 5 * BLOCK)), ())
+        blocks = random_blocks(conn, 5, seed=12)
+
+        def save_step(ks: list[bytes], ids: list[int], bs: list[torch.Tensor]) -> list[Any]:
+            fill_pages(conn, caches, ids, bs)
+            conn.bind_connector_metadata(step_meta(saves=[save_transfer("r", ks, ids)]))
+            for name in layer_names():
+                conn.save_kv_layer(name, caches[name], None)
+            conn.wait_for_save()
+            conn.clear_connector_metadata()
+            events = conn.get_kv_connector_kv_cache_events()
+            return [] if events is None else events.get_all_events()
+
+        first = save_step(keys[:3], [3, 4, 5], blocks[:3])
+        assert {e.block_hashes[0] for e in first if type(e).__name__ == "BlockStored"} == set(keys[:3])
+        assert not [e for e in first if type(e).__name__ == "BlockRemoved"]
+        store.evict([keys[2]])  # removed by hand: it leaves the pinned tier too
+        later = save_step(keys[3:], [6, 7], blocks[3:])  # two more blocks into a full tier: one more leaves
+        removed = [e for e in later if type(e).__name__ == "BlockRemoved"]
+        assert len(removed) == 1 and removed[0].medium == "sfstore/pinned"
+        assert removed[0].block_hashes == [keys[2], keys[0]]  # in the order they left: the oldest first
+        assert set(store.pinned.entries) == {keys[1], keys[3], keys[4]}
+        store.evict(keys)  # one announced block left (keys[1]) and the two just saved
+        events = conn.get_kv_connector_kv_cache_events()
+        again = [e for e in events.get_all_events() if type(e).__name__ == "BlockRemoved"]
+        assert [sorted(e.block_hashes) for e in again] == [sorted([keys[1], keys[3], keys[4]])]
+        assert conn.get_kv_connector_kv_cache_events() is None  # each removal is reported once
