@@ -24,10 +24,11 @@ from typing import Any
 
 from sfstore.errors import ConfigError
 
-__all__ = ["Setting", "SETTINGS", "get", "set", "reset", "table", "as_dict"]
+__all__ = ["Setting", "SETTINGS", "get", "set", "reset", "table", "as_dict", "parse_bool"]
 
 
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
+    """A boolean setting's text: 1/0, true/false, yes/no or on/off (any case, spaces around); ``ValueError`` else."""
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
         return True
@@ -88,7 +89,7 @@ class Setting:
 
     def _convert(self, raw: Any) -> Any:
         if self.kind == "bool":
-            return raw if isinstance(raw, bool) else _parse_bool(str(raw))
+            return raw if isinstance(raw, bool) else parse_bool(str(raw))
         if self.kind in ("int", "size"):
             if isinstance(raw, bool):
                 raise TypeError("expected an integer")

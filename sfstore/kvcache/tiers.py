@@ -100,7 +100,8 @@ class PinnedTier:
     def __init__(self, geom: KVGeometry, budget_bytes: int) -> None:
         self.geom = geom
         self.slot_bytes = -(-geom.block_bytes // 4096) * 4096
-        self.capacity = max(0, budget_bytes // (self.slot_bytes + HEADER))
+        self.bytes_per_slot = self.slot_bytes + HEADER  # the registered memory one slot takes (block and header)
+        self.capacity = max(0, budget_bytes // self.bytes_per_slot)
         self._pool = RegisteredBufferPool(self.slot_bytes)
         self._headers = RegisteredBufferPool(HEADER)
         self._free: list[Slot] = []
@@ -125,8 +126,11 @@ class PinnedTier:
         """Once the tier holds as many blocks as its capacity: the least recently used unpinned one leaves, and its
         slot is returned (under the lock). Slots out for reads and writes in flight do not count: while they are
         out, new ones are allocated, as before the tier is full."""
-        if len(self.entries) < self.capacity:
-            return None
+        return self._evict_lru() if len(self.entries) >= self.capacity else None
+
+    def _evict_lru(self) -> Slot | None:
+        """Take the least recently used unpinned block out of the tier (under the lock): its slot, or ``None``
+        when every block is pinned."""
         victim = next((s for s in self.entries.values() if s.readers == 0), None)
         if victim is not None:
             del self.entries[victim.key]
@@ -237,11 +241,9 @@ class PinnedTier:
 
     def _trim(self) -> None:
         while len(self.entries) > self.capacity:
-            victim = next((s for s in self.entries.values() if s.readers == 0), None)
+            victim = self._evict_lru()
             if victim is None:
                 return
-            del self.entries[victim.key]
-            self._note_removed(victim.key)
             self._free.append(victim)
 
     def track_removals(self) -> None:
@@ -340,8 +342,7 @@ class SharedTier:
 
     def name(self, key: bytes) -> str:
         """The block file's name under the file path's root."""
-        h = key.hex()
-        return f"{self.prefix}{h[:2]}/{h}.kvb"
+        return self.prefix + self._rel(key)
 
     # -- opening beneath the directory ------------------------------------------------------------------------
     def _dir(self) -> int:
@@ -371,6 +372,10 @@ class SharedTier:
     def _entry(self, key: bytes) -> tuple[str, str]:
         h = key.hex()
         return h[:2], f"{h}.kvb"
+
+    def _rel(self, key: bytes) -> str:
+        """The block file's name under the tier's directory (``<fan-out>/<key>.kvb``)."""
+        return "/".join(self._entry(key))
 
     # -- reads ------------------------------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
@@ -420,8 +425,7 @@ class SharedTier:
             dirfd = self._dir()
         except OSError:  # the directory itself is not there (nothing written yet): each key answers alone
             return None
-        modes = [int(m) for m in many(dirfd, [f"{h[:2]}/{h}.kvb" for h in (k.hex() for k in keys)], _O_PATH,
-                                      leading)]
+        modes = [int(m) for m in many(dirfd, [self._rel(k) for k in keys], _O_PATH, leading)]
         if any(m == -errno.ENOSYS for m in modes):  # a kernel without openat2 (before 5.6): file by file
             _no_open_many()
             return None
@@ -495,7 +499,7 @@ class SharedTier:
         many = _open_many
         if many is None or len(keys) < 2:
             return [self._open_block(k) for k in keys]
-        names = [f"{h[:2]}/{h}.kvb" for h in (k.hex() for k in keys)]
+        names = [self._rel(k) for k in keys]
         try:
             got = many(self._dir(), names, _READ_FLAGS, HEADER + self.geom.block_bytes, bool(self.fp.direct))
         except OSError:  # the directory itself is not there (nothing written yet): each key answers alone

@@ -128,6 +128,7 @@ Pipeline parallelism and hybrid (HMA) models are not supported.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -150,7 +151,6 @@ from sfstore.kvcache import vllm_staging as staging
 from sfstore.kvcache.held import HeldBlocks
 from sfstore.kvcache.shared_budget import check_namespace
 from sfstore.kvcache.store import KVCacheStore
-from sfstore.kvcache.tiers import HEADER
 from sfstore.kvcache.vllm_layout import KVLayout, block_layer_view, layout_for, pages_as_layers
 from sfstore.kvcache.vllm_metrics import (
     OWN_STATS,
@@ -236,11 +236,8 @@ def _flag(extra: dict[str, Any], name: str, default: bool) -> bool:
     if isinstance(raw, bool):
         return raw
     if isinstance(raw, str):
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
+        with contextlib.suppress(ValueError):
+            return defaults.parse_bool(raw)
     raise errors.ConfigError(f"kv_connector_extra_config {name}: expected true or false, not {raw!r}")
 
 
@@ -709,7 +706,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             made = self.store.allocate_pinned()
             if made:
                 log.info("SfstoreConnector: pinned tier allocated: %d slots, %.0f MiB, in %.2f s", made,
-                         made * (HEADER + self.store.pinned.slot_bytes) / (1 << 20), time.monotonic() - t0)
+                         made * self.store.pinned.bytes_per_slot / (1 << 20), time.monotonic() - t0)
         else:  # the first loads' slots (and one step's kept ready after each step: wait_for_save)
             self.store.pinned.reserve(self._ready_slots)
 
