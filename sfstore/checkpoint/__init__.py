@@ -3,7 +3,8 @@
 >>> from sfstore import checkpoint
 >>> info = checkpoint.save({"model": model.state_dict(), "step": 100}, "run1/step-100",
 ...                        metadata={"step": 100})                       # doctest: +SKIP
->>> state = checkpoint.load(checkpoint.latest("run1"))                     # doctest: +SKIP
+>>> if (last := checkpoint.latest("run1")) is not None:                    # doctest: +SKIP
+...     state = checkpoint.load(last)                                        # resume; None on a first run
 
 A checkpoint is a directory: shard files in the safetensors format (``safetensors.torch.load_file`` reads each
 one) and a JSON manifest, ``sfstore-manifest.json`` (which tensor lives in which shard, dtype, shape, xxh3-64
@@ -235,7 +236,9 @@ def load(url: Url, *, device: str | torch.device = "cpu", into: Any = None, veri
     Raises
     ------
     sfstore.errors.PathNotFoundError
-        No such directory, or neither a manifest nor Hugging Face's files in it (not a checkpoint).
+        No such directory, or neither a manifest nor Hugging Face's files in it (not a checkpoint); ``url`` is
+        ``None`` (what :func:`latest` returns where nothing was saved yet: guard a resume with
+        ``if (info := latest(prefix)) is not None``).
     sfstore.errors.PathEscapeError
         A link leading outside the root (for a hub snapshot, outside its repository folder).
     sfstore.errors.InvalidRequestError
@@ -270,9 +273,25 @@ def list(prefix: str | os.PathLike[str] = "") -> builtins.list[CheckpointInfo]:
 
 
 def latest(prefix: str | os.PathLike[str] = "") -> CheckpointInfo | None:
-    """The most recently committed checkpoint in ``prefix`` (by the manifest's commit time), or ``None``.
+    """The checkpoint in ``prefix`` to resume training from, or ``None`` when there is none yet.
 
-    ``load(latest(prefix))`` loads it.
+    The rule: of the committed checkpoints that carry a training step (:attr:`CheckpointInfo.step`:
+    ``metadata["step"]``, else a step in the name such as ``step-200``, ``step_200``, ``epoch=1-step=200``
+    (Lightning), ``global_step200``, ``checkpoint-200``), the most recently committed one. A checkpoint that
+    carries no step (``weights``, ``best``, an export of the model alone) is never preferred to one that does,
+    whenever it was saved; only where no checkpoint in ``prefix`` carries a step is the most recently committed
+    of all returned. Commit time (not the highest step) decides among stepped ones, so a run restarted from an
+    earlier step, or rerun over the same names, resumes from what it saved last.
+
+    On a first run there is nothing to resume from: guard the load (``load(None)`` raises
+    :class:`~sfstore.errors.PathNotFoundError`).
+
+    >>> if (info := checkpoint.latest("run1")) is not None:   # doctest: +SKIP
+    ...     state = checkpoint.load(info)
+
+    Returns
+    -------
+    CheckpointInfo or None
     """
     return _latest(prefix)
 

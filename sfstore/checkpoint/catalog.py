@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +14,25 @@ from sfstore.checkpoint import location
 from sfstore.checkpoint.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from sfstore.paths.file import FilePath
 
-__all__ = ["CheckpointInfo", "info_for", "read_manifest", "list_checkpoints", "latest"]
+__all__ = ["CheckpointInfo", "info_for", "read_manifest", "list_checkpoints", "latest", "step_in_name"]
+
+# A training step in a checkpoint's name, as the trainers name them: step-200, step_200, step=200 (Lightning's
+# epoch=1-step=200.ckpt), global_step200 (DeepSpeed), checkpoint-200 (Hugging Face Trainer), ckpt-200 and
+# iter_0000200 (Megatron). A "step" word wins over the others; the keyword must start the name or follow a
+# non-letter, and the number must end it or be followed by a non-digit.
+_STEP_WORD = re.compile(r"(?<![a-z])(?:global[-_]?)?step[-_=]?(\d+)(?!\d)", re.IGNORECASE)
+_OTHER_WORDS = re.compile(r"(?<![a-z])(?:checkpoint|ckpt|iteration|iter)[-_=]?(\d+)(?!\d)", re.IGNORECASE)
+
+
+def step_in_name(name: str) -> int | None:
+    """The training step a checkpoint's name carries, or ``None``.
+
+    ``step-200``, ``step_200``, ``step200``, ``epoch=1-step=200`` (Lightning), ``global_step200`` (DeepSpeed),
+    ``checkpoint-200`` (Hugging Face ``Trainer``), ``ckpt-200``, ``iter_0000200`` (Megatron) all carry 200;
+    ``weights``, ``best``, ``epoch=3`` and ``model-v2`` carry none.
+    """
+    found = _STEP_WORD.search(name) or _OTHER_WORDS.search(name)
+    return int(found.group(1)) if found else None
 
 
 @dataclass(frozen=True)
@@ -31,7 +50,9 @@ class CheckpointInfo:
     created_ns : int
         When it was committed (``time.time_ns()``, from the manifest); ``created`` is the same in seconds.
     step : int or None
-        ``metadata["step"]`` when that is an integer.
+        The training step: ``metadata["step"]`` when that is an integer, else the step the name carries
+        (``step-200``, ``epoch=1-step=200``, ``global_step200``, ``checkpoint-200``: see :func:`step_in_name`),
+        else ``None`` (``weights``, ``best``).
     metadata : dict
         The ``metadata`` given to ``save``.
     num_tensors, tensor_bytes, num_shards : int
@@ -60,12 +81,14 @@ class CheckpointInfo:
 def info_for(url: str, path: str, name: str, manifest: Manifest) -> CheckpointInfo:
     """The :class:`CheckpointInfo` of a checkpoint whose manifest is ``manifest``."""
     step = manifest.metadata.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        step = step_in_name(name)
     return CheckpointInfo(
         url=url,
         path=path,
         name=name,
         created_ns=manifest.created_ns,
-        step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+        step=step,
         metadata=manifest.metadata,
         num_tensors=len(manifest.tensors),
         tensor_bytes=manifest.tensor_bytes,
@@ -126,7 +149,8 @@ def list_checkpoints(prefix: str | os.PathLike[str] = "") -> builtins.list[Check
 
 
 def latest(prefix: str | os.PathLike[str] = "") -> CheckpointInfo | None:
-    """The most recently committed checkpoint inside ``prefix``, or ``None``; see
-    :func:`sfstore.checkpoint.latest`."""
+    """The checkpoint to resume from inside ``prefix``, or ``None``; see :func:`sfstore.checkpoint.latest`."""
     found = list_checkpoints(prefix)
-    return found[-1] if found else None
+    stepped = [info for info in found if info.step is not None]
+    pool = stepped or found
+    return pool[-1] if pool else None

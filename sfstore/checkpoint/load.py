@@ -474,6 +474,13 @@ def load(
     """Load a checkpoint (or a plain ``.safetensors`` file); see :func:`sfstore.checkpoint.load`."""
     import torch
 
+    if url is None:
+        raise errors.PathNotFoundError(
+            errno.ENOENT,
+            "there is no committed checkpoint to load: the url is None, as checkpoint.latest() returns when "
+            "nothing has been saved there yet (a first run); guard the resume: "
+            "`if (info := checkpoint.latest(prefix)) is not None: state = checkpoint.load(info)`",
+        )
     dev = torch.device(device)
     target = url.url if isinstance(url, CheckpointInfo) else url
     loc = location.locate(target, create=False)

@@ -131,7 +131,12 @@ ABSOLUTE, SF, CLASS = "abs", "sf", "class"
 def url_text(url: str | os.PathLike[str]) -> str:
     """The text of a checkpoint url: :class:`~sfstore.errors.InvalidRequestError` for bytes,
     :class:`~sfstore.errors.PathEscapeError` for a NUL byte; no I/O."""
-    text = os.fspath(url)
+    try:
+        text = os.fspath(url)
+    except TypeError:
+        raise errors.InvalidRequestError(
+            f"a checkpoint url must be a str or os.PathLike (or a CheckpointInfo), not {type(url).__name__}"
+        ) from None
     if not isinstance(text, str):
         raise errors.InvalidRequestError(f"a checkpoint url must be text, not {type(text).__name__}")
     if "\x00" in text:
