@@ -47,6 +47,7 @@ __all__ = [
     "url_of",
     "staging_path",
     "publish",
+    "exists_error",
     "cleanup",
     "remove",
     "is_checkpoint_dir",
@@ -384,6 +385,18 @@ def _os_err(exc: OSError, what: str, path: str) -> errors.SfstoreOSError:
     return errors.os_error(exc.errno or errno.EIO, what, path)
 
 
+def exists_error(loc: Location) -> errors.PathExistsError:
+    """The error of a save (``overwrite=False``) to a checkpoint that exists, saying how to replace it."""
+    exc = errors.os_error(
+        errno.EEXIST,
+        f"checkpoint {loc.url!r} exists: pass overwrite=True to save() or save_async() to replace it atomically "
+        "(the old checkpoint stays whole until the new one is committed)",
+        loc.path,
+    )
+    assert isinstance(exc, errors.PathExistsError)
+    return exc
+
+
 def publish(staging: str, loc: Location, *, overwrite: bool, exchange: bool | None = None,
             dirfd: int | None = None) -> None:
     """Move the (fsynced) staging directory named ``staging`` (in ``loc``'s parent) to ``loc`` atomically and
@@ -414,20 +427,20 @@ def publish(staging: str, loc: Location, *, overwrite: bool, exchange: bool | No
         if err in _FLAGS_REFUSED:
             flags_ok = False
         elif err not in (errno.EEXIST, errno.ENOTEMPTY):
-            raise errors.os_error(err, f"cannot publish checkpoint {staging_full} as", final)
+            raise errors.os_error(err, "cannot commit the checkpoint", final)
     if not flags_ok and not exists_at(dirfd, name):
         try:
             # without NOREPLACE an empty directory made meanwhile is replaced
             os.rename(staging, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
         except OSError as exc:
             if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise _os_err(exc, f"cannot publish checkpoint {staging_full} as", final) from None
+                raise _os_err(exc, "cannot commit the checkpoint", final) from None
         else:
             _fsync(dirfd, loc.parent)
             return
     # `final` exists.
     if not overwrite:
-        raise errors.os_error(errno.EEXIST, "checkpoint exists (pass overwrite=True to replace it)", final)
+        raise exists_error(loc)
     if not is_checkpoint_dir(dirfd, name):  # a symlink, a file, or a directory that is no checkpoint
         raise errors.os_error(
             errno.EEXIST, "refusing to replace something that is not an sfstore checkpoint directory", final
@@ -439,7 +452,7 @@ def publish(staging: str, loc: Location, *, overwrite: bool, exchange: bool | No
             rmtree_at(loc.fp, dirfd, staging, staging_full)  # now the old checkpoint
             return
         if err not in _FLAGS_REFUSED:
-            raise errors.os_error(err, f"cannot exchange checkpoint {staging_full} with", final)
+            raise errors.os_error(err, "cannot replace the checkpoint", final)
     old = staging_name(loc, "old")
     try:
         os.rename(name, old, src_dir_fd=dirfd, dst_dir_fd=dirfd)
@@ -449,7 +462,7 @@ def publish(staging: str, loc: Location, *, overwrite: bool, exchange: bool | No
         os.rename(staging, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
     except OSError as exc:
         os.rename(old, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)  # put the previous one back
-        raise _os_err(exc, f"cannot publish checkpoint {staging_full} as", final) from None
+        raise _os_err(exc, "cannot replace the checkpoint", final) from None
     _fsync(dirfd, loc.parent)
     rmtree_at(loc.fp, dirfd, old, os.path.join(loc.parent, old))
 

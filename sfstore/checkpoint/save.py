@@ -295,9 +295,7 @@ class _Job:
         try:
             location.cleanup(self.parent_fd, fp=self.fp, full=self.loc.parent)
             if not self.overwrite and location.exists_at(self.parent_fd, self.loc.name):
-                raise errors.os_error(
-                    errno.EEXIST, "checkpoint exists (pass overwrite=True to replace it)", self.loc.path
-                )
+                raise location.exists_error(self.loc)
             self.staging = location.staging_name(self.loc)
             try:
                 os.mkdir(self.staging, 0o755, dir_fd=self.parent_fd)
@@ -305,15 +303,13 @@ class _Job:
                     self.staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.parent_fd
                 )
             except OSError as exc:
-                raise errors.os_error(
-                    exc.errno or 5, "cannot create the staging directory", self.staging_full
-                ) from None
+                raise errors.os_error(exc.errno or 5, "cannot create the checkpoint", self.loc.path) from None
         except BaseException:
             self.abort()
             raise
 
     def open_shard(self, shard: _Shard) -> _OpenShard:
-        path = os.path.join(self.staging_full, shard.file)
+        path = os.path.join(self.loc.path, shard.file)  # messages name the file as it will be, not the staging name
         try:
             fd = os.open(shard.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                          dir_fd=self.staging_fd)
@@ -370,12 +366,12 @@ class _Job:
             # save_pretrained writes no index for one shard: from_pretrained looks for model.safetensors first.
             index = hf.index_json({it.name: sh.file for sh in plan.shards for it in sh.items},
                                   sum(it.nbytes for it in plan.items))
-            write_small(self.fp, os.path.join(self.staging_full, hf.INDEX_NAME), index, dirfd=self.staging_fd)
-        write_small(self.fp, os.path.join(self.staging_full, MANIFEST_NAME), data, dirfd=self.staging_fd)
+            write_small(self.fp, os.path.join(self.loc.path, hf.INDEX_NAME), index, dirfd=self.staging_fd)
+        write_small(self.fp, os.path.join(self.loc.path, MANIFEST_NAME), data, dirfd=self.staging_fd)
         try:
             os.fsync(self.staging_fd)
         except OSError as exc:
-            raise errors.os_error(exc.errno or 5, "cannot fsync", self.staging_full) from None
+            raise errors.os_error(exc.errno or 5, "cannot write the checkpoint", self.loc.path) from None
         location.publish(self.staging, self.loc, overwrite=self.overwrite, dirfd=self.parent_fd)
         self.staging = ""
         return info_for(self.loc.url, self.loc.path, self.loc.name, manifest)

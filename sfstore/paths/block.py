@@ -22,7 +22,7 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sfstore import defaults, errors
@@ -352,11 +352,12 @@ class BlockPath(StoragePath):
         if fd >= 0:
             os.close(fd)
 
-    def __del__(self) -> None:
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
+        # os.close is bound at definition: at interpreter exit the module's globals may already be None.
         fd = getattr(self, "fd", -1)
         if fd >= 0:
             try:
-                os.close(fd)
+                _close(fd)
             except OSError:
                 pass
 

@@ -89,3 +89,27 @@ def test_step_in_name(name: str, step: int | None) -> None:
     from sfstore.checkpoint.catalog import step_in_name
 
     assert step_in_name(name) == step
+
+
+def test_saving_over_an_existing_checkpoint_says_how_to_overwrite(ckroot: Path) -> None:
+    checkpoint.save({"x": torch.ones(2)}, "run5/step-1")
+    for save in (checkpoint.save, lambda s, u: checkpoint.save_async(s, u).get()):
+        with pytest.raises(errors.PathExistsError) as got:
+            save({"x": torch.zeros(2)}, "run5/step-1")
+        text = str(got.value)
+        assert "'run5/step-1' exists" in text and "overwrite=True" in text and "sfstore-staging" not in text
+    assert checkpoint.load("run5/step-1")["x"].tolist() == [1.0, 1.0]  # nothing was lost
+    # overwrite=True replaces it, for save and save_async alike; nothing else is left in the directory.
+    checkpoint.save({"x": torch.full((2,), 2.0)}, "run5/step-1", overwrite=True)
+    assert checkpoint.load("run5/step-1")["x"].tolist() == [2.0, 2.0]
+    checkpoint.save_async({"x": torch.full((2,), 3.0)}, "run5/step-1", overwrite=True).get()
+    assert checkpoint.load("run5/step-1")["x"].tolist() == [3.0, 3.0]
+    assert sorted(p.name for p in (ckroot / "run5").iterdir()) == ["step-1"]
+
+
+def test_a_failed_overwrite_leaves_the_old_checkpoint_whole(ckroot: Path) -> None:
+    checkpoint.save({"x": torch.ones(3)}, "run6/step-1")
+    with pytest.raises(errors.InvalidRequestError):
+        checkpoint.save({"x": torch.zeros(3), "bad": object()}, "run6/step-1", overwrite=True)
+    assert checkpoint.load("run6/step-1")["x"].tolist() == [1.0, 1.0, 1.0]
+    assert sorted(p.name for p in (ckroot / "run6").iterdir()) == ["step-1"]
