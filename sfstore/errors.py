@@ -37,6 +37,7 @@ __all__ = [
     "IOTimeoutError",
     "RegistrationError",
     "CorruptCheckpointError",
+    "UnsupportedFormatError",
     "NotSupportedOnHostError",
     "NvmeError",
     "StoreInUseError",
@@ -156,6 +157,11 @@ class CorruptCheckpointError(SfstoreError, ValueError):
         super().__init__(message)
         self.shard = shard
         self.tensor = tensor
+
+
+class UnsupportedFormatError(SfstoreError, ValueError):
+    """A file is in a format sfstore does not read: a pickle (``torch.save``, ``pytorch_model.bin``) is never
+    unpickled. The message names the format found and how to convert the file. Nothing from it is returned."""
 
 
 class RegistrationError(SfstoreOSError):

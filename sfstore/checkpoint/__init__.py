@@ -239,6 +239,10 @@ def load(url: Url, *, device: str | torch.device = "cpu", into: Any = None, veri
         No such directory, or neither a manifest nor Hugging Face's files in it (not a checkpoint); ``url`` is
         ``None`` (what :func:`latest` returns where nothing was saved yet: guard a resume with
         ``if (info := latest(prefix)) is not None``).
+    sfstore.errors.UnsupportedFormatError
+        ``url`` is a pickle (a ``torch.save`` file, legacy or zip; any pickle of protocol 2 to 5) or a NumPy
+        ``.npy``/``.npz`` file: never unpickled; the message says how to convert it. (A directory whose weights
+        are only ``pytorch_model.bin`` is the ``PathNotFoundError`` above, whose message says the same.)
     sfstore.errors.PathEscapeError
         A link leading outside the root (for a hub snapshot, outside its repository folder).
     sfstore.errors.InvalidRequestError

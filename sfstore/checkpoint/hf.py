@@ -56,6 +56,8 @@ __all__ = [
     "directory_manifest",
     "file_manifest",
     "not_a_safetensors_file",
+    "foreign_format",
+    "pickled_weights",
     "SNAPSHOTS_NAME",
     "BLOBS_NAME",
     "hub_snapshot",
@@ -161,6 +163,49 @@ def not_a_safetensors_file(path: str) -> errors.InvalidRequestError:
     )
 
 
+_CONVERT = (
+    "sfstore never unpickles (a pickle runs code when it is loaded). Convert it once, where you trust the file: "
+    "`state = torch.load(path, weights_only=True)` then `sfstore.checkpoint.save(state, url)` (or "
+    "`safetensors.torch.save_file(state, 'model.safetensors')`)"
+)
+
+
+def foreign_format(prefix: bytes, path: str) -> errors.UnsupportedFormatError | None:
+    """The error for a file that is not safetensors but a format sfstore never reads (a ``torch.save`` zip, a
+    legacy ``torch.save`` or any pickle of protocol 2 to 5, a NumPy ``.npy``/``.npz``), judged from its first
+    bytes; ``None`` otherwise. Nothing is unpickled: only the magic bytes are looked at.
+
+    A safetensors file has its JSON header at byte 8 (``{``), so one whose first byte happens to be ``0x80``
+    (a header length of 128 + 256k bytes) is never taken for a pickle.
+    """
+    if len(prefix) > 8 and prefix[8:9] == b"{":
+        return None
+    if prefix[:4] == b"PK\x03\x04":
+        name_len = int.from_bytes(prefix[26:28], "little") if len(prefix) >= 30 else 0
+        first = prefix[30:30 + name_len].decode("utf-8", "replace")
+        if first.endswith(".pkl"):
+            return errors.UnsupportedFormatError(
+                f"{path} is a torch.save file (a zip archive holding the pickle {first}), not safetensors. {_CONVERT}"
+            )
+        if first.endswith(".npy"):
+            return errors.UnsupportedFormatError(
+                f"{path} is a NumPy .npz archive, not safetensors: load it with numpy.load(path, allow_pickle=False) "
+                "and save the arrays with sfstore.checkpoint.save"
+            )
+        return errors.UnsupportedFormatError(f"{path} is a zip archive, not a safetensors file")
+    if prefix[:1] == b"\x80" and prefix[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return errors.UnsupportedFormatError(
+            f"{path} is a pickle (protocol {prefix[1]}; a legacy torch.save file or pytorch_model.bin), not "
+            f"safetensors. {_CONVERT}"
+        )
+    if prefix[:6] == b"\x93NUMPY":
+        return errors.UnsupportedFormatError(
+            f"{path} is a NumPy .npy file, not safetensors: load it with numpy.load(path, allow_pickle=False) and "
+            "save the array with sfstore.checkpoint.save"
+        )
+    return None
+
+
 def _looks_like_json(prefix: bytes) -> bool:
     # A safetensors file starts with a little-endian length whose high bytes are zero: never '{"'.
     return prefix[:2] in (b'{"', b"{\n", b"{ ", b"{}")
@@ -176,6 +221,9 @@ def _headers(fp: FilePath, files: list[tuple[str, OpenFile, int]], bare: bool) -
     longer: list[int] = []
     for i, ((name, _of, size), buf, n) in enumerate(zip(files, prefixes, got, strict=True)):
         head = bytes(memoryview(buf)[:n])
+        unsupported = foreign_format(head, files[i][1].path)
+        if unsupported is not None:
+            raise unsupported
         try:
             length = stf.header_length(head, size, shard=name)
         except errors.CorruptCheckpointError:
@@ -288,6 +336,23 @@ def hub_snapshot(loc: location.Location) -> location.Location | None:
         rel = "/".join(parts[i:])
         return location.Location(fp, os.path.join(fp.root, rel), loc.name, loc.url, rel)
     return None
+
+
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "training_args.bin", "optimizer.pt")
+"""Pickled files a Hugging Face (or Trainer) directory may hold instead of safetensors weights."""
+
+
+def pickled_weights(fp: FilePath, directory: str) -> str:
+    """A note for the error of a model directory without safetensors weights that holds pickles instead
+    (``pytorch_model.bin``, a Trainer's ``optimizer.pt``): what they are and how to convert them; ``""`` when it
+    holds none of :data:`PICKLED_WEIGHTS`."""
+    found = [name for name in PICKLED_WEIGHTS if _is_file(fp, os.path.join(directory, name))]
+    if not found:
+        return ""
+    return (
+        f"; it holds only pickles ({', '.join(found)}), which sfstore never reads. {_CONVERT}; transformers: "
+        "`AutoModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`"
+    )
 
 
 def directory_manifest(fp: FilePath, directory: str) -> Manifest | None:

@@ -517,7 +517,7 @@ def load(
                 raise errors.os_error(
                     errno.ENOENT,
                     f"not a checkpoint: neither {MANIFEST_NAME} (sfstore) nor {hf.WEIGHTS_NAME} or {hf.INDEX_NAME} "
-                    "(Hugging Face) is in the directory",
+                    f"(Hugging Face) is in the directory{hf.pickled_weights(fp, path)}",
                     path,
                 ) from None
             manifest, foreign, unfilled = found, True, "tied"
