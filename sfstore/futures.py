@@ -1,6 +1,7 @@
 """The one future type: what every ``*_async`` call, path and engine returns.
 
-A :class:`Future` has three calls and one contract:
+A :class:`Future` has three calls (and :meth:`~Future.result`, ``concurrent.futures``' name for ``get``) and
+one contract:
 
 * :meth:`~Future.done` says whether the work has finished (successfully or not) and never blocks;
 * :meth:`~Future.wait` waits at most ``timeout`` seconds and says whether it finished; it never raises the
@@ -65,6 +66,12 @@ class Future(ABC, Generic[T]):
     def get(self, timeout: float | None = None) -> T:
         """The result; raises the work's error, or :class:`~sfstore.errors.IOTimeoutError` after ``timeout``
         seconds (the work goes on)."""
+
+    def result(self, timeout: float | None = None) -> T:
+        """:meth:`get` by the name :class:`concurrent.futures.Future` gives it (``asyncio.wrap_future`` and
+        code written for executors call it). On a timeout it raises :class:`~sfstore.errors.IOTimeoutError`,
+        a ``TimeoutError`` as ``concurrent.futures.TimeoutError`` is."""
+        return self.get(timeout)
 
     def _timed_out(self, timeout: float | None, what: str = "the operation") -> errors.IOTimeoutError:
         return errors.IOTimeoutError(f"{what} had not finished after {timeout} s (it goes on; wait again)")

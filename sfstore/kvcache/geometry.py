@@ -10,12 +10,51 @@ from typing import Any
 
 from sfstore import errors
 
-__all__ = ["KVGeometry", "DTYPE_SIZES", "KEY_BYTES", "chained_keys"]
+__all__ = ["KVGeometry", "DTYPE_SIZES", "DTYPE_ALIASES", "KEY_BYTES", "chained_keys", "dtype_name"]
 
 # dtype name -> bytes per element (the names torch uses)
 DTYPE_SIZES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
 }
+DTYPE_ALIASES = {
+    "fp32": "float32", "f32": "float32", "float": "float32",
+    "fp16": "float16", "f16": "float16", "half": "float16",
+    "bf16": "bfloat16",
+    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2",
+    "i8": "int8", "u8": "uint8",
+}
+"""Other spellings of the :data:`DTYPE_SIZES` names (lower case): vLLM's ``--kv-cache-dtype fp8`` is e4m3."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """The canonical name (a key of :data:`DTYPE_SIZES`) of ``dtype``: a name or alias (``"bf16"``,
+    ``"bfloat16"``, ``"torch.bfloat16"``, ``"half"``, ``"fp8"``, any case), a ``torch.dtype`` or a numpy dtype (or
+    type, ``np.float16``). Anything else is an :class:`~sfstore.errors.InvalidRequestError` listing the accepted
+    names."""
+    text: str | None = None
+    if isinstance(dtype, str):
+        text = dtype
+    elif type(dtype).__name__ == "dtype" and type(dtype).__module__ == "torch":
+        text = str(dtype)  # "torch.bfloat16"
+    else:
+        try:
+            import numpy as np
+
+            text = np.dtype(dtype).name if isinstance(dtype, (np.dtype, type)) else None
+        except (ImportError, TypeError):
+            text = None
+    if text is not None:
+        key = text.strip().lower()
+        key = key[len("torch."):] if key.startswith("torch.") else key
+        key = DTYPE_ALIASES.get(key, key)
+        if key in DTYPE_SIZES:
+            return key
+    accepted = ", ".join([*DTYPE_SIZES, *DTYPE_ALIASES])
+    raise errors.InvalidRequestError(
+        f"KVGeometry.dtype {dtype!r} is not a KV-cache dtype sfstore stores; accepted: {accepted}, the torch "
+        "dtypes of these names (torch.bfloat16, ...) and numpy dtypes (np.float16, ...)"
+    )
 KEY_BYTES = 32
 MAX_BLOCK_BYTES = 1 << 30  # one block is one registered slot: far above any model's (MiBs), far below a host
 
@@ -26,13 +65,17 @@ class KVGeometry:
 
     A block is stored as ``[layer][kv][token][head][dim]`` (C order): ``num_layers`` layer slices of
     ``layer_shape`` each. ``kv`` is 2 (K and V) for most models, 1 for latent attention (MLA).
+
+    ``dtype`` takes a name (``"bfloat16"``, ``"bf16"``, ``"fp16"``, ``"half"``, ``"float32"``, ``"fp8"``: see
+    :data:`DTYPE_ALIASES`), a ``torch.dtype`` (``torch.bfloat16``) or a numpy dtype; it is kept as the canonical
+    name (``geom.dtype == "bfloat16"``), so every spelling makes the same geometry and the same keys.
     """
 
     num_layers: int
     block_tokens: int
     num_kv_heads: int
     head_dim: int
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # any spelling dtype_name() takes; stored as the canonical name
     kv: int = 2
 
     def __post_init__(self) -> None:
@@ -42,10 +85,7 @@ class KVGeometry:
                 raise errors.InvalidRequestError(f"KVGeometry.{name} must be a positive int, not {v!r}")
         if self.kv not in (1, 2):
             raise errors.InvalidRequestError(f"KVGeometry.kv must be 1 (MLA) or 2 (K and V), not {self.kv}")
-        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
-            raise errors.InvalidRequestError(
-                f"KVGeometry.dtype must be one of {', '.join(DTYPE_SIZES)}, not {self.dtype!r}"
-            )
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))  # frozen: set once, here
         if self.block_bytes > MAX_BLOCK_BYTES:
             raise errors.InvalidRequestError(
                 f"KVGeometry: a block of {self.block_shape} {self.dtype} is {self.block_bytes} bytes; at most "
