@@ -11,6 +11,7 @@ Subcommands are added by ``_add_<name>(subparsers)`` functions listed in :data:`
     sfstore ls [PATH] [-l] [-R] [--root DIR] [--config FILE]
     sfstore cp SRC DST [-r] [--root DIR] [--config FILE]     (local paths <-> sf:// URLs; - is stdin/stdout)
     sfstore cat URL... [--root DIR] [--config FILE]          (the files' bytes to stdout, streamed)
+    sfstore rm [-r] [-f] URL... [--root DIR] [--config FILE] (remove files; -r: directories too)
     sfstore nvme list [--json]
     sfstore nvme discover -t rdma -a ADDR [-s PORT] [-n NQN] [--hostnqn NQN] [--json]
     sfstore nvme connect -t rdma -a ADDR [-s PORT] -n NQN [--hostnqn NQN] [--json]
@@ -118,6 +119,25 @@ def _is_sf(path: str) -> bool:
     return path.startswith("sf://") or path.startswith("sf::")
 
 
+def _refuse_other_schemes(*paths: str, local: bool = False) -> None:
+    """Refuse a URL of another scheme (``s3://b/x``) before it is taken for a name beneath the root (or, for
+    ``cp``, for a local path: ``local``)."""
+    from sfstore.fs import other_scheme
+
+    for path in paths:
+        scheme = other_scheme(path)
+        if scheme is not None:
+            takes = "sf:// URLs and local paths" if local else "sf:// URLs and paths beneath the sf:// root"
+            raise errors.InvalidRequestError(f"{path}: {scheme}:// URLs are not supported here; this command "
+                                             f"takes {takes}")
+
+
+def _sf_url(path: str) -> str:
+    """An ``sf://`` URL for a command's PATH argument: a URL as it is, a path as one beneath the root."""
+    _refuse_other_schemes(path)
+    return path if _is_sf(path) else "sf://" + path.lstrip("/")
+
+
 def _open_fs(args: argparse.Namespace) -> SFFileSystem:
     from sfstore.fs import SFFileSystem
 
@@ -188,9 +208,15 @@ class Progress:
         self._width = len(line)
         self.stream.flush()
 
-    def finish(self) -> None:
-        """The final line: the bar on a terminal, a summary elsewhere."""
+    def finish(self, ok: bool = True) -> None:
+        """The final line: the bar on a terminal, a summary elsewhere. After a failure (``ok=False``) no summary
+        is written (the error says what happened); a bar drawn on a terminal is ended so the error starts a line."""
         elapsed = max(time.monotonic() - self._start, 1e-9)
+        if not ok:
+            if self.tty and self._width:
+                self.stream.write("\n")
+                self.stream.flush()
+            return
         if self.tty:
             self._draw(force=True)
             self.stream.write("\n")
@@ -224,17 +250,15 @@ def _os_errors_typed(func: Callable[[argparse.Namespace], int]) -> Callable[[arg
         except (SfstoreError, BrokenPipeError):  # a closed stdout is main's to answer (`sfstore ls | head`)
             raise
         except OSError as exc:
-            raise _local_error(exc, args.command, str(exc.filename or "")) from None
+            raise _local_error(exc, "cannot access", str(exc.filename or "")) from None
 
     return run
 
 
 @_os_errors_typed
 def _cmd_ls(args: argparse.Namespace) -> int:
+    path = _sf_url(args.path)
     fs = _open_fs(args)
-    path = args.path
-    if not _is_sf(path):
-        path = "sf://" + path.lstrip("/")
     info = fs.info(path)
     if info["type"] != "directory":
         entries = [info]
@@ -339,12 +363,14 @@ def _write_local(path: str, data: bytes) -> None:
     except OSError as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise _local_error(exc, "cannot write", path) from None
+        # named as the file asked for, never its temporary name
+        raise errors.os_error(exc.errno or errno.EIO, "cannot write", path) from None
 
 
 @_os_errors_typed
 def _cmd_cp(args: argparse.Namespace) -> int:
     src, dst = args.src, args.dst
+    _refuse_other_schemes(src, dst, local=True)
     if not _is_sf(src) and not _is_sf(dst):
         raise errors.InvalidRequestError("one of SRC and DST must be an sf:// URL (local to local: use cp)")
     fs = _open_fs(args)
@@ -396,6 +422,7 @@ def _cmd_cp(args: argparse.Namespace) -> int:
         return join(target, rel.replace(os.sep, "/") if join is posixpath.join else rel) if rel else target
 
     progress = Progress(sum(n for _, n in files), len(files))
+    ok = False
     try:
         for rel in dirs:
             if _is_sf(dst):
@@ -447,8 +474,9 @@ def _cmd_cp(args: argparse.Namespace) -> int:
                     raise _local_error(exc, "cannot copy", src_of(rel)) from None
                 progress.file_done()
             flush()
+        ok = True
     finally:
-        progress.finish()
+        progress.finish(ok)
     return 0
 
 
@@ -457,6 +485,7 @@ def _cp_std(fs: SFFileSystem, args: argparse.Namespace) -> int:
     if args.recursive:
         raise errors.InvalidRequestError("-r copies directories: stdin and stdout ('-') hold one file")
     progress = Progress(0, 1)
+    ok = False
     try:
         if args.dst == "-":
             info = fs.info(args.src)
@@ -472,8 +501,9 @@ def _cp_std(fs: SFFileSystem, args: argparse.Namespace) -> int:
                 raise errors.InvalidRequestError(f"{args.dst} is a directory: stdin needs a file name to go to")
             progress.total_bytes = fs.put_fd(sys.stdin.buffer.fileno(), args.dst, name="<stdin>", callback=progress)
         progress.file_done()
+        ok = True
     finally:
-        progress.finish()
+        progress.finish(ok)
     return 0
 
 
@@ -504,8 +534,8 @@ class _Stdout:
 
 @_os_errors_typed
 def _cmd_cat(args: argparse.Namespace) -> int:
+    urls = [_sf_url(u) for u in args.urls]
     fs = _open_fs(args)
-    urls = [u if _is_sf(u) else "sf://" + u.lstrip("/") for u in args.urls]
     # Every name is checked before the first byte goes out: a missing file fails the command with nothing
     # written, rather than after the files before it (a reader such as tarfile would see a short stream).
     for url in urls:
@@ -532,6 +562,41 @@ def _add_cat(sub: Subparsers) -> None:
     p.add_argument("urls", nargs="+", metavar="URL", help="sf:// URL or root-relative path")
     _add_root_options(p)
     p.set_defaults(func=_cmd_cat)
+
+
+# -- rm ----------------------------------------------------------------------------------------------------
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    urls = [_sf_url(u) for u in args.urls]
+    fs = _open_fs(args)
+    failed = 0
+    for given, url in zip(args.urls, urls, strict=True):
+        try:
+            if fs.name_of(url) == "":
+                raise errors.InvalidRequestError(f"{given}: refusing to remove the sf:// root")
+            if not args.recursive and not any(c in url for c in "*?[") and fs.isdir(url):
+                raise errors.InvalidRequestError(f"{given} is a directory (not removed; use -r)")
+            fs.rm(url, recursive=args.recursive)
+        except SfstoreError as exc:
+            if args.force and isinstance(exc, FileNotFoundError):
+                continue
+            print(f"sfstore rm: error: {_message(exc)}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
+def _add_rm(sub: Subparsers) -> None:
+    p = sub.add_parser("rm", help="remove sf:// files (and with -r, directories)",
+                       description="Remove each sf:// file; with -r, directories and everything below them "
+                                   "(symlinks are removed, never followed). A directory without -r is refused, "
+                                   "and so is the sf:// root. Each PATH is tried; the exit status is 1 if any "
+                                   "failed.")
+    p.add_argument("urls", nargs="+", metavar="PATH", help="sf:// URL or root-relative path (globs: quote them)")
+    p.add_argument("-r", "-R", "--recursive", action="store_true", help="remove directories and what they hold")
+    p.add_argument("-f", "--force", action="store_true", help="a missing PATH is not an error")
+    _add_root_options(p)
+    p.set_defaults(func=_cmd_rm)
 
 
 # -- nvme --------------------------------------------------------------------------------------------------
@@ -642,23 +707,35 @@ def _add_nvme(sub: Subparsers) -> None:
                                    "discover, connect and disconnect need root and the nvme-fabrics module.")
     nsub = p.add_subparsers(dest="nvme_command", metavar="ACTION", required=True)
 
-    q = nsub.add_parser("list", help="NVMe controllers of this host with their namespaces (from sysfs)")
+    q = nsub.add_parser("list", help="NVMe controllers of this host with their namespaces (from sysfs)",
+                        description="List this host's NVMe controllers (local PCIe and NVMe-oF) with their "
+                                    "transport, address, subsystem NQN, state and namespaces, read from sysfs. "
+                                    "Needs no root.")
     q.add_argument("--json", action="store_true", help="print JSON")
     q.set_defaults(func=_cmd_nvme_list)
 
-    q = nsub.add_parser("discover", help="the subsystems a target offers (its discovery log page)")
+    q = nsub.add_parser("discover", help="the subsystems a target offers (its discovery log page)",
+                        description="Ask an NVMe-oF target's discovery controller (-t, -a, -s) which subsystems "
+                                    "it offers, and print its discovery log page; -n shows one subsystem. Needs "
+                                    "root and the nvme-fabrics module.")
     _add_nvme_target_options(q, nqn_required=False)
     q.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="default 30")
     q.add_argument("--json", action="store_true", help="print JSON")
     q.set_defaults(func=_cmd_nvme_discover)
 
-    q = nsub.add_parser("connect", help="connect a subsystem (idempotent) and wait for its namespaces")
+    q = nsub.add_parser("connect", help="connect a subsystem (idempotent) and wait for its namespaces",
+                        description="Connect the subsystem -n NQN at -t/-a/-s and wait (--timeout) until its "
+                                    "namespaces appear as /dev/nvmeXnY; an existing connection is reused. The "
+                                    "block path (BlockPath) then opens the namespace. Needs root and the "
+                                    "nvme-fabrics module.")
     _add_nvme_target_options(q, nqn_required=True)
     q.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="default 30")
     q.add_argument("--json", action="store_true", help="print the controller as JSON")
     q.set_defaults(func=_cmd_nvme_connect)
 
-    q = nsub.add_parser("disconnect", help="disconnect a controller (by name) or a subsystem's controllers")
+    q = nsub.add_parser("disconnect", help="disconnect a controller (by name) or a subsystem's controllers",
+                        description="Disconnect one controller by NAME (nvme0), or with -n NQN every controller "
+                                    "of that subsystem (narrowed to one target with -t/-a/-s). Needs root.")
     q.add_argument("name", nargs="?", metavar="NAME", default=None, help="controller name (nvme0)")
     _add_nvme_target_options(q, nqn_required=False)
     q.set_defaults(func=_cmd_nvme_disconnect)
@@ -762,8 +839,19 @@ def _add_kv(sub: Subparsers) -> None:
         q.set_defaults(func=func)
 
 
-SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_probe, _add_demo, _add_ls, _add_cp, _add_cat, _add_nvme,
-                                                   _add_kv]
+SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_probe, _add_demo, _add_ls, _add_cp, _add_cat, _add_rm,
+                                                   _add_nvme, _add_kv]
+
+
+def _message(exc: SfstoreError) -> str:
+    """What went wrong, for a person: an OS error as ``cannot open sf://x: No such file or directory`` (what was
+    asked, the path as given, the reason), without Python's ``[Errno 2]`` prefix."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        what, sep, why = str(exc.strerror).rpartition(": ")
+        return f"{what} {exc.filename}: {why}" if sep else f"{exc.filename}: {exc.strerror}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return str(exc.strerror)
+    return str(exc)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -788,7 +876,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except SfstoreError as exc:
-        print(f"sfstore {args.command}: error: {exc}", file=sys.stderr)
+        print(f"sfstore {args.command}: error: {_message(exc)}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `sfstore probe | head`
         return 0

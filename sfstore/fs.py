@@ -20,14 +20,16 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import functools
 import hashlib
 import mmap
 import os
 import posixpath
+import re
 import stat
 from collections.abc import Callable, Sequence
 from glob import has_magic
-from typing import Any
+from typing import Any, TypeVar
 
 from fsspec.caching import BaseCache
 from fsspec.callbacks import DEFAULT_CALLBACK
@@ -43,7 +45,7 @@ from sfstore.paths.beneath import fold_parts
 from sfstore.paths.file import AtomicWriter, FilePath, OpenFile
 from sfstore.temp_names import temp_name
 
-__all__ = ["SFFileSystem", "SFFile", "local_path"]
+__all__ = ["SFFileSystem", "SFFile", "local_path", "other_scheme", "refuse_other_schemes"]
 
 MiB = 1 << 20
 
@@ -90,6 +92,62 @@ def _normalize(text: str) -> str:
 
 def _url(name: str) -> str:
     return "sf://" + name
+
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def other_scheme(text: str) -> str | None:
+    """The scheme of ``text`` when it is a URL of a scheme other than ``sf`` (``"s3"`` for ``s3://b/x``), else
+    ``None`` (``sf://`` URLs, ``sf::`` and plain paths)."""
+    found = _SCHEME.match(text)
+    if found is None or text.startswith("sf://"):
+        return None
+    return found.group(0)[:-3]
+
+
+def refuse_other_schemes(text: str) -> None:
+    """An :class:`~sfstore.errors.InvalidRequestError` for a URL of another scheme (``s3://b/x``,
+    ``file:///x``, ``https://...``): ``sf://`` names only files beneath its root, and a foreign URL taken for a
+    name would read ``<root>/s3:/b/x``. ``sf://`` URLs, ``sf::`` and plain paths pass."""
+    scheme = other_scheme(text)
+    if scheme is not None:
+        raise errors.InvalidRequestError(
+            f"{text!r}: {scheme}:// URLs are not sf:// paths; the sf filesystem takes sf:// URLs and paths beneath "
+            f"its root (a leading '/' is the root). Read {scheme}:// with its own filesystem "
+            f"(fsspec.filesystem({scheme!r}))"
+        )
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _sf_terms(exc: BaseException, root: str) -> BaseException:
+    """``exc`` naming the ``sf://`` URL instead of the host path, where it is a typed OS error about a path
+    beneath ``root`` (what the caller asked for is an ``sf://`` name); anything else as it is."""
+    if not isinstance(exc, errors.SfstoreOSError) or isinstance(exc, errors.NvmeError):
+        return exc
+    name = exc.filename
+    if not isinstance(name, str) or not (name == root or name.startswith(root.rstrip("/") + "/")):
+        return exc
+    url = _url(os.path.relpath(name, root) if name != root else "")
+    return type(exc)(exc.errno, exc.strerror, url)
+
+
+def _in_sf_terms(method: F) -> F:
+    """Errors of ``method`` name ``sf://`` URLs, never the host paths beneath the root (see :func:`_sf_terms`)."""
+
+    @functools.wraps(method)
+    def run(self: SFFileSystem, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except errors.SfstoreOSError as exc:
+            mapped = _sf_terms(exc, self.root)
+            if mapped is exc:
+                raise
+            raise mapped from None
+
+    return run  # type: ignore[return-value]
 
 
 def _typed(exc: OSError, context: str, name: str) -> errors.SfstoreError:
@@ -215,7 +273,7 @@ def _open_local(path: str, flags: int) -> int:
     try:
         return os.open(path, flags | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        raise errors.os_error(exc.errno or errno.EIO, f"cannot open {path!r}", path) from None
+        raise errors.os_error(exc.errno or errno.EIO, "cannot open", path) from None
 
 
 class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
@@ -302,6 +360,8 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if isinstance(path, (list, tuple)):
             return [cls._strip_protocol(p) for p in path]
         text = stringify_path(path)
+        if isinstance(text, str):
+            refuse_other_schemes(text)
         for prefix in ("sf://", "sf::"):
             if text.startswith(prefix):
                 text = text[len(prefix):]
@@ -337,7 +397,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         resolves names beneath the root through ``file_path.beneath``."""
         return self.file_path.full(self._strip_protocol(path))
 
-    def _stat(self, name: str, context: str = "stat", follow: bool = True) -> os.stat_result:
+    def _stat(self, name: str, context: str = "cannot access", follow: bool = True) -> os.stat_result:
         """``stat`` (or ``lstat``) of the root-relative ``name``, resolved beneath the root."""
         try:
             return self.file_path.beneath.stat(name, follow=follow)
@@ -368,16 +428,17 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             "nlink": st.st_nlink,
         }
 
+    @_in_sf_terms
     def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
         """Details of ``path``: name, size, type (file/directory/other), created, mtime, islink, mode, ...
 
         A symlink inside the root reports its target; one that points out raises :class:`PathEscapeError`.
         """
         name = self._strip_protocol(path)
-        lst = self._stat(name, "info", follow=False)
+        lst = self._stat(name, "cannot access", follow=False)
         if not stat.S_ISLNK(lst.st_mode):
             return self._make_info(name, lst, False)
-        return self._make_info(name, self._stat(name, "info"), True)
+        return self._make_info(name, self._stat(name, "cannot access"), True)
 
     def _dirent_info(self, name: str, lst: os.stat_result) -> dict[str, Any]:
         if not stat.S_ISLNK(lst.st_mode):
@@ -387,6 +448,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         except OSError:  # dangling, or pointing out of the root (PathEscapeError)
             return self._make_info(name, lst, True, kind="other")
 
+    @_in_sf_terms
     def ls(self, path: Any, detail: bool = True, **kwargs: Any) -> list[Any]:
         """Entries of a directory (sorted by name, sfstore's temporary files hidden), or ``[info]`` of a file."""
         name = self._strip_protocol(path)
@@ -406,7 +468,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                         continue
                     out.append(self._dirent_info(posixpath.join(name, entry), lst))
         except OSError as exc:
-            raise _typed(exc, "ls", name) from None
+            raise _typed(exc, "cannot list", name) from None
         out.sort(key=lambda d: str(d["name"]))
         return out if detail else [d["name"] for d in out]
 
@@ -466,7 +528,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         except OSError as exc:
             if _absent(exc):
                 return None
-            raise _typed(exc, "stat", name) from None
+            raise _typed(exc, "cannot access", name) from None
 
     def lexists(self, path: Any, **kwargs: Any) -> bool:
         """Whether the entry exists (a broken symlink counts)."""
@@ -497,6 +559,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """Last modification time, UTC."""
         return datetime.datetime.fromtimestamp(self.info(path)["mtime"], tz=datetime.timezone.utc)
 
+    @_in_sf_terms
     def ukey(self, path: Any) -> str:
         """Changes whenever the file's content may have: hash of inode, size and modification/change times."""
         st = self._stat(self._strip_protocol(path))
@@ -505,6 +568,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     # -- reads -----------------------------------------------------------------------------------------------
 
+    @_in_sf_terms
     def cat_file(self, path: Any, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         """Bytes ``[start, end)`` of ``path`` (slice semantics), read through the engine straight into the
         returned ``bytes`` (parallel chunks for large files). Only regular files are read: a FIFO, socket or
@@ -513,6 +577,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             s, e = _bounds(start, end, f.size)
             return f.read(s, e - s)
 
+    @_in_sf_terms
     def read_into(self, path: Any, buffer: Any, offset: int = 0, length: int | None = None) -> int:
         """Read ``path`` from ``offset`` into ``buffer`` (numpy, torch, registered buffer, GPU array, ...).
 
@@ -521,6 +586,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """
         return self.file_path.read_into(self._strip_protocol(path), buffer, offset, length)
 
+    @_in_sf_terms
     def cat(
         self, path: Any, recursive: bool = False, on_error: str = "raise", **kwargs: Any
     ) -> bytes | dict[str, bytes | BaseException]:
@@ -540,6 +606,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         out: dict[str, bytes | BaseException] = {}
         for name, value in zip(names, got, strict=True):
             if isinstance(value, BaseException):
+                value = _sf_terms(value, self.root)
                 if isinstance(value, IsADirectoryError) and not explicit:
                     continue  # a directory found by the expansion: nothing to read
                 if on_error == "raise":
@@ -549,6 +616,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             out[name] = value
         return out
 
+    @_in_sf_terms
     def cat_ranges(
         self,
         paths: list[Any],
@@ -580,7 +648,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 if on_error != "return":
                     raise
                 for i in members:
-                    out[i] = exc
+                    out[i] = _sf_terms(exc, self.root)
         return out
 
     def _group_by_file(self, paths: Sequence[Any]) -> dict[str, list[int]]:
@@ -625,6 +693,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 e = min(e, m[0] + n)
                 out[i] = filled_bytes(data, n) if whole else bytes(memoryview(data)[s - m[0]: max(s, e) - m[0]])
 
+    @_in_sf_terms
     def cat_ranges_into(
         self,
         paths: list[Any],
@@ -717,6 +786,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
         return sink
 
+    @_in_sf_terms
     def pipe_file(self, path: Any, value: Any, mode: str = "overwrite", **kwargs: Any) -> None:
         """Write ``value`` (bytes-like, numpy, CPU tensor) as the whole of ``path``, atomically.
 
@@ -726,6 +796,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             self._strip_protocol(path), value, overwrite=mode != "create", fsync=bool(kwargs.get("fsync", False))
         )
 
+    @_in_sf_terms
     def put_file(
         self, lpath: Any, rpath: Any, callback: Any = DEFAULT_CALLBACK, mode: str = "overwrite", **kwargs: Any
     ) -> None:
@@ -743,6 +814,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         finally:
             os.close(fd)
 
+    @_in_sf_terms
     def put_fd(self, fd: int, rpath: str, *, name: str | None = None, mode: str = "overwrite",
                callback: Any = DEFAULT_CALLBACK) -> int:
         """Write what the open descriptor ``fd`` holds or yields to ``rpath``, committed atomically.
@@ -792,6 +864,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             callback.relative_update(len(data))
             total += len(data)
 
+    @_in_sf_terms
     def get_file(
         self,
         rpath: Any,
@@ -829,7 +902,10 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             os.makedirs(os.path.dirname(lpath), exist_ok=True)
             head, tail = os.path.split(lpath)
             tmp = os.path.join(head, temp_name(tail, "part"))
-            fd = _open_local(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except OSError as exc:  # named as the file asked for, not its temporary name
+                raise errors.os_error(exc.errno or errno.EIO, "cannot write", lpath) from None
             try:
                 try:
                     self._pump(self._sf_source(f), size, self._local_sink(fd), callback)
@@ -841,6 +917,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                     os.unlink(tmp)
                 raise
 
+    @_in_sf_terms
     def cp_file(self, path1: Any, path2: Any, **kwargs: Any) -> None:
         """Copy a file within the root through the engine, published atomically (a directory: made)."""
         src = self._strip_protocol(path1)
@@ -852,6 +929,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     # -- namespace -------------------------------------------------------------------------------------------
 
+    @_in_sf_terms
     def mkdir(self, path: Any, create_parents: bool = True, **kwargs: Any) -> None:
         name = self._strip_protocol(path)
         try:
@@ -859,8 +937,9 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 raise FileExistsError(errno.EEXIST, "exists", self._host(name))
             self.file_path.beneath.mkdir(name, parents=create_parents)
         except OSError as exc:
-            raise _typed(exc, "mkdir", name) from None
+            raise _typed(exc, "cannot create the directory", name) from None
 
+    @_in_sf_terms
     def makedirs(self, path: Any, exist_ok: bool = False) -> None:
         name = self._strip_protocol(path)
         try:
@@ -870,8 +949,9 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 return
             self.file_path.beneath.mkdir(name, parents=True, exist_ok=exist_ok)
         except OSError as exc:
-            raise _typed(exc, "makedirs", name) from None
+            raise _typed(exc, "cannot create the directory", name) from None
 
+    @_in_sf_terms
     def rmdir(self, path: Any) -> None:
         """Remove an empty directory (never the root)."""
         name = self._strip_protocol(path)
@@ -880,8 +960,9 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         try:
             self.file_path.beneath.rmdir(name)
         except OSError as exc:
-            raise _typed(exc, "rmdir", name) from None
+            raise _typed(exc, "cannot remove the directory", name) from None
 
+    @_in_sf_terms
     def rm_file(self, path: Any) -> None:
         """Remove a file (a symlink: the link itself)."""
         name = self._strip_protocol(path)
@@ -890,11 +971,12 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         try:
             self.file_path.beneath.unlink(name)
         except OSError as exc:
-            raise _typed(exc, "rm", name) from None
+            raise _typed(exc, "cannot remove", name) from None
 
     def _rm(self, path: Any) -> None:
         self.rm_file(path)
 
+    @_in_sf_terms
     def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
         """Remove files, and with ``recursive=True`` directories with what they hold (globs expand).
 
@@ -908,7 +990,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             if has_magic(name):
                 found = self.glob(name)
                 if not found:
-                    raise errors.os_error(errno.ENOENT, "rm: no match", _url(name))
+                    raise errors.os_error(errno.ENOENT, "nothing matches the pattern", _url(name))
                 names.extend(found)
             else:
                 names.append(name)
@@ -921,12 +1003,14 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 if not stat.S_ISDIR(lst.st_mode):
                     beneath.unlink(name)
                 elif not recursive:
-                    raise IsADirectoryError(errno.EISDIR, "is a directory (use recursive=True)", name)
+                    raise errors.os_error(errno.EISDIR, "cannot remove a directory without recursive=True",
+                                          _url(name))
                 else:
                     beneath.rmtree(name, maxdepth)
             except OSError as exc:
-                raise _typed(exc, "rm", name) from None
+                raise _typed(exc, "cannot remove", name) from None
 
+    @_in_sf_terms
     def mv(self, path1: Any, path2: Any, recursive: bool = False, maxdepth: int | None = None, **kwargs: Any) -> None:
         """Move a file or directory: one ``rename`` within the root (copy and remove across mounts).
 
@@ -941,7 +1025,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             raise errors.InvalidRequestError("refusing to move the sf:// root")
         if src == dst:
             return
-        self._stat(src, "mv", follow=False)  # a missing source is an error before anything is made
+        self._stat(src, "cannot move", follow=False)  # a missing source is an error before anything is made
         if isinstance(path2, str) and path2.endswith("/") and not self.isdir(dst):
             self.makedirs(dst, exist_ok=True)  # "dir/" names a directory, made if missing (as fsspec's copy does)
         if self.isdir(dst):
@@ -950,10 +1034,11 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             self.file_path.beneath.rename(src, dst)
         except OSError as exc:
             if exc.errno != errno.EXDEV or isinstance(exc, errors.SfstoreError):
-                raise _typed(exc, f"mv to {_url(dst)}", src) from None
+                raise _typed(exc, f"cannot move it to {_url(dst)}", src) from None
             self.copy(src, dst, recursive=True, on_error="raise")
             self.rm(src, recursive=True)
 
+    @_in_sf_terms
     def replace(self, path1: Any, path2: Any) -> None:
         """Rename ``path1`` to ``path2`` with one ``rename(2)`` beneath the root, as ``os.replace`` does.
 
@@ -969,8 +1054,9 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         try:
             self.file_path.beneath.rename(src, dst)
         except OSError as exc:
-            raise _typed(exc, f"rename onto {_url(dst)}", src) from None
+            raise _typed(exc, f"cannot rename it onto {_url(dst)}", src) from None
 
+    @_in_sf_terms
     def touch(self, path: Any, truncate: bool = True, **kwargs: Any) -> None:
         """Create an empty file (atomically), or with ``truncate=False`` update an existing file's times."""
         if truncate or not self.exists(path):
@@ -980,10 +1066,11 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         try:
             self.file_path.beneath.utime(name)
         except OSError as exc:
-            raise _typed(exc, "touch", name) from None
+            raise _typed(exc, "cannot update the times of", name) from None
 
     # -- files -----------------------------------------------------------------------------------------------
 
+    @_in_sf_terms
     def _open(
         self,
         path: Any,

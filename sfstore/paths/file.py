@@ -302,7 +302,7 @@ class FilePath(StoragePath):
             raise
         except OSError as exc:
             self.counters.add(errors=1)
-            raise errors.os_error(exc.errno or errno.EIO, "open", full) from None
+            raise errors.os_error(exc.errno or errno.EIO, "cannot open", full) from None
 
     def _root_fd(self) -> int:
         return self.beneath.root_fd()
@@ -316,7 +316,7 @@ class FilePath(StoragePath):
             raise
         except OSError as exc:
             self.counters.add(errors=1)
-            raise errors.os_error(exc.errno or errno.EIO, "stat", exc.filename or self.full(path)) from None
+            raise errors.os_error(exc.errno or errno.EIO, "cannot access", exc.filename or self.full(path)) from None
 
     def relative(self, full: str) -> str:
         """The root-relative name of an absolute path inside the root (``""`` for the root)."""
@@ -646,7 +646,7 @@ class FilePath(StoragePath):
             except FileNotFoundError:
                 st = None
             except OSError as exc:
-                raise errors.os_error(exc.errno or errno.EIO, "stat", loc.full) from None
+                raise errors.os_error(exc.errno or errno.EIO, "cannot access", loc.full) from None
             if st is not None and stat.S_ISDIR(st.st_mode):
                 raise errors.os_error(errno.EISDIR, "cannot write a file over a directory", loc.full)
             if not overwrite and st is not None:
@@ -710,15 +710,15 @@ class AtomicWriter:
         self._fp, self.path, self._fsync, self._overwrite = fp, loc.full, fsync, overwrite
         self._name = loc.name
         self._tmp = temp_name(loc.name, _TMP_KIND)
-        tmp_full = os.path.join(os.path.dirname(loc.full), self._tmp)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             self._fd = os.open(self._tmp, flags, 0o644, dir_fd=loc.dirfd)
         except OSError as exc:
-            raise errors.os_error(exc.errno or errno.EIO, f"cannot open {tmp_full!r}", tmp_full) from None
+            # the message names the file being written, never its temporary name
+            raise errors.os_error(exc.errno or errno.EIO, "cannot create", loc.full) from None
         try:
             if fp.direct:
-                enable_direct(self._fd, tmp_full, required=True)
+                enable_direct(self._fd, loc.full, required=True)
         except BaseException:
             os.close(self._fd)
             os.unlink(self._tmp, dir_fd=loc.dirfd)
