@@ -567,6 +567,7 @@ def _add_cat(sub: Subparsers) -> None:
 # -- rm ----------------------------------------------------------------------------------------------------
 
 
+@_os_errors_typed
 def _cmd_rm(args: argparse.Namespace) -> int:
     urls = [_sf_url(u) for u in args.urls]
     fs = _open_fs(args)

@@ -165,7 +165,7 @@ def not_a_safetensors_file(path: str) -> errors.InvalidRequestError:
 
 _CONVERT = (
     "sfstore never unpickles (a pickle runs code when it is loaded). Convert it once, where you trust the file: "
-    "`state = torch.load(path, weights_only=True)` then `sfstore.checkpoint.save(state, url)` (or "
+    "load it with `torch.load` and `weights_only=True`, then `sfstore.checkpoint.save(state, url)` (or "
     "`safetensors.torch.save_file(state, 'model.safetensors')`)"
 )
 
@@ -176,7 +176,7 @@ def foreign_format(prefix: bytes, path: str) -> errors.UnsupportedFormatError | 
     bytes; ``None`` otherwise. Nothing is unpickled: only the magic bytes are looked at.
 
     A safetensors file has its JSON header at byte 8 (``{``), so one whose first byte happens to be ``0x80``
-    (a header length of 128 + 256k bytes) is never taken for a pickle.
+    (a header length of 128 + 256k bytes) still loads as safetensors.
     """
     if len(prefix) > 8 and prefix[8:9] == b"{":
         return None
