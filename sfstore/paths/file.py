@@ -37,6 +37,7 @@ from sfstore import defaults, errors
 from sfstore.arguments import as_batch
 from sfstore.buffers import as_buffer, bytes_for_filling, copy_host_to_device, filled_bytes, is_device_buffer
 from sfstore.engine import IOEngine, Request, describe_engines, get_engine
+from sfstore.environment import validate_environment
 from sfstore.futures import DoneFuture, Future, MappedFuture
 from sfstore.mounts import MountInfo, mount_for
 from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, descriptor_of, split_ranges
@@ -146,6 +147,9 @@ class FilePath(StoragePath):
         create: bool = True,
     ) -> None:
         super().__init__()
+        # Every face reaches the disk through a path: a bad SFSTORE_* variable fails here, before any I/O, even
+        # where no router was opened (a checkpoint saved to an absolute path).
+        validate_environment()
         raw = os.path.abspath(os.path.expanduser(os.fspath(root)))
         if create:
             os.makedirs(raw, exist_ok=True)
