@@ -245,7 +245,7 @@ def _is_text(value: Any) -> bool:
 def _check_path_value(c: _Collector, key: str, label: str, value: Any, *, must_exist: bool, check_paths: bool,
                       origin: str) -> None:
     if not _is_text(value) or not value:
-        c.add(key, f"{label} must be a directory path (text), not {value!r}")
+        c.add(key, f"key {label!r} must be a directory path (text), not {value!r}")
         return
     if "\x00" in value:
         c.add(key, f"{label} = {value!r} contains a NUL byte: not a path")

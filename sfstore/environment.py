@@ -118,10 +118,12 @@ def check_environment(environ: Mapping[str, str] | None = None) -> list[ConfigPr
             if reason:
                 problems.append(ConfigProblem("error", source, name, reason))
         elif name not in known and not name.startswith(NON_SETTING_PREFIXES):
+            # Matched without the common prefix, which would make every name look close to every other.
+            hint = did_you_mean(name[len("SFSTORE_"):], [k[len("SFSTORE_"):] for k in known])
+            hint = hint.replace("(did you mean ", "(did you mean SFSTORE_") if hint else ""
             problems.append(ConfigProblem(
                 "warning", source, name,
-                f"not a variable sfstore reads{did_you_mean(name, known)}; `python -m sfstore.defaults` lists "
-                "the settings"))
+                f"not a variable sfstore reads{hint}; `python -m sfstore.defaults` lists the settings"))
     return problems
 
 

@@ -295,6 +295,7 @@ def test_probe_command_shows_routing_per_data_class(tmp_path: Path) -> None:
     import subprocess as _sp
     import sys as _sys
 
+    (tmp_path / "root").mkdir()  # a configured root must exist
     env = {**os.environ, "SFSTORE_DATA_DIR": str(tmp_path), "SFSTORE_ROOT": str(tmp_path / "root")}
     out = _sp.run([_sys.executable, "-m", "sfstore.cli", "probe", "--json"], capture_output=True, text=True,
                   env=env, timeout=60, check=True)

@@ -49,6 +49,8 @@ def test_defaults_route_to_the_data_dir(tmp_path: Path) -> None:
 
 
 def test_config_file_and_env_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for d in ("shared", "ckpt", "env-root"):
+        (tmp_path / d).mkdir()  # configured roots must exist
     cfg = tmp_path / "sfstore.toml"
     cfg.write_text(
         f'root = "{tmp_path / "shared"}"\n'
@@ -88,10 +90,10 @@ def test_config_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     ("text", "needle"),
     [
         ("root = 5\n", "'root' must be a directory path"),
-        ("rooot = '/x'\n", "unknown key(s) rooot"),
+        ("rooot = '/x'\n", "unknown key 'rooot' (did you mean root?)"),
         ("[classes.videos]\npath = 'file'\n", "unknown data class [classes.videos]"),
         ("[classes.dataset]\npath = 'block'\n", "path = 'block'; expected one of file"),
-        ("[classes.dataset]\nroot = '/x'\nmount = 'y'\n", "unknown key(s) mount in [classes.dataset]"),
+        ("[classes.dataset]\nroot = '/x'\nmount = 'y'\n", "unknown key 'mount' in [classes.dataset]"),
         ("[settings]\nqueue_depth = 'deep'\n", "queue_depth"),
         ("[settings]\nspeed = 'max'\n", "unknown setting 'speed'"),
         ("root = \n", "not valid TOML"),
@@ -112,6 +114,7 @@ def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_counters_per_class(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()  # a configured root must exist
     r = sfstore.open({"root": str(tmp_path / "m")})
     fp = r.file_path("dataset")
     fp.write("x.bin", b"hello")
@@ -142,9 +145,8 @@ def test_hot_blocks_go_to_a_configured_block_target(tmp_path: Path) -> None:
 def test_block_target_config_errors(tmp_path: Path) -> None:
     with pytest.raises(errors.ConfigError, match="for path = 'block' only"):
         sfstore.open({"classes": {"dataset": {"path": "file", "target": {"kind": "image"}}}})
-    r = sfstore.open({"classes": {"hot": {"target": {"kind": "disk"}}}})
-    with pytest.raises(errors.ConfigError, match="'kind' must be one of"):
-        r.path("hot")
+    with pytest.raises(errors.ConfigError, match="'kind' must be one of"):  # a static mistake: at open()
+        sfstore.open({"classes": {"hot": {"target": {"kind": "disk"}}}})
     r = sfstore.open({"classes": {"hot": {"target": {"kind": "device", "device": str(tmp_path)}}}})
     with pytest.raises(errors.ConfigError, match="not a block device"):
         r.path("hot")
