@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfstore import errors
+from sfstore.environment import validate_environment
 from sfstore.paths.base import Range
 from sfstore.paths.file import FilePath, file_kind
 from sfstore.temp_names import FOREIGN_STALE_SECONDS as FOREIGN_STALE_SECONDS
@@ -102,6 +103,7 @@ def open_dir(fp: FilePath, rel: str, full: str) -> int:
 def file_path(root: str, create: bool) -> FilePath:
     """The file path rooted at the host directory ``root`` (``create``: made if missing), one per directory
     and process, made again when its root was removed."""
+    validate_environment()  # the cached path was checked when made: the variables may have changed since
     key = (os.path.abspath(root), create)
     with _fp_lock:
         fp = _fp_cache.get(key)
