@@ -36,7 +36,6 @@ STEPS, SAVE_EVERY = 4, 2
 def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """The ``sf://`` root (``SFSTORE_ROOT``), everything offline, and the working directory a scratch one
     (the Trainer writes nothing beside its output directory)."""
-    (tmp_path / "root").mkdir(exist_ok=True)  # a configured root must exist
     monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "root"))
     monkeypatch.delenv("SFSTORE_CONFIG", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
