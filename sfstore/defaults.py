@@ -102,6 +102,8 @@ class Setting:
     maximum: int | None = None
     zero_means_auto: bool = False  # 0 is allowed (and means "decide from the hardware") below ``minimum``
     multiple: int | None = None  # values must be multiples of this (O_DIRECT alignment)
+    pattern: str | None = None  # a "str" setting's non-empty values match this; ``pattern_text`` says it in words
+    pattern_text: str = ""
 
     @property
     def env(self) -> str:
@@ -183,7 +185,10 @@ class Setting:
             if not isinstance(text, str) or "\x00" in text:
                 raise ValueError("expected a path without NUL bytes")
             return os.path.abspath(os.path.expanduser(text))
-        return str(raw)
+        text = str(raw)
+        if self.pattern and text and not re.fullmatch(self.pattern, text):
+            raise ValueError(f"expected {self.pattern_text}")
+        return text
 
     def _check_range(self, value: int) -> None:
         if value == 0 and self.zero_means_auto:
@@ -312,7 +317,9 @@ _SETTINGS_LIST = [
     Setting("kvcache_namespace", "str", _default_namespace,
             "Cache namespace of a `KVCacheStore`'s shared tier (`cache_namespace`): its blocks live in "
             "`ns/<name>/` of the shared directory, and never read or evict another namespace's; empty: the "
-            "default namespace (the directory itself; the default). 1 to 64 letters, digits, `.`, `_`, `-`."),
+            "default namespace (the directory itself; the default). 1 to 64 letters, digits, `.`, `_`, `-`.",
+            pattern=r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}",
+            pattern_text="1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"),
     Setting("kvcache_io_timeout_ms", "int", 500,
             "Deadline of every operation of a `KVCacheStore`'s block-store and shared tiers, in milliseconds (0: "
             "none: a stalled mount then holds the caller until it returns). Past it a get is a miss and a put is "

@@ -263,3 +263,11 @@ def test_cli_missing_file_directory_and_env(tmp_path: Path) -> None:
 def test_cli_config_without_a_subcommand_is_usage() -> None:
     result = cli("config")
     assert result.returncode == 2 and "check" in result.stderr
+
+
+def test_a_bad_cache_namespace_is_caught_before_the_kv_cache_opens() -> None:
+    (p,) = check_environment({"SFSTORE_KVCACHE_NAMESPACE": "../other"})
+    assert p.severity == "error" and "1 to 64 letters" in p.message
+    assert check_environment({"SFSTORE_KVCACHE_NAMESPACE": "model-a.v2"}) == []
+    (p,) = config_check.check_toml('[settings]\nkvcache_namespace = "a/b"\n')
+    assert p.key == "settings.kvcache_namespace"
