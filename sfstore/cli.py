@@ -76,9 +76,10 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     for name, c in routing.get("classes", {}).items():
         # A missing root is among the problems already; a read-only one is news (a warning: reads work).
         if c.get("error") and (c.get("severity") == "warning" or checked_clean):
-            problems.append(ConfigProblem(c["severity"], f"data class {name!r}", f"classes.{name}", c["error"]))
+            problems.append(ConfigProblem(c["severity"], "routing", f"classes.{name}", c["error"]))
         elif c.get("read_only"):
-            problems.append(ConfigProblem("warning", f"data class {name!r}", f"classes.{name}", c["read_only"]))
+            problems.append(ConfigProblem("warning", "routing", f"classes.{name}",
+                                          f"the root of data class {name!r} ({c['root']}): {c['read_only']}"))
     section = report["data_dir"]
     if section.get("status") == "error":  # the data directory is a setting too (SFSTORE_DATA_DIR, data_dir)
         problems.append(ConfigProblem("error", f"data_dir {section.get('path')}", "data_dir",
@@ -97,9 +98,9 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     else:
         block: list[str] = []
         if problems:
-            count = f"{n_err} error(s)" if n_err else f"{len(problems)} warning(s)"
-            block = [f"configuration  {'error' if n_err else 'warning'}  ({count}"
-                     + ("; sfstore will not run with it" if n_err else "") + ")"]
+            n_warn = len(problems) - n_err
+            count = ", ".join(f"{n} {what}(s)" for n, what in ((n_err, "error"), (n_warn, "warning")) if n)
+            block = [f"configuration  {'error' if n_err else 'warning'}  ({count})"]
             block += ["    " + str(p) for p in problems]
         print("\n".join(block + [format_table({k: v for k, v in report.items() if k != "routing"}), "routing"]
                         + ["    " + line for line in routing_text.splitlines()] + block))

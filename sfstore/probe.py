@@ -259,7 +259,7 @@ def probe_data_dir(path: str | None = None) -> dict[str, Any]:
     result["writable"] = os.access(directory, os.W_OK)
     if not result["writable"]:
         # sfstore writes here (the block image, KV quarantine records, checkpoints by default): not "ok".
-        why = "a read-only file system" if _read_only_fs(directory) else "not writable by this user"
+        why = "on a read-only file system" if _read_only_fs(directory) else "not writable by this user"
         result["status"] = "error"
         result["reason"] = (f"{directory} is {why}; set SFSTORE_DATA_DIR (or data_dir in the config file) to a "
                             "writable directory")

@@ -90,8 +90,7 @@ def _ensure_directory(path: str, what: str, elsewhere: str) -> None:
     except OSError as exc:
         if exc.errno in _WRITE_REFUSED:
             raise errors.ReadOnlyRootError(
-                f"{what}: the directory {path} does not exist and cannot be created there "
-                f"({exc.strerror or exc}); {elsewhere}"
+                f"{what}: {path} does not exist and cannot be created ({exc.strerror or exc}); {elsewhere}"
             ) from None
         raise errors.ConfigError(f"{what}: cannot create the directory {path}: {exc.strerror or exc}") from None
     except ValueError as exc:  # a path the OS cannot take

@@ -232,13 +232,13 @@ def test_cli_ok_and_warnings_exit_0(tmp_path: Path) -> None:
         ("[settings]\nqueue_depth = 'deep'\n", "[settings] queue_depth: invalid value 'deep'"),
         ("[settings]\nqueue_dept = 4\n", "did you mean queue_depth?"),
         (MULTILINE_TARGET, "line 3: not valid TOML"),
-        ('root = "/nonexistent/dir/for/sfstore"\n', "does not exist"),
+        ('root = "@TMP@/no-such-mount"\n', "does not exist"),
         ("[classes.hot]\ntarget = { kind = 'disk' }\n", "'kind' must be one of image, device, nvmeof"),
     ],
 )
 def test_cli_bad_file_exits_1_naming_the_problem(tmp_path: Path, text: str, needle: str) -> None:
     cfg = tmp_path / "bad.toml"
-    cfg.write_text(text)
+    cfg.write_text(text.replace("@TMP@", str(tmp_path)))
     result = cli("config", "check", str(cfg))
     assert result.returncode == 1, result.stdout + result.stderr
     assert needle in result.stdout and f"config file {cfg}" in result.stdout, result.stdout

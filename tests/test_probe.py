@@ -436,7 +436,7 @@ def _assert_named_first_and_last(out: str, needle: str) -> None:
         ("invalid-toml", "[classes.hot]\ntarget = { kind = 'image',\n path = '/x' }\n", "line 2: not valid TOML"),
         ("missing", None, "does not exist"),
         ("directory", "", "is a directory"),
-        ("missing-root", "root = '/nonexistent/sfstore-root'\n", "does not exist"),
+        ("missing-root", "root = '@TMP@/no-such-mount'\n", "does not exist"),
     ],
 )
 def test_cli_probe_exits_1_on_a_bad_config_file(tmp_path: Path, name: str, content: str | None,
@@ -445,12 +445,13 @@ def test_cli_probe_exits_1_on_a_bad_config_file(tmp_path: Path, name: str, conte
     if name == "directory":
         cfg.mkdir()
     elif content is not None:
-        cfg.write_text(content)
+        cfg.write_text(content.replace("@TMP@", str(tmp_path)))
     result = _probe_cli(tmp_path, "--config", str(cfg))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr
     _assert_named_first_and_last(result.stdout, needle)
     assert str(cfg) in result.stdout.splitlines()[1]
     assert "configuration has 1 error(s)" in result.stderr
+    assert not (tmp_path / "no-such-mount").exists()  # (the unfixed probe made it)
     as_json = _probe_cli(tmp_path, "--json", "--config", str(cfg))
     assert as_json.returncode == 1
     conf = json.loads(as_json.stdout)["routing"]["configuration"]

@@ -251,7 +251,8 @@ class FilePath(StoragePath):
                 fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                              dir_fd=rootfd)
             except OSError as exc:
-                raise errors.os_error(exc.errno or errno.EIO, f"cannot open {probe!r}", probe) from None
+                # The probe file's own (temporary) name means nothing to a user: the directory does.
+                raise errors.os_error(exc.errno or errno.EIO, f"cannot create a file in {self.root}") from None
             try:
                 direct = enable_direct(fd, probe, required=mode == "on")
             finally:
@@ -260,7 +261,7 @@ class FilePath(StoragePath):
         except errors.SfstoreOSError as exc:
             if mode == "on":
                 raise
-            self.fallbacks.append(f"cannot probe O_DIRECT in {self.root}: {exc}")
+            self.fallbacks.append(f"cannot probe O_DIRECT: {exc.strerror or exc}")
             return False
         if not direct:
             self.fallbacks.append(f"{self.mount.fstype} at {self.mount.mountpoint} refuses O_DIRECT: page-cache I/O")
