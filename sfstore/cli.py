@@ -32,7 +32,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TextIO
 
 import sfstore
 from sfstore import errors
@@ -857,6 +857,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help(sys.stderr)
         return 2
+    import warnings
+
+    from sfstore.errors import SfstoreWarning
+
+    shown = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: TextIO | None = None,
+             line: str | None = None) -> None:
+        # sfstore's own warnings (an unknown SFSTORE_* variable, ...) speak to the user, not about a source line.
+        if issubclass(category, SfstoreWarning):
+            print(f"sfstore {args.command}: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
     try:
         return func(args)
     except SfstoreError as exc:
@@ -864,6 +879,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # `sfstore probe | head`
         return 0
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":

@@ -271,3 +271,11 @@ def test_a_bad_cache_namespace_is_caught_before_the_kv_cache_opens() -> None:
     assert check_environment({"SFSTORE_KVCACHE_NAMESPACE": "model-a.v2"}) == []
     (p,) = config_check.check_toml('[settings]\nkvcache_namespace = "a/b"\n')
     assert p.key == "settings.kvcache_namespace"
+
+
+def test_other_commands_warn_about_an_unknown_variable_in_words() -> None:
+    result = cli("ls", SFSTORE_QUEUEDEPTH="8")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == ("sfstore ls: warning: environment variable SFSTORE_QUEUEDEPTH: not a variable "
+                                     "sfstore reads (did you mean SFSTORE_QUEUE_DEPTH?); `python -m sfstore.defaults` "
+                                     "lists the settings")
