@@ -81,7 +81,8 @@ def _cmd_probe(args: argparse.Namespace) -> int:
             problems.append(ConfigProblem("warning", "routing", f"classes.{name}",
                                           f"the root of data class {name!r} ({c['root']}): {c['read_only']}"))
     section = report["data_dir"]
-    if section.get("status") == "error":  # the data directory is a setting too (SFSTORE_DATA_DIR, data_dir)
+    known = any(p.key == "data_dir" and str(section.get("path")) in p.message for p in problems)
+    if section.get("status") == "error" and not known:  # the data directory is a setting (SFSTORE_DATA_DIR)
         problems.append(ConfigProblem("error", f"data_dir {section.get('path')}", "data_dir",
                                       str(section.get("reason"))))
     n_err = sum(p.severity == "error" for p in problems)

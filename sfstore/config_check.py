@@ -45,6 +45,7 @@ __all__ = [
     "check_toml",
     "check_document",
     "check_root",
+    "why_not_writable",
     "report",
 ]
 
@@ -222,6 +223,19 @@ def check_root(value: str, origin: str) -> str | None:
         return f"root {path} (set by {origin}) cannot be used: {exc.strerror or exc}"
     if not stat.S_ISDIR(st.st_mode):
         return f"root {path} (set by {origin}) is not a directory"
+    return None
+
+
+def why_not_writable(path: str) -> str | None:
+    """Why this process cannot write in the existing directory ``path`` (a read-only mount, no permission), or
+    None (also when ``path`` cannot be looked at: that is reported where it is used)."""
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return "it is on a read-only file system"
+    except OSError:
+        return None
+    if not os.access(path, os.W_OK):
+        return "this user may not write there"
     return None
 
 
@@ -408,7 +422,32 @@ def check(config: str | os.PathLike[str] | None = None, *, environ: Mapping[str,
         why = check_root(root, "SFSTORE_ROOT")
         if why:
             problems.append(ConfigProblem("error", "environment variable SFSTORE_ROOT", "SFSTORE_ROOT", why))
+    if check_paths and not any(p.severity == "error" for p in problems):
+        problems += _data_dir_problems(path, env)
     return path, problems
+
+
+def _data_dir_problems(path: str | None, env: Mapping[str, str]) -> list[ConfigProblem]:
+    """The data directory in force must be writable where it exists (sfstore keeps the block image and the KV
+    tiers' records there); one that does not exist yet is made when first used."""
+    setting = defaults.SETTINGS["data_dir"]
+    source = "the default data directory (data_dir)"
+    value = setting.default_value()
+    if env.get(setting.env):
+        source, value = f"environment variable {setting.env}", env[setting.env]
+    elif path is not None:
+        raw = read_config_file(path)[0] or {}
+        if isinstance(raw.get("data_dir"), str):
+            source, value = f"config file {path}", raw["data_dir"]
+    directory = os.path.abspath(os.path.expanduser(value))
+    if not os.path.isdir(directory):
+        return []
+    why = why_not_writable(directory)
+    if why is None:
+        return []
+    return [ConfigProblem("error", source, "data_dir",
+                          f"data_dir {directory}: {why}; set SFSTORE_DATA_DIR (or data_dir in the config file) to a "
+                          "writable directory")]
 
 
 def report(path: str | None, problems: list[ConfigProblem]) -> str:

@@ -61,6 +61,7 @@ from sfstore.config_check import (
     check_root,
     find_config,
     load_config_file,
+    why_not_writable,
 )
 from sfstore.environment import problems_text, validate_environment
 from sfstore.paths.base import StoragePath
@@ -97,18 +98,6 @@ def _ensure_directory(path: str, what: str, elsewhere: str) -> None:
         raise errors.ConfigError(f"{what}: {path!r} is not a usable path ({exc})") from None
     if not os.path.isdir(path):
         raise errors.ConfigError(f"{what}: {path} is not a directory")
-
-
-def _not_writable(path: str) -> str | None:
-    """Why this process cannot write in the directory ``path`` (a read-only mount, no permission), or None."""
-    try:
-        if os.statvfs(path).f_flag & os.ST_RDONLY:
-            return "it is on a read-only file system"
-    except OSError:
-        return None  # what cannot be looked at is reported where it is used
-    if not os.access(path, os.W_OK):
-        return "this user may not write there"
-    return None
 
 
 class Router:
@@ -217,7 +206,7 @@ class Router:
         if kind == "block" and "target" not in self._classes.get(data_class, {}):
             directory = os.path.dirname(root)
         if directory is not None:
-            why = _not_writable(directory)
+            why = why_not_writable(directory)
             if why:
                 raise errors.ReadOnlyRootError(
                     f"data class {data_class!r} must write to {directory}, but {why}; {self._elsewhere(data_class)}"
@@ -362,7 +351,7 @@ class Router:
                 "counters": d["counters"],
             }
             if kind != "block" and isinstance(root, str):
-                why = _not_writable(root)
+                why = why_not_writable(root)
                 out["classes"][name]["writable"] = why is None
                 if why and name in ("checkpoint", "kvcache"):
                     out["classes"][name]["read_only"] = (f"{why}: reads work, writes fail; "

@@ -279,3 +279,16 @@ def test_other_commands_warn_about_an_unknown_variable_in_words() -> None:
     assert result.stderr.strip() == ("sfstore ls: warning: environment variable SFSTORE_QUEUEDEPTH: not a variable "
                                      "sfstore reads (did you mean SFSTORE_QUEUE_DEPTH?); `python -m sfstore.defaults` "
                                      "lists the settings")
+
+
+def test_a_read_only_data_dir_is_an_error(tmp_path: Path) -> None:
+    from tests.conftest import tmpfs_mount
+
+    with tmpfs_mount(tmp_path / "ro") as read_only:
+        read_only()
+        _, problems = config_check.check(environ={"SFSTORE_DATA_DIR": str(tmp_path / "ro")})
+        result = cli("config", "check", SFSTORE_DATA_DIR=str(tmp_path / "ro"))
+    (p,) = problems
+    assert p.key == "data_dir" and p.source == "environment variable SFSTORE_DATA_DIR"
+    assert "read-only file system" in p.message and "SFSTORE_DATA_DIR" in p.message
+    assert result.returncode == 1 and "read-only file system" in result.stdout
