@@ -84,35 +84,37 @@ def find_config(config: str | os.PathLike[str] | None = None,
 # -- reading the file ----------------------------------------------------------------------------------------
 
 
+class _Unreadable(Exception):
+    """Why a config file cannot be read (the reason, without the file's name)."""
+
+
 def _read_bytes(path: str) -> bytes:
-    """The file's bytes; anything but a readable regular file of at most 1 MiB is a ConfigError naming it (a
-    FIFO or device is refused without blocking)."""
+    """The file's bytes; anything but a readable regular file of at most 1 MiB is :class:`_Unreadable` (a FIFO or
+    device is refused without blocking)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
+        raise _Unreadable("does not exist") from None
     except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory, not a TOML file") from None
+        raise _Unreadable("is a directory, not a TOML file") from None
     except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+        raise _Unreadable(f"cannot be read: {exc.strerror or exc}") from None
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"config file {path} is a directory, not a TOML file")
+            raise _Unreadable("is a directory, not a TOML file")
         if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"config file {path} is not a regular file")
+            raise _Unreadable("is not a regular file")
         if st.st_size > _MAX_CONFIG_BYTES:
-            raise ConfigError(
-                f"config file {path} is {st.st_size} bytes; a config file is at most {_MAX_CONFIG_BYTES} bytes"
-            )
+            raise _Unreadable(f"is {st.st_size} bytes; a config file is at most {_MAX_CONFIG_BYTES} bytes")
         with builtins.open(fd, "rb", closefd=False) as f:
             data = f.read(_MAX_CONFIG_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+        raise _Unreadable(f"cannot be read: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
     if len(data) > _MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {path} is larger than {_MAX_CONFIG_BYTES} bytes")
+        raise _Unreadable(f"is larger than {_MAX_CONFIG_BYTES} bytes; a config file is at most that")
     return data
 
 
@@ -186,8 +188,8 @@ def read_config_file(path: str) -> tuple[dict[str, Any] | None, list[ConfigProbl
     source = f"config file {path}"
     try:
         data = _read_bytes(path)
-    except ConfigError as exc:
-        return None, [ConfigProblem("error", source, "", str(exc).removeprefix(source).lstrip(": ") or str(exc))]
+    except _Unreadable as exc:
+        return None, [ConfigProblem("error", source, "", str(exc))]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
