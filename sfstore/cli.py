@@ -6,7 +6,8 @@ Subcommands are added by ``_add_<name>(subparsers)`` functions listed in :data:`
 ::
 
     sfstore --version
-    sfstore probe [--json] [--data-dir PATH]
+    sfstore probe [--json] [--config FILE] [--data-dir PATH]   (exit 1 when the configuration is bad)
+    sfstore config check [FILE]                                (every problem of a config and SFSTORE_*)
     sfstore demo [--data-dir PATH] [--size 64m]
     sfstore ls [PATH] [-l] [-R] [--root DIR] [--config FILE]
     sfstore cp SRC DST [-r] [--root DIR] [--config FILE]     (local paths <-> sf:// URLs; - is stdin/stdout)
@@ -32,7 +33,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TextIO
 
 import sfstore
 from sfstore import errors
@@ -48,27 +49,66 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
+    import warnings
+
+    from sfstore.config_check import check
+    from sfstore.environment import ConfigProblem
+    from sfstore.errors import ConfigWarning
     from sfstore.probe import format_table, probe
 
+    # The configuration first, whole: each bad value, key or variable named at the top and again at the end of
+    # the table, and the exit status 1, so a bad configuration cannot pass as a report with "ok" beside it.
+    config_file, problems = check(args.config)
+    checked_clean = not any(p.severity == "error" for p in problems)
     # Where each data class goes (the router sits above the probe, so the command joins the two). The router is
     # opened first: a config file's data_dir is a setting it sets, which the probe's data_dir check then reads.
-    try:
-        router = sfstore.open(args.config)
-        routing: dict[str, Any] = router.describe()
-        routing_text = router.format()
-    except SfstoreError as exc:
-        routing = {"status": "error", "reason": str(exc)}
-        routing_text = f"error: {exc}"
-    report = probe(data_dir=args.data_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)  # printed below, with the other problems
+        try:
+            router = sfstore.open(args.config)
+            routing: dict[str, Any] = router.describe()
+            routing_text = router.format()
+        except SfstoreError as exc:
+            routing = {"status": "error", "reason": str(exc)}
+            routing_text = f"error: {exc}"
+            if checked_clean:
+                problems.append(ConfigProblem("error", "sfstore.open()", "", str(exc)))
+        report = probe(data_dir=args.data_dir)
+    for name, c in routing.get("classes", {}).items():
+        # A missing root is among the problems already; a read-only one is news (a warning: reads work).
+        if c.get("error") and (c.get("severity") == "warning" or checked_clean):
+            problems.append(ConfigProblem(c["severity"], "routing", f"classes.{name}", c["error"]))
+        elif c.get("read_only"):
+            problems.append(ConfigProblem("warning", "routing", f"classes.{name}",
+                                          f"the root of data class {name!r} ({c['root']}): {c['read_only']}"))
+    section = report["data_dir"]
+    known = any(p.key == "data_dir" and str(section.get("path")) in p.message for p in problems)
+    if section.get("status") == "error" and not known:  # the data directory is a setting (SFSTORE_DATA_DIR)
+        problems.append(ConfigProblem("error", f"data_dir {section.get('path')}", "data_dir",
+                                      str(section.get("reason"))))
+    n_err = sum(p.severity == "error" for p in problems)
+    routing["configuration"] = {
+        "file": config_file,
+        "status": "error" if n_err else "warning" if problems else "ok",
+        "problems": [{"severity": p.severity, "source": p.source, "key": p.key, "line": p.line,
+                      "message": p.message} for p in problems],
+    }
     report["routing"] = routing
     if args.json:
         json.dump(report, sys.stdout, indent=2, sort_keys=False, default=str)
         sys.stdout.write("\n")
     else:
-        print(format_table({k: v for k, v in report.items() if k != "routing"}))
-        print("routing")
-        for line in routing_text.splitlines():
-            print("    " + line)
+        block: list[str] = []
+        if problems:
+            n_warn = len(problems) - n_err
+            count = ", ".join(f"{n} {what}(s)" for n, what in ((n_err, "error"), (n_warn, "warning")) if n)
+            block = [f"configuration  {'error' if n_err else 'warning'}  ({count})"]
+            block += ["    " + str(p) for p in problems]
+        print("\n".join(block + [format_table({k: v for k, v in report.items() if k != "routing"}), "routing"]
+                        + ["    " + line for line in routing_text.splitlines()] + block))
+    if n_err:
+        print(f"sfstore probe: the configuration has {n_err} error(s), listed above", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -81,6 +121,39 @@ def _add_probe(sub: Subparsers) -> None:
     p.add_argument("--data-dir", metavar="PATH", default=None,
                    help="data directory to check (default: the data_dir setting, SFSTORE_DATA_DIR)")
     p.set_defaults(func=_cmd_probe)
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    import warnings
+
+    from sfstore.config_check import check, report
+    from sfstore.errors import ConfigWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        config_file, problems = check(args.file)
+    print(report(config_file, problems))
+    return 1 if any(p.severity == "error" for p in problems) else 0
+
+
+def _add_config(sub: Subparsers) -> None:
+    p = sub.add_parser("config", help="check a configuration: the config file and every SFSTORE_* variable",
+                       description="Commands on sfstore's configuration.")
+    csub = p.add_subparsers(dest="config_command", metavar="COMMAND")
+    q = csub.add_parser(
+        "check", help="validate a config file and the SFSTORE_* variables; exit 1 on any error",
+        description="Validate FILE (default: the config that applies: SFSTORE_CONFIG, ./sfstore.toml, "
+                    "~/.config/sfstore/sfstore.toml) and every SFSTORE_* environment variable: TOML syntax, "
+                    "unknown or misspelt keys and variables, bad values, [classes.*] tables, roots that do not "
+                    "exist. Every problem is printed; the exit status is 1 when any is an error, else 0.")
+    q.add_argument("file", metavar="FILE", nargs="?", default=None, help="the config file to check")
+    q.set_defaults(func=_cmd_config_check)
+
+    def usage(args: argparse.Namespace) -> int:
+        p.print_help(sys.stderr)
+        return 2
+
+    p.set_defaults(func=usage)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -840,8 +913,8 @@ def _add_kv(sub: Subparsers) -> None:
         q.set_defaults(func=func)
 
 
-SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_probe, _add_demo, _add_ls, _add_cp, _add_cat, _add_rm,
-                                                   _add_nvme, _add_kv]
+SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_probe, _add_config, _add_demo, _add_ls, _add_cp, _add_cat,
+                                                   _add_rm, _add_nvme, _add_kv]
 
 
 def _message(exc: SfstoreError) -> str:
@@ -874,6 +947,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help(sys.stderr)
         return 2
+    import warnings
+
+    from sfstore.errors import SfstoreWarning
+
+    shown = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: TextIO | None = None,
+             line: str | None = None) -> None:
+        # sfstore's own warnings (an unknown SFSTORE_* variable, ...) speak to the user, not about a source line.
+        if issubclass(category, SfstoreWarning):
+            print(f"sfstore {args.command}: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
     try:
         return func(args)
     except SfstoreError as exc:
@@ -881,6 +969,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # `sfstore probe | head`
         return 0
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ Environment variables are read when :func:`get` is called, so a process may chan
 
 from __future__ import annotations
 
+import decimal
+import difflib
 import os
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +27,7 @@ from typing import Any
 
 from sfstore.errors import ConfigError
 
-__all__ = ["Setting", "SETTINGS", "get", "set", "reset", "table", "as_dict", "parse_bool"]
+__all__ = ["Setting", "SETTINGS", "SIZE_FORMS", "get", "set", "reset", "table", "as_dict", "parse_bool", "parse_size"]
 
 
 def parse_bool(text: str) -> bool:
@@ -37,16 +40,44 @@ def parse_bool(text: str) -> bool:
     raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
 
 
-_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+_BINARY = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_SIZE_RE = re.compile(r"(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<unit>[kmgt]?)(?P<i>i?)(?P<b>b?)", re.I)
+
+SIZE_FORMS = ("a byte count such as 4096, 64k, 512MB, 1.5g or 2TiB (k, m, g, t and KiB, MiB, GiB, TiB are "
+              "1024-based; KB, MB, GB, TB are 1000-based; the B is optional; any case)")
+"""The size forms every size setting, config file and ``--budget`` option accepts, in words."""
 
 
-def _parse_size(text: str) -> int:
-    t = text.strip().lower()
-    num = t.rstrip("kmgib")
-    unit = t[len(num):]
-    if unit not in _UNITS or not num.strip().isdigit():
-        raise ValueError("expected a byte count such as 4096, 64k, 1m or 2GiB")
-    return int(num) * _UNITS[unit]
+def parse_size(text: str) -> int:
+    """A size's bytes: ``4096``, ``64k``, ``512MB``, ``1.5g``, ``2TiB`` (see :data:`SIZE_FORMS`).
+
+    ``k``, ``m``, ``g``, ``t`` and ``KiB`` ... ``TiB`` (``Ki`` ... ``Ti``) are binary (1024-based); ``KB`` ... ``TB``
+    are decimal (1000-based); a trailing ``B`` is optional and case does not matter. A fraction is allowed where
+    the result is a whole number of bytes (``1.5g``, ``0.5k``; not ``1.5`` or ``0.3k``).
+
+    Raises
+    ------
+    ValueError
+        For anything else (negative, empty, unknown unit, a fraction of a byte), with the accepted forms.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"expected a size, not {type(text).__name__}")
+    t = text.strip()
+    if t.startswith("-"):
+        raise ValueError(f"a size cannot be negative; expected {SIZE_FORMS}")
+    m = _SIZE_RE.fullmatch(t) if len(t) <= 64 else None
+    if m is None:
+        raise ValueError(f"expected {SIZE_FORMS}")
+    unit, binary, byte = m["unit"].lower(), m["i"] != "", m["b"] != ""
+    if binary and not unit:
+        raise ValueError(f"expected {SIZE_FORMS}")
+    # 'k' and 'KiB' are 1024-based; only 'KB' (a unit letter, then B, no i) is 1000-based.
+    scale = _DECIMAL[unit] if unit and byte and not binary else _BINARY[unit]
+    value = decimal.Decimal(m["num"]) * scale
+    if value != value.to_integral_value():
+        raise ValueError(f"{text.strip()!r} is not a whole number of bytes; expected {SIZE_FORMS}")
+    return int(value)
 
 
 def _default_data_dir() -> str:
@@ -71,6 +102,8 @@ class Setting:
     maximum: int | None = None
     zero_means_auto: bool = False  # 0 is allowed (and means "decide from the hardware") below ``minimum``
     multiple: int | None = None  # values must be multiples of this (O_DIRECT alignment)
+    pattern: str | None = None  # a "str" setting's non-empty values match this; ``pattern_text`` says it in words
+    pattern_text: str = ""
 
     @property
     def env(self) -> str:
@@ -80,25 +113,41 @@ class Setting:
         return self.default() if callable(self.default) else self.default
 
     def parse(self, raw: Any, source: str) -> Any:
-        """Convert ``raw`` (a string from the environment or a Python value) to this setting's type."""
+        """Convert ``raw`` (a string from the environment or a Python value) to this setting's type.
+
+        Raises :class:`~sfstore.errors.ConfigError` naming ``source`` (the variable, the file and key), the
+        setting and the values it accepts.
+        """
         try:
             value = self._convert(raw)
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{source}: invalid value {raw!r} for {self.name} ({self.env}): {exc}") from None
+            raise ConfigError(f"{source}: {self._invalid(raw, exc)}") from None
         return value
+
+    def explain(self, raw: Any) -> str | None:
+        """Why ``raw`` is not a value of this setting, in words; ``None`` when it is one."""
+        try:
+            self._convert(raw)
+        except (ValueError, TypeError) as exc:
+            return self._invalid(raw, exc)
+        return None
+
+    def _invalid(self, raw: Any, exc: Exception) -> str:
+        return f"invalid value {raw!r} for {self.name} ({self.env}): {exc}"
 
     def _convert(self, raw: Any) -> Any:
         if self.kind == "bool":
             return raw if isinstance(raw, bool) else parse_bool(str(raw))
         if self.kind in ("int", "size"):
+            expected = f"a size, {SIZE_FORMS}" if self.kind == "size" else "an integer"
             if isinstance(raw, bool):
-                raise TypeError("expected an integer")
+                raise TypeError(f"expected {expected}")
             if not isinstance(raw, (int, str)):
-                raise TypeError(f"expected an integer, not {type(raw).__name__}")
+                raise TypeError(f"expected {expected}, not {type(raw).__name__}")
             if isinstance(raw, int):
                 value = raw
             elif self.kind == "size":
-                value = _parse_size(raw)
+                value = parse_size(raw)
             else:
                 try:
                     value = int(raw.strip())
@@ -107,8 +156,15 @@ class Setting:
             self._check_range(value)
             return value
         if self.kind == "sizes":
-            items = raw.split(",") if isinstance(raw, str) else list(raw)
-            sizes = tuple(sorted({x if isinstance(x, int) and not isinstance(x, bool) else _parse_size(str(x))
+            if isinstance(raw, str):
+                items: list[Any] = raw.split(",")
+            else:
+                try:
+                    items = list(raw)
+                except TypeError:
+                    raise TypeError(f"expected comma-separated sizes or a list of sizes, not {type(raw).__name__}"
+                                    ) from None
+            sizes = tuple(sorted({x if isinstance(x, int) and not isinstance(x, bool) else parse_size(str(x))
                                   for x in items}))
             if not sizes:
                 raise ValueError("expected one or more sizes")
@@ -118,7 +174,9 @@ class Setting:
         if self.kind == "choice":
             text = str(raw).strip().lower()
             if text not in self.choices:
-                raise ValueError("expected one of " + ", ".join(self.choices))
+                close = difflib.get_close_matches(text, self.choices, n=1, cutoff=0.6)
+                raise ValueError("expected one of " + ", ".join(self.choices)
+                                 + (f" (did you mean {close[0]}?)" if close else ""))
             return text
         if self.kind == "path":
             if not isinstance(raw, (str, os.PathLike)) or not str(raw):
@@ -127,14 +185,18 @@ class Setting:
             if not isinstance(text, str) or "\x00" in text:
                 raise ValueError("expected a path without NUL bytes")
             return os.path.abspath(os.path.expanduser(text))
-        return str(raw)
+        text = str(raw)
+        if self.pattern and text and not re.fullmatch(self.pattern, text):
+            raise ValueError(f"expected {self.pattern_text}")
+        return text
 
     def _check_range(self, value: int) -> None:
         if value == 0 and self.zero_means_auto:
             return
         low, high = self.minimum, self.maximum
         if (low is not None and value < low) or (high is not None and value > high):
-            raise ValueError(f"expected {self.range_text()}")
+            given = _size_text(value) if self.kind in ("size", "sizes") and value >= 0 else str(value)
+            raise ValueError(f"expected {self.range_text()}, not {given}")
         if self.multiple and value % self.multiple:
             raise ValueError(f"expected a multiple of {_size_text(self.multiple)}")
 
@@ -255,7 +317,9 @@ _SETTINGS_LIST = [
     Setting("kvcache_namespace", "str", _default_namespace,
             "Cache namespace of a `KVCacheStore`'s shared tier (`cache_namespace`): its blocks live in "
             "`ns/<name>/` of the shared directory, and never read or evict another namespace's; empty: the "
-            "default namespace (the directory itself; the default). 1 to 64 letters, digits, `.`, `_`, `-`."),
+            "default namespace (the directory itself; the default). 1 to 64 letters, digits, `.`, `_`, `-`.",
+            pattern=r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}",
+            pattern_text="1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"),
     Setting("kvcache_io_timeout_ms", "int", 500,
             "Deadline of every operation of a `KVCacheStore`'s block-store and shared tiers, in milliseconds (0: "
             "none: a stalled mount then holds the caller until it returns). Past it a get is a miss and a put is "

@@ -14,6 +14,9 @@ import os
 __all__ = [
     "SfstoreError",
     "ConfigError",
+    "ReadOnlyRootError",
+    "SfstoreWarning",
+    "ConfigWarning",
     "InvalidRequestError",
     "BufferTooSmallError",
     "ReadOnlyBufferError",
@@ -55,6 +58,21 @@ class SfstoreError(Exception):
 
 class ConfigError(SfstoreError, ValueError):
     """A setting (environment variable, config file key or ``defaults.set`` argument) is invalid."""
+
+
+class ReadOnlyRootError(ConfigError, PermissionError):
+    """A data class that must write (checkpoint saves, the KV cache, the block image) has a root it cannot
+    write: a read-only mount, or no permission. Reads from it still work; the message names the setting that
+    points the class elsewhere (``[classes.<name>] root``, ``root``, ``SFSTORE_ROOT``, ``SFSTORE_DATA_DIR``)."""
+
+
+class SfstoreWarning(UserWarning):
+    """Base class of every warning sfstore gives."""
+
+
+class ConfigWarning(SfstoreWarning):
+    """The configuration holds something sfstore ignores: an ``SFSTORE_*`` variable it does not know
+    (misspelt?). Given once per name and process."""
 
 
 class InvalidRequestError(SfstoreError, ValueError):

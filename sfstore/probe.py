@@ -38,6 +38,7 @@ from typing import Any
 
 import sfstore
 from sfstore import defaults, nvme, records, temp_names
+from sfstore.errors import ConfigError
 from sfstore.mounts import MountInfo, mount_for, read_mountinfo
 
 __all__ = [
@@ -123,6 +124,10 @@ def probe_system() -> dict[str, Any]:
     }
 
 
+_ENGINE_SETTINGS = ("engine", "queue_depth", "io_threads", "uring_spin_us", "direct_io", "bounce",
+                    "bounce_buffer_size")
+
+
 def probe_engine() -> dict[str, Any]:
     """The I/O engines that can run here and the one the ``engine`` setting selects."""
     try:
@@ -132,6 +137,11 @@ def probe_engine() -> dict[str, Any]:
     describe: Callable[[], dict[str, Any]] | None = getattr(engine, "describe_engines", None)
     if describe is None:
         return {"status": "unavailable", "reason": "sfstore.engine has no describe_engines()"}
+    for name in _ENGINE_SETTINGS:  # an engine cannot be made with a setting that does not parse
+        try:
+            defaults.get(name)
+        except ConfigError as exc:
+            return {"status": "error", "reason": str(exc)}
     info = dict(describe())
     selected = info.get("selected")
     status = "ok" if selected else "unavailable"
@@ -223,6 +233,13 @@ def _alignment(directory: str) -> dict[str, Any]:
     return {"memory": int(memory), "offset": int(offset)}
 
 
+def _read_only_fs(directory: str) -> bool:
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def probe_data_dir(path: str | None = None) -> dict[str, Any]:
     """The embedded data directory: where it is (created if missing), its filesystem and O_DIRECT support.
 
@@ -240,6 +257,12 @@ def probe_data_dir(path: str | None = None) -> dict[str, Any]:
         except OSError as exc:
             return {"status": "error", "path": directory, "reason": f"cannot create it: {exc.strerror or exc}"}
     result["writable"] = os.access(directory, os.W_OK)
+    if not result["writable"]:
+        # sfstore writes here (the block image, KV quarantine records, checkpoints by default): not "ok".
+        why = "on a read-only file system" if _read_only_fs(directory) else "not writable by this user"
+        result["status"] = "error"
+        result["reason"] = (f"{directory} is {why}; set SFSTORE_DATA_DIR (or data_dir in the config file) to a "
+                            "writable directory")
     try:
         mount = mount_for(directory)
         result["mount"] = {"mountpoint": mount.mountpoint, "fstype": mount.fstype, "source": mount.source,

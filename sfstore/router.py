@@ -23,10 +23,21 @@ file, the defaults. The config file is ``config`` when it is a path, else ``$SFS
 
     [classes.hot]
     path = "block"                     # NVMe over RDMA: a namespace connected through libnvme
-    target = { kind = "nvmeof", transport = "rdma", traddr = "10.0.0.5", trsvcid = "4420",
-               subsysnqn = "nqn.2024-01.io.example:hot" }
+
+    [classes.hot.target]               # (an inline table { ... } must stay on one line in TOML)
+    kind = "nvmeof"
+    transport = "rdma"
+    traddr = "10.0.0.5"
+    trsvcid = "4420"
+    subsysnqn = "nqn.2024-01.io.example:hot"
     # or target = { kind = "device", device = "/dev/nvme1n1" }
     # or target = { kind = "image", path = "/scratch/hot.img", size = "64G" }
+
+A configured root (``root``, ``SFSTORE_ROOT``, ``[classes.<name>] root``) must exist: a mistyped mount point is
+a :class:`~sfstore.errors.ConfigError` naming the setting, never a directory made on the local disk. A class's
+``subdir`` (and the default ``checkpoints``, ``kvcache``) is created beneath it. A read-only root serves reads;
+a face that must write there raises :class:`~sfstore.errors.ReadOnlyRootError` naming the setting to change.
+``sfstore config check`` lists every problem of a configuration at once (:mod:`sfstore.config_check`).
 
 Without any configuration the root is the embedded default data directory (``SFSTORE_DATA_DIR``): datasets
 live at the root itself (what ``sf://`` shows), checkpoints under ``<root>/checkpoints``, hot blocks in the
@@ -35,99 +46,31 @@ image file ``<data_dir>/hot/blocks.img`` (``block_image_size``; local even when 
 
 from __future__ import annotations
 
-import builtins
+import errno
 import os
-import stat
-import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 from sfstore import defaults, errors
+from sfstore.config_check import (
+    DATA_CLASSES,
+    DEFAULT_PATH,
+    DEFAULT_SUBDIR,
+    check_document,
+    check_root,
+    find_config,
+    load_config_file,
+    why_not_writable,
+)
+from sfstore.environment import problems_text, validate_environment
 from sfstore.paths.base import StoragePath
 from sfstore.paths.file import FilePath
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
 __all__ = ["Router", "open", "DATA_CLASSES", "find_config"]
 
-DATA_CLASSES = ("dataset", "checkpoint", "hot", "kvcache")
-
-# Where each class goes, and which paths it may use, until configured otherwise.
-_DEFAULT_PATH = {"dataset": "file", "checkpoint": "file", "hot": "block", "kvcache": "device"}
-_ALLOWED = {"dataset": ("file",), "checkpoint": ("file",), "hot": ("block", "file"), "kvcache": ("device", "file")}
-_DEFAULT_SUBDIR = {"dataset": "", "checkpoint": "checkpoints", "hot": "hot", "kvcache": "kvcache"}
-_TOP_KEYS = {"root", "data_dir", "settings", "classes"}
-_CLASS_KEYS = {"path", "root", "subdir", "target"}
 IMAGE_NAME = os.path.join("hot", "blocks.img")  # the block path's embedded default, under data_dir
-
-
-def find_config(config: str | os.PathLike[str] | None = None) -> str | None:
-    """The config file that applies: ``config``, ``$SFSTORE_CONFIG``, ``./sfstore.toml`` or the user's."""
-    if config is not None:
-        return os.fspath(config)
-    env = os.environ.get("SFSTORE_CONFIG")
-    if env:
-        return env
-    if os.path.isfile("sfstore.toml"):
-        return os.path.abspath("sfstore.toml")
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    user = os.path.join(base, "sfstore", "sfstore.toml")
-    return user if os.path.isfile(user) else None
-
-
-_MAX_CONFIG_BYTES = 1 << 20  # a config file is a few lines; more is not one
-
-
-def _load(path: str) -> dict[str, Any]:
-    """Parse the config file at ``path``; anything but a readable regular TOML file of UTF-8 text is a
-    :class:`~sfstore.errors.ConfigError` naming the file (a FIFO or device is refused without blocking)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-    except FileNotFoundError:
-        raise errors.ConfigError(f"config file {path} does not exist") from None
-    except OSError as exc:
-        raise errors.ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise errors.ConfigError(f"config file {path} is not a regular file")
-        if st.st_size > _MAX_CONFIG_BYTES:
-            raise errors.ConfigError(
-                f"config file {path} is {st.st_size} bytes; a config file is at most {_MAX_CONFIG_BYTES} bytes"
-            )
-        with builtins.open(fd, "rb", closefd=False) as f:
-            data = f.read(_MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise errors.ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    if len(data) > _MAX_CONFIG_BYTES:
-        raise errors.ConfigError(f"config file {path} is larger than {_MAX_CONFIG_BYTES} bytes")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise errors.ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}): not a TOML file") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise errors.ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    except RecursionError:
-        raise errors.ConfigError(f"config file {path} nests tables or arrays too deeply") from None
-
-
-def _subdir(source: str, key: str, value: str) -> str:
-    """A class's ``subdir``: a relative path that stays beneath ``root`` (no ``..``, not absolute)."""
-    parts = value.replace("\\", "/").split("/")
-    if os.path.isabs(value) or ".." in parts or "\x00" in value:
-        raise errors.ConfigError(
-            f"{source}: {key} = {value!r} must be a relative directory beneath root (no '..', not absolute); "
-            "use [classes.<name>] root = ... for a directory elsewhere"
-        )
-    return os.path.normpath(value) if value else ""
+_WRITE_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def _setting_origin(name: str) -> str:
@@ -135,23 +78,26 @@ def _setting_origin(name: str) -> str:
     return {"set": f"defaults.set or a config file's [settings] {name}", "default": "its default"}.get(where, where)
 
 
-def _ensure_directory(path: str, what: str) -> None:
+def _ensure_directory(path: str, what: str, elsewhere: str) -> None:
     """Make ``path`` a directory (or find it one), or raise a :class:`~sfstore.errors.ConfigError` saying whose
-    setting it is: a data directory of ``/dev/null`` or ``/proc/x`` is a configuration mistake, not an I/O error."""
+    setting it is: a data directory of ``/dev/null`` or ``/proc/x`` is a configuration mistake, not an I/O error.
+    ``elsewhere`` says which setting points it somewhere writable (a read-only mount refuses the directory)."""
+    if "\x00" in path:
+        raise errors.ConfigError(f"{what}: {path!r} contains a NUL byte: not a path")
     try:
         os.makedirs(path, exist_ok=True)
     except FileExistsError:
         raise errors.ConfigError(f"{what}: {path} exists and is not a directory") from None
     except OSError as exc:
+        if exc.errno in _WRITE_REFUSED:
+            raise errors.ReadOnlyRootError(
+                f"{what}: {path} does not exist and cannot be created ({exc.strerror or exc}); {elsewhere}"
+            ) from None
         raise errors.ConfigError(f"{what}: cannot create the directory {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a path the OS cannot take
+        raise errors.ConfigError(f"{what}: {path!r} is not a usable path ({exc})") from None
     if not os.path.isdir(path):
         raise errors.ConfigError(f"{what}: {path} is not a directory")
-
-
-def _expect(source: str, key: str, value: Any, kind: type | tuple[type, ...], what: str) -> Any:
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise errors.ConfigError(f"{source}: key {key!r} must be {what}, not {value!r}")
-    return value
 
 
 class Router:
@@ -166,75 +112,52 @@ class Router:
     """
 
     def __init__(self, config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> None:
+        # The SFSTORE_* variables first: a bad one (SFSTORE_QUEUE_DEPTH=abc) fails here, at open(), not at the
+        # first I/O that reads it; an unknown one (a misspelt name) is warned about once.
+        validate_environment()
         if isinstance(config, Mapping):
             self.config_file: str | None = None
             raw: dict[str, Any] = dict(config)
             source = "config mapping"
         else:
             self.config_file = find_config(config)
-            raw = _load(self.config_file) if self.config_file else {}
+            raw = load_config_file(self.config_file) if self.config_file else {}
             source = f"config file {self.config_file}"
         self._source = source
-        unknown = set(raw) - _TOP_KEYS
-        if unknown:
-            raise errors.ConfigError(
-                f"{source}: unknown key(s) {', '.join(sorted(unknown))}; expected {', '.join(sorted(_TOP_KEYS))}"
-            )
+        problems = [p for p in check_document(raw, source) if p.severity == "error"]
+        if problems:
+            raise errors.ConfigError(problems_text(problems))
         self._apply_settings(raw.get("settings", {}))
         if "data_dir" in raw and not os.environ.get("SFSTORE_DATA_DIR"):
-            _expect(source, "data_dir", raw["data_dir"], str, "a directory path")
             defaults.set(data_dir=raw["data_dir"])
         env_root = os.environ.get("SFSTORE_ROOT")
+        # The root as configured (it must exist), and who configured it; None: the embedded default (created).
+        self._root_origin: str | None
         if env_root:
             self.root, self._root_from = os.path.abspath(os.path.expanduser(env_root)), "SFSTORE_ROOT"
+            self._root_origin = "SFSTORE_ROOT"
         elif "root" in raw:
-            root = _expect(source, "root", raw["root"], str, "a directory path")
-            self.root, self._root_from = os.path.abspath(os.path.expanduser(root)), f"'root' in {source}"
+            self.root = os.path.abspath(os.path.expanduser(raw["root"]))
+            self._root_from = f"'root' in {source}"
+            self._root_origin = f"root in {source}"
         else:
             self.root = defaults.get("data_dir")
             self._root_from = f"the embedded default data directory (data_dir, from {_setting_origin('data_dir')})"
-        classes = _expect(source, "classes", raw.get("classes", {}), dict, "a table of data classes")
+            self._root_origin = None
         self._classes: dict[str, dict[str, Any]] = {}
-        for name, table in classes.items():
-            if name not in DATA_CLASSES:
-                raise errors.ConfigError(
-                    f"{source}: unknown data class [classes.{name}]; expected one of {', '.join(DATA_CLASSES)}"
-                )
-            table = _expect(source, f"classes.{name}", table, dict, "a table")
-            bad = set(table) - _CLASS_KEYS
-            if bad:
-                raise errors.ConfigError(
-                    f"{source}: unknown key(s) {', '.join(sorted(bad))} in [classes.{name}]; "
-                    f"expected {', '.join(sorted(_CLASS_KEYS))}"
-                )
-            path = table.get("path", _DEFAULT_PATH[name])
-            if path not in _ALLOWED[name]:
-                raise errors.ConfigError(
-                    f"{source}: [classes.{name}] path = {path!r}; expected one of {', '.join(_ALLOWED[name])}"
-                )
-            for key in ("root", "subdir"):
-                if key in table:
-                    _expect(source, f"classes.{name}.{key}", table[key], str, "a directory path")
-            if "subdir" in table:
-                table = {**table, "subdir": _subdir(source, f"[classes.{name}] subdir", table["subdir"])}
-            if "target" in table:
-                if path != "block":
-                    raise errors.ConfigError(f"{source}: [classes.{name}] 'target' is for path = 'block' only")
-                _expect(source, f"classes.{name}.target", table["target"], dict, "a table (kind = ...)")
+        for name, table in raw.get("classes", {}).items():
+            table = dict(table)
+            if table.get("subdir"):
+                table["subdir"] = os.path.normpath(table["subdir"])
             self._classes[name] = table
         self._paths: dict[str, StoragePath] = {}
         self._attached: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.closed = False
 
-    def _apply_settings(self, settings: Any) -> None:
-        settings = _expect(self._source, "settings", settings, dict, "a table of sfstore settings")
+    def _apply_settings(self, settings: Mapping[str, Any]) -> None:
         chosen: dict[str, Any] = {}
         for name, value in settings.items():
-            if name not in defaults.SETTINGS:
-                raise errors.ConfigError(
-                    f"{self._source}: unknown setting {name!r} in [settings]; known: {', '.join(defaults.SETTINGS)}"
-                )
             setting = defaults.SETTINGS[name]
             parsed = setting.parse(value, f"{self._source}: [settings] {name}")
             if not os.environ.get(setting.env):
@@ -242,12 +165,60 @@ class Router:
         if chosen:
             defaults.set(**chosen)
 
+    def _elsewhere(self, data_class: str) -> str:
+        """Which setting points ``data_class`` at another directory, in words."""
+        table = self._classes.get(data_class, {})
+        where = "the config file" if self.config_file else "a config file (SFSTORE_CONFIG, ./sfstore.toml)"
+        own = f"set [classes.{data_class}] root = \"/a/writable/dir\" in {where}"
+        if "root" in table:
+            return own.replace("set ", "change ", 1)
+        if self._root_origin is not None:
+            return f"{own}, or change {self._root_origin}"
+        return f"{own}, or set SFSTORE_ROOT (or SFSTORE_DATA_DIR) to a writable directory"
+
+    def _prepare_root(self, data_class: str, root: str, reasons: list[str]) -> None:
+        """Check the configured root ``root`` descends from (it must exist: a mistyped mount point is an error,
+        not a directory made on the local disk) and make the class's own directory beneath it."""
+        table = self._classes.get(data_class, {})
+        what = f"the root of data class {data_class!r} ({reasons[0]})"
+        if "root" in table:
+            why = check_root(table["root"], f"[classes.{data_class}] root in {self._source}")
+            if why:
+                raise errors.ConfigError(f"data class {data_class!r}: {why}")
+        elif self._root_origin is not None:
+            why = check_root(self.root, self._root_origin)
+            if why:
+                raise errors.ConfigError(f"data class {data_class!r}: {why}")
+        _ensure_directory(root, what, self._elsewhere(data_class))
+
+    def require_writable(self, data_class: str) -> StoragePath:
+        """The path serving ``data_class``, for a face that must write there (checkpoint saves, the KV cache).
+
+        Raises
+        ------
+        ReadOnlyRootError
+            The class's root is on a read-only mount or not writable by this user; the message names the setting
+            that points the class elsewhere. (Reading from such a root works: use :meth:`path`.)
+        """
+        p = self.path(data_class)
+        kind, root, _ = self._plan(data_class)
+        directory = root if kind != "block" else None
+        if kind == "block" and "target" not in self._classes.get(data_class, {}):
+            directory = os.path.dirname(root)
+        if directory is not None:
+            why = why_not_writable(directory)
+            if why:
+                raise errors.ReadOnlyRootError(
+                    f"data class {data_class!r} must write to {directory}, but {why}; {self._elsewhere(data_class)}"
+                )
+        return p
+
     def _plan(self, data_class: str) -> tuple[str, str, list[str]]:
         """(path kind, root or block image, reasons) for a data class."""
         if data_class not in DATA_CLASSES:
             raise errors.ConfigError(f"unknown data class {data_class!r}; expected one of {', '.join(DATA_CLASSES)}")
         table = self._classes.get(data_class, {})
-        wanted = table.get("path", _DEFAULT_PATH[data_class])
+        wanted = table.get("path", DEFAULT_PATH[data_class])
         reasons: list[str] = []
         kind = wanted
         if wanted == "block":
@@ -260,7 +231,7 @@ class Router:
             root = os.path.abspath(os.path.expanduser(table["root"]))
             reasons.append(f"root from [classes.{data_class}] in {self._source}")
         else:
-            sub = table.get("subdir", _DEFAULT_SUBDIR[data_class])
+            sub = table.get("subdir", DEFAULT_SUBDIR[data_class])
             root = os.path.join(self.root, sub) if sub else self.root
             reasons.append(f"root from {self._root_from}")
         return kind, root, reasons
@@ -275,12 +246,14 @@ class Router:
             made: StoragePath
             table = self._classes.get(data_class, {})
             if kind != "block":
-                _ensure_directory(root, f"the root of data class {data_class!r} ({reasons[0]})")
+                self._prepare_root(data_class, root, reasons)
             elif "target" not in table:
                 _ensure_directory(
                     os.path.dirname(root),
                     f"the block image's directory of data class {data_class!r} (under data_dir, from "
                     f"{_setting_origin('data_dir')})",
+                    f"set SFSTORE_DATA_DIR (data_dir) to a writable directory, or configure [classes.{data_class}] "
+                    "target (or path = \"file\")",
                 )
             if kind == "block":
                 from sfstore.paths.block import BlockPath
@@ -355,7 +328,17 @@ class Router:
                     else [], "counters": {}, "opened": False,
                 }
                 continue
-            p = self.path(name)
+            try:
+                p = self.path(name)
+            except errors.ConfigError as exc:
+                # A missing configured root, or a read-only one where the class's directory must be made: the
+                # others are still described, and the table says what is wrong with this one.
+                out["classes"][name] = {
+                    "path": kind, "available": False, "root": root, "transport": None, "direct_io": None,
+                    "why": reasons, "fallbacks": [], "counters": {},
+                    "error": str(exc), "severity": "warning" if isinstance(exc, errors.ReadOnlyRootError) else "error",
+                }
+                continue
             d = p.describe()
             out["classes"][name] = {
                 "path": d["kind"],
@@ -367,6 +350,12 @@ class Router:
                 "fallbacks": d["fallbacks"],
                 "counters": d["counters"],
             }
+            if kind != "block" and isinstance(root, str):
+                why = why_not_writable(root)
+                out["classes"][name]["writable"] = why is None
+                if why and name in ("checkpoint", "kvcache"):
+                    out["classes"][name]["read_only"] = (f"{why}: reads work, writes fail; "
+                                                         f"{self._elsewhere(name)}")
             if d.get("root_route"):  # the device path: how GPU memory reaches files under its root, and why
                 out["classes"][name]["gpu_route"] = d["root_route"]
         return out
@@ -381,6 +370,9 @@ class Router:
         d = self.describe()
         lines = [f"config: {d['config_file'] or '(none: defaults and SFSTORE_* variables)'}", f"root:   {d['root']}"]
         for name, c in d["classes"].items():
+            if c.get("error"):
+                lines.append(f"{name:<11} {c['path']:<6} {c['severity']}: {c['error']}")
+                continue
             io = "not open" if c["direct_io"] is None else "O_DIRECT" if c["direct_io"] else "page cache"
             where = c["root"] if isinstance(c["root"], str) else ", ".join(f"{k}={v}" for k, v in c["root"].items())
             lines.append(f"{name:<11} {c['path']:<6} {c['transport']:<6} {io:<10} {where}")
@@ -388,6 +380,8 @@ class Router:
                 lines.append(f"{'':<11} GPU route: {c['gpu_route']['route']} ({c['gpu_route']['why']})")
             for f in c["fallbacks"]:
                 lines.append(f"{'':<11} fallback: {f}")
+            if c.get("read_only"):
+                lines.append(f"{'':<11} read-only: {c['read_only']}")
         return "\n".join(lines)
 
 

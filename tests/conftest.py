@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,3 +127,27 @@ def tiny_fs(tmp_path: Path) -> Iterator[LoopFS]:
     """A fresh 4 MiB ext4 (4096-byte sectors) for running out of space or freezing."""
     with loop_filesystem(tmp_path / "tiny-fs", 4 << 20, sector=4096) as fs:
         yield fs
+
+
+@contextlib.contextmanager
+def tmpfs_mount(mountpoint: Path, size: int = 16 << 20) -> Iterator[Callable[[], None]]:
+    """Mount a fresh tmpfs of ``size`` bytes at ``mountpoint``; yield a function that remounts it read-only
+    (``mount -o remount,ro``: refused to root too, unlike a chmod). Unmounted at the end.
+
+    Skips the calling test (with the reason) when not root or when mounting is refused.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("needs root: mounts a tmpfs and remounts it read-only (chmod does not stop root)")
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        pytest.skip("needs mount and umount")
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    _step(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)], "mount -t tmpfs")
+
+    def read_only() -> None:
+        _step(["mount", "-o", "remount,ro", str(mountpoint)], "mount -o remount,ro")
+
+    try:
+        yield read_only
+    finally:
+        if subprocess.run(["umount", str(mountpoint)], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, check=False)

@@ -12,7 +12,9 @@ from sfstore import errors
 def test_every_exported_error_is_an_sfstore_error() -> None:
     for name in errors.__all__:
         obj = getattr(errors, name)
-        if isinstance(obj, type):
+        if isinstance(obj, type) and issubclass(obj, Warning):  # and every warning an SfstoreWarning
+            assert issubclass(obj, errors.SfstoreWarning), name
+        elif isinstance(obj, type):
             assert issubclass(obj, errors.SfstoreError), name
 
 

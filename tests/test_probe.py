@@ -295,6 +295,7 @@ def test_probe_command_shows_routing_per_data_class(tmp_path: Path) -> None:
     import subprocess as _sp
     import sys as _sys
 
+    (tmp_path / "root").mkdir()  # a configured root must exist
     env = {**os.environ, "SFSTORE_DATA_DIR": str(tmp_path), "SFSTORE_ROOT": str(tmp_path / "root")}
     out = _sp.run([_sys.executable, "-m", "sfstore.cli", "probe", "--json"], capture_output=True, text=True,
                   env=env, timeout=60, check=True)
@@ -406,3 +407,87 @@ def test_the_o_direct_checks_leftovers_of_a_killed_probe_are_removed(tmp_path: P
     section = probe_data_dir(str(tmp_path))
     assert section["status"] == "ok"
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
+
+
+# ---- a bad configuration: named at the top and the end, exit 1
+
+
+def _probe_cli(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SFSTORE_")}
+    base.update({"SFSTORE_DATA_DIR": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "xdg"), **env})
+    base["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, "-m", "sfstore.cli", "probe", *args], capture_output=True, text=True,
+                          env=base, cwd=tmp_path, timeout=120, check=False)
+
+
+def _assert_named_first_and_last(out: str, needle: str) -> None:
+    lines = out.splitlines()
+    assert lines[0].startswith("configuration  error"), out[:2000]
+    assert needle in lines[1], out[:2000]
+    tail = "\n".join(lines[-3:])
+    assert needle in tail and "configuration  error" in "\n".join(lines[-4:]), out[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "needle"),
+    [
+        ("bad-value", "[settings]\nqueue_depth = 'deep'\n", "[settings] queue_depth: invalid value 'deep'"),
+        ("misspelt-key", "[settings]\nqueue_dept = 4\n", "did you mean queue_depth?"),
+        ("invalid-toml", "[classes.hot]\ntarget = { kind = 'image',\n path = '/x' }\n", "line 2: not valid TOML"),
+        ("missing", None, "does not exist"),
+        ("directory", "", "is a directory"),
+        ("missing-root", "root = '@TMP@/no-such-mount'\n", "does not exist"),
+    ],
+)
+def test_cli_probe_exits_1_on_a_bad_config_file(tmp_path: Path, name: str, content: str | None,
+                                               needle: str) -> None:
+    cfg = tmp_path / f"{name}.toml"
+    if name == "directory":
+        cfg.mkdir()
+    elif content is not None:
+        cfg.write_text(content.replace("@TMP@", str(tmp_path)))
+    result = _probe_cli(tmp_path, "--config", str(cfg))
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr
+    _assert_named_first_and_last(result.stdout, needle)
+    assert str(cfg) in result.stdout.splitlines()[1]
+    assert "configuration has 1 error(s)" in result.stderr
+    assert not (tmp_path / "no-such-mount").exists()  # (the unfixed probe made it)
+    as_json = _probe_cli(tmp_path, "--json", "--config", str(cfg))
+    assert as_json.returncode == 1
+    conf = json.loads(as_json.stdout)["routing"]["configuration"]
+    assert conf["status"] == "error" and any(needle in p["message"] or needle in f"line {p['line']}: "
+                                             + p["message"] for p in conf["problems"]), conf
+
+
+@pytest.mark.parametrize(("var", "value", "section"), [("SFSTORE_QUEUE_DEPTH", "abc", "engine"),
+                                                       ("SFSTORE_ENGINE", "iouring", "engine"),
+                                                       ("SFSTORE_BUFFER_SIZE", "2q", None)])
+def test_cli_probe_exits_1_on_a_bad_variable(tmp_path: Path, var: str, value: str, section: str | None) -> None:
+    result = _probe_cli(tmp_path, **{var: value})
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr
+    _assert_named_first_and_last(result.stdout, f"environment variable {var}: invalid value {value!r}")
+    if section:  # not "engine  ok" beside a setting the engine cannot be made with
+        line = next(x for x in result.stdout.splitlines() if x.startswith(section + " "))
+        assert line.split()[1] == "error" and var in line, line
+
+
+def test_cli_probe_warns_about_an_unknown_variable_and_exits_0(tmp_path: Path) -> None:
+    result = _probe_cli(tmp_path, SFSTORE_QUEUEDEPTH="8")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("configuration  warning") and "did you mean SFSTORE_QUEUE_DEPTH?" in lines[1]
+    assert "did you mean SFSTORE_QUEUE_DEPTH?" in lines[-1]
+    assert "ConfigWarning" not in result.stderr  # printed once, in the report
+
+
+def test_cli_probe_read_only_data_dir_is_an_error_not_ok(tmp_path: Path) -> None:
+    from tests.conftest import tmpfs_mount
+
+    with tmpfs_mount(tmp_path / "ro") as read_only:
+        read_only()
+        result = _probe_cli(tmp_path, SFSTORE_DATA_DIR=str(tmp_path / "ro"))
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("data_dir "))
+    assert line.split()[1] == "error" and "read-only file system" in line and "SFSTORE_DATA_DIR" in line, line
+    assert "writable          no" in result.stdout
+    assert result.stdout.splitlines()[0].startswith("configuration  error")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,8 @@ def test_defaults_route_to_the_data_dir(tmp_path: Path) -> None:
 
 
 def test_config_file_and_env_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for d in ("shared", "ckpt", "env-root"):
+        (tmp_path / d).mkdir()  # configured roots must exist
     cfg = tmp_path / "sfstore.toml"
     cfg.write_text(
         f'root = "{tmp_path / "shared"}"\n'
@@ -88,10 +91,10 @@ def test_config_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     ("text", "needle"),
     [
         ("root = 5\n", "'root' must be a directory path"),
-        ("rooot = '/x'\n", "unknown key(s) rooot"),
+        ("rooot = '/x'\n", "unknown key 'rooot' (did you mean root?)"),
         ("[classes.videos]\npath = 'file'\n", "unknown data class [classes.videos]"),
         ("[classes.dataset]\npath = 'block'\n", "path = 'block'; expected one of file"),
-        ("[classes.dataset]\nroot = '/x'\nmount = 'y'\n", "unknown key(s) mount in [classes.dataset]"),
+        ("[classes.dataset]\nroot = '/x'\nmount = 'y'\n", "unknown key 'mount' in [classes.dataset]"),
         ("[settings]\nqueue_depth = 'deep'\n", "queue_depth"),
         ("[settings]\nspeed = 'max'\n", "unknown setting 'speed'"),
         ("root = \n", "not valid TOML"),
@@ -112,6 +115,7 @@ def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_counters_per_class(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()  # a configured root must exist
     r = sfstore.open({"root": str(tmp_path / "m")})
     fp = r.file_path("dataset")
     fp.write("x.bin", b"hello")
@@ -142,9 +146,8 @@ def test_hot_blocks_go_to_a_configured_block_target(tmp_path: Path) -> None:
 def test_block_target_config_errors(tmp_path: Path) -> None:
     with pytest.raises(errors.ConfigError, match="for path = 'block' only"):
         sfstore.open({"classes": {"dataset": {"path": "file", "target": {"kind": "image"}}}})
-    r = sfstore.open({"classes": {"hot": {"target": {"kind": "disk"}}}})
-    with pytest.raises(errors.ConfigError, match="'kind' must be one of"):
-        r.path("hot")
+    with pytest.raises(errors.ConfigError, match="'kind' must be one of"):  # a static mistake: at open()
+        sfstore.open({"classes": {"hot": {"target": {"kind": "disk"}}}})
     r = sfstore.open({"classes": {"hot": {"target": {"kind": "device", "device": str(tmp_path)}}}})
     with pytest.raises(errors.ConfigError, match="not a block device"):
         r.path("hot")
@@ -179,3 +182,165 @@ def test_open_returns_one_router_for_a_config_with_settings(tmp_path: Path) -> N
     hot = BlockStore.from_router(first)  # one block store per router: a second router would refuse the image
     assert BlockStore.from_router(sfstore.open()) is hot
     first.close()
+
+
+# -- the SFSTORE_* variables, checked at open() -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("var", "value", "needle"), [("SFSTORE_QUEUE_DEPTH", "abc", "1 to 16384"),
+                                                      ("SFSTORE_ENGINE", "iouring", "did you mean uring?"),
+                                                      ("SFSTORE_KVCACHE_SHARED_BYTES", "2q", "2TiB")])
+def test_a_bad_variable_fails_open_checkpoints_and_read_into(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, var: str, value: str, needle: str
+) -> None:
+    """Not only get_engine(): the first thing a job does with sfstore raises, naming the variable."""
+    import fsspec
+    import numpy as np
+    import torch
+
+    from sfstore import checkpoint
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "x.bin").write_bytes(b"x" * 4096)
+    checkpoint.save({"w": torch.ones(4)}, str(tmp_path / "ck-good"))  # made while the variables are good
+    monkeypatch.setenv("SFSTORE_ROOT", str(root))
+    monkeypatch.setenv(var, value)
+    calls = {
+        "open": lambda: sfstore.open(),
+        "checkpoint.save": lambda: checkpoint.save({"w": torch.ones(4)}, str(tmp_path / "ck")),
+        "checkpoint.load": lambda: checkpoint.load(str(tmp_path / "ck-good")),
+        "read_into": lambda: fsspec.filesystem("sf", skip_instance_cache=True).read_into(
+            "x.bin", np.zeros(4096, np.uint8)),
+    }
+    for what, call in calls.items():
+        with pytest.raises(errors.ConfigError) as info:
+            call()
+            pytest.fail(f"{what} ran with {var}={value!r}")
+        assert var in str(info.value) and repr(value) in str(info.value) and needle in str(info.value), what
+    assert not (tmp_path / "ck").exists()
+
+
+def test_an_unknown_variable_is_warned_about_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    monkeypatch.setenv("SFSTORE_QUEUEDEPTH", "8")
+    with pytest.warns(errors.ConfigWarning, match="SFSTORE_QUEUEDEPTH.*did you mean SFSTORE_QUEUE_DEPTH"):
+        sfstore.open()
+    assert issubclass(errors.ConfigWarning, errors.SfstoreWarning) and issubclass(errors.SfstoreWarning, UserWarning)
+    monkeypatch.setenv("SFSTORE_ROOT", "")  # another configuration: a new router, the same variable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sfstore.open({})
+    assert defaults.get("queue_depth") == 32  # and it is not taken for the setting
+
+
+# -- roots -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["file", "env", "class", "mapping"])
+def test_a_configured_root_that_does_not_exist_is_an_error_naming_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    missing = tmp_path / "mnt" / "nfs-typo"
+    cfg = tmp_path / "sfstore.toml"
+    if how == "file":
+        cfg.write_text(f'root = "{missing}"\n')
+        origin = f"root in config file {cfg}"
+    elif how == "env":
+        monkeypatch.setenv("SFSTORE_ROOT", str(missing))
+        origin = "SFSTORE_ROOT"
+    elif how == "class":
+        cfg.write_text(f'[classes.dataset]\nroot = "{missing}"\n')
+        origin = f"[classes.dataset] root in config file {cfg}"
+    else:
+        origin = "root in config mapping"
+    r = sfstore.open({"root": str(missing)}) if how == "mapping" else sfstore.open()
+    with pytest.raises(errors.ConfigError) as info:
+        r.path("dataset")
+    text = str(info.value)
+    assert str(missing) in text and "does not exist" in text and f"set by {origin}" in text, text
+    assert not missing.exists() and not missing.parent.exists()  # nothing was made on the local disk
+    assert "does not exist" in r.format()  # the table says so instead of raising
+
+
+def test_only_the_embedded_default_data_dir_and_subdirs_are_created(tmp_path: Path) -> None:
+    r = sfstore.open()
+    assert r.file_path("checkpoint").root == str(tmp_path / "data" / "checkpoints")  # the default: made
+    (tmp_path / "mnt").mkdir()
+    r = sfstore.open({"root": str(tmp_path / "mnt"), "classes": {"checkpoint": {"subdir": "a/ckpt"}}})
+    assert r.file_path("checkpoint").root == str(tmp_path / "mnt" / "a" / "ckpt")  # beneath a root that exists
+
+
+@pytest.mark.parametrize("where", ["root", "classes"])
+def test_a_root_with_a_nul_byte_is_a_config_error(tmp_path: Path, where: str) -> None:
+    cfg = tmp_path / "sfstore.toml"
+    key = "root" if where == "root" else "[classes.checkpoint]\nroot"
+    cfg.write_text(f'{key} = "{tmp_path}/a\\u0000b"\n')
+    with pytest.raises(errors.ConfigError, match="NUL byte") as info:
+        sfstore.open(cfg)
+    assert str(cfg) in str(info.value)
+
+
+# -- a read-only root ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ro_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A read-only tmpfs holding ``data/a.txt`` and the checkpoint ``checkpoints/step-1``, as SFSTORE_ROOT."""
+    import torch
+
+    from sfstore import checkpoint
+    from tests.conftest import tmpfs_mount
+
+    mnt = tmp_path / "ro"
+    with tmpfs_mount(mnt) as read_only:
+        (mnt / "data").mkdir()
+        (mnt / "data" / "a.txt").write_text("hello")
+        checkpoint.save({"w": torch.arange(4.0)}, str(mnt / "checkpoints" / "step-1"))
+        read_only()
+        monkeypatch.setenv("SFSTORE_ROOT", str(mnt))
+        yield mnt
+
+
+def test_a_read_only_root_serves_reads(ro_root: Path) -> None:
+    import fsspec
+    import torch
+
+    from sfstore import checkpoint
+    from sfstore.fs import SFFileSystem
+
+    SFFileSystem.clear_instance_cache()
+    r = sfstore.open()
+    fs = fsspec.filesystem("sf")
+    assert fs.cat("data/a.txt") == b"hello"
+    assert fs.ls("data", detail=False) == ["data/a.txt"]
+    assert torch.equal(checkpoint.load("step-1")["w"], torch.arange(4.0))
+    text = r.format()  # describing does not try to write
+    assert "read-only: it is on a read-only file system" in text and "[classes.checkpoint] root" in text
+    d = r.describe()["classes"]
+    assert d["kvcache"]["severity"] == "warning" and "cannot be created" in d["kvcache"]["error"]
+    assert d["dataset"]["writable"] is False
+
+
+def test_a_class_that_must_write_to_a_read_only_root_names_the_setting(ro_root: Path, tmp_path: Path) -> None:
+    import torch
+
+    from sfstore import checkpoint
+    from sfstore.kvcache import KVCacheStore, KVGeometry
+
+    with pytest.raises(errors.ReadOnlyRootError) as info:
+        checkpoint.save({"w": torch.ones(2)}, "step-2")
+    text = str(info.value)
+    assert "read-only file system" in text and "[classes.checkpoint] root" in text and "SFSTORE_ROOT" in text
+    assert isinstance(info.value, PermissionError) and isinstance(info.value, errors.ConfigError)
+    geom = KVGeometry(num_layers=2, block_tokens=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    with pytest.raises(errors.ReadOnlyRootError, match=r"\[classes\.kvcache\] root") as info:
+        KVCacheStore.from_router(geom)
+    assert "SFSTORE_ROOT" in str(info.value)
+    # The setting it names does point the class elsewhere.
+    (tmp_path / "ckpt").mkdir()
+    cfg = tmp_path / "sfstore.toml"
+    cfg.write_text(f'[classes.checkpoint]\nroot = "{tmp_path / "ckpt"}"\n')
+    checkpoint.save({"w": torch.ones(2)}, "step-2")
+    assert (tmp_path / "ckpt" / "step-2").is_dir()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfstore import errors
+from sfstore.environment import validate_environment
 from sfstore.paths.base import Range
 from sfstore.paths.file import FilePath, file_kind
 from sfstore.temp_names import FOREIGN_STALE_SECONDS as FOREIGN_STALE_SECONDS
@@ -103,6 +104,7 @@ def open_dir(fp: FilePath, rel: str, full: str) -> int:
 def file_path(root: str, create: bool) -> FilePath:
     """The file path rooted at the host directory ``root`` (``create``: made if missing), one per directory
     and process, made again when its root was removed."""
+    validate_environment()  # the cached path was checked when made: the variables may have changed since
     key = (os.path.abspath(root), create)
     with _fp_lock:
         fp = _fp_cache.get(key)
@@ -112,17 +114,15 @@ def file_path(root: str, create: bool) -> FilePath:
         return fp
 
 
-def _checkpoint_root() -> FilePath:
+def _class_root(data_class: str, write: bool) -> FilePath:
+    """The router's file path of ``data_class``; ``write``: one this process may write (a read-only root is a
+    :class:`~sfstore.errors.ReadOnlyRootError` naming the setting that points the class elsewhere)."""
     import sfstore
 
-    return sfstore.open().file_path("checkpoint")
-
-
-def _sf_root() -> FilePath:
-    """The file path ``sf://`` names, as :class:`sfstore.fs.SFFileSystem` has it: the router's ``dataset`` path."""
-    import sfstore
-
-    return sfstore.open().file_path("dataset")
+    router = sfstore.open()
+    if write:
+        router.require_writable(data_class)
+    return router.file_path(data_class)
 
 
 ABSOLUTE, SF, CLASS = "abs", "sf", "class"
@@ -171,9 +171,10 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
     return CLASS, posixpath.normpath(text) if text else ""
 
 
-def root_for(kind: str) -> FilePath:
-    """The file path a relative checkpoint url of ``kind`` (:data:`SF` or :data:`CLASS`) names a path below."""
-    return _sf_root() if kind == SF else _checkpoint_root()
+def root_for(kind: str, write: bool = False) -> FilePath:
+    """The file path a relative checkpoint url of ``kind`` (:data:`SF` or :data:`CLASS`) names a path below:
+    the router's ``dataset`` class (what ``sf://`` names) or its ``checkpoint`` class; ``write``: to save there."""
+    return _class_root("dataset" if kind == SF else "checkpoint", write)
 
 
 def locate(url: str | os.PathLike[str], *, create: bool) -> Location:
@@ -193,7 +194,7 @@ def locate(url: str | os.PathLike[str], *, create: bool) -> Location:
     else:
         if text in ("", "."):
             raise errors.InvalidRequestError(f"checkpoint url {os.fspath(url)!r} names no directory")
-        fp = root_for(kind)
+        fp = root_for(kind, write=create)
         head, base = posixpath.split(text)
         parent = fp.full(head or "")  # refuses '..' above the root; symlinks are met beneath it, at each use
         rel = parent[len(fp.root):].lstrip("/")

@@ -232,7 +232,7 @@ class KVCacheStore:
                 block = BlockStore.from_router(router, "hot")
             if block.max_value_bytes < geometry.block_bytes:
                 block = None  # an existing store with smaller classes: the tier is skipped (stats() shows it)
-        kv_path = router.path("kvcache")
+        kv_path = router.require_writable("kvcache")  # a read-only root: say which setting to change, up front
         if isinstance(kv_path, DevicePath):  # the shared files live under the device path's own file path
             fp = kv_path.fp
             kwargs.setdefault("device", kv_path)

@@ -37,6 +37,7 @@ from sfstore import defaults, errors
 from sfstore.arguments import as_batch
 from sfstore.buffers import as_buffer, bytes_for_filling, copy_host_to_device, filled_bytes, is_device_buffer
 from sfstore.engine import IOEngine, Request, describe_engines, get_engine
+from sfstore.environment import validate_environment
 from sfstore.futures import DoneFuture, Future, MappedFuture
 from sfstore.mounts import MountInfo, mount_for
 from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, descriptor_of, split_ranges
@@ -146,6 +147,9 @@ class FilePath(StoragePath):
         create: bool = True,
     ) -> None:
         super().__init__()
+        # Every face reaches the disk through a path: a bad SFSTORE_* variable fails here, before any I/O, even
+        # where no router was opened (a checkpoint saved to an absolute path).
+        validate_environment()
         raw = os.path.abspath(os.path.expanduser(os.fspath(root)))
         if create:
             os.makedirs(raw, exist_ok=True)
@@ -247,7 +251,8 @@ class FilePath(StoragePath):
                 fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                              dir_fd=rootfd)
             except OSError as exc:
-                raise errors.os_error(exc.errno or errno.EIO, f"cannot open {probe!r}", probe) from None
+                # The probe file's own (temporary) name means nothing to a user: the directory does.
+                raise errors.os_error(exc.errno or errno.EIO, f"cannot create a file in {self.root}") from None
             try:
                 direct = enable_direct(fd, probe, required=mode == "on")
             finally:
@@ -256,7 +261,7 @@ class FilePath(StoragePath):
         except errors.SfstoreOSError as exc:
             if mode == "on":
                 raise
-            self.fallbacks.append(f"cannot probe O_DIRECT in {self.root}: {exc}")
+            self.fallbacks.append(f"cannot probe O_DIRECT: {exc.strerror or exc}")
             return False
         if not direct:
             self.fallbacks.append(f"{self.mount.fstype} at {self.mount.mountpoint} refuses O_DIRECT: page-cache I/O")

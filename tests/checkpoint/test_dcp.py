@@ -176,6 +176,7 @@ def test_round_trip_on_4k_sector_filesystem(dio_dir: Path) -> None:
 def test_checkpoint_id_and_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import fsspec
 
+    (tmp_path / "root").mkdir(exist_ok=True)  # a configured root must exist
     monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "root"))
     root = os.path.realpath(tmp_path / "root")
     assert resolve_checkpoint_dir("sf://run/step-1") == root + "/run/step-1"  # what fsspec's sf:// names
@@ -249,6 +250,7 @@ def test_dcp_own_writer_on_sf_urls_and_the_two_formats(tmp_path: Path, monkeypat
 
     from sfstore.checkpoint.dcp import TORCH_METADATA_NAME
 
+    (tmp_path / "root").mkdir(exist_ok=True)  # a configured root must exist
     monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "root"))
     where = tmp_path / "root" / "x"
     assert isinstance(_storage_setup(None, "sf://x"), FsspecWriter)  # what DCP picks for an sf:// id
@@ -283,6 +285,7 @@ def test_to_torch_save_matches_torchs_converter(tmp_path: Path, monkeypatch: pyt
     from sfstore.checkpoint.dcp import to_torch_save
     from sfstore.fs import local_path
 
+    (tmp_path / "root").mkdir(exist_ok=True)  # a configured root must exist
     monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "root"))
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.AdamW(model.parameters())

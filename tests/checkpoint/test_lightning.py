@@ -87,6 +87,7 @@ def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 @pytest.fixture
 def sfroot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "root").mkdir()  # a configured root must exist
     monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "root"))
     monkeypatch.delenv("SFSTORE_CONFIG", raising=False)
     monkeypatch.chdir(tmp_path)

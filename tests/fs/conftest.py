@@ -18,6 +18,7 @@ from sfstore.fs import SFFileSystem
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    (tmp_path / "env-root").mkdir()  # a configured root must exist (only the embedded default is created)
     monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "env-root"))
     monkeypatch.setenv("SFSTORE_DATA_DIR", str(tmp_path / "data-dir"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))

@@ -13,6 +13,7 @@ MiB = 1 << 20
 
 
 def sfstore(*args: str, root: Path, **env: str) -> subprocess.CompletedProcess[bytes]:
+    root.mkdir(parents=True, exist_ok=True)  # a configured root (SFSTORE_ROOT) must exist
     return subprocess.run([sys.executable, "-m", "sfstore.cli", *args], capture_output=True, timeout=120,
                           env={**os.environ, "SFSTORE_ROOT": str(root), **env}, check=False)
 

@@ -14,6 +14,7 @@ from sfstore.cli import Progress
 
 
 def sfstore(*args: str, root: Path) -> subprocess.CompletedProcess[str]:
+    root.mkdir(parents=True, exist_ok=True)  # a configured root (SFSTORE_ROOT) must exist
     env = {**os.environ, "SFSTORE_ROOT": str(root)}
     return subprocess.run(
         [sys.executable, "-m", "sfstore.cli", *args], capture_output=True, text=True, env=env, timeout=120, check=False

@@ -55,6 +55,7 @@ def test_root_from_config_file_then_data_dir(tmp_path: Path, monkeypatch: pytest
     monkeypatch.delenv("SFSTORE_ROOT")
     cfg = tmp_path / "sfstore.toml"
     cfg.write_text(f'root = "{tmp_path / "cfg-root"}"\n')
+    (tmp_path / "cfg-root").mkdir()  # a configured root must exist
     assert SFFileSystem(config=str(cfg)).root == os.path.realpath(tmp_path / "cfg-root")
     cfg.unlink()
     assert SFFileSystem().root == os.path.realpath(tmp_path / "data-dir")
@@ -63,6 +64,7 @@ def test_root_from_config_file_then_data_dir(tmp_path: Path, monkeypatch: pytest
 def test_instances_are_cached_per_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a = SFFileSystem()
     assert SFFileSystem() is a
+    (tmp_path / "other-root").mkdir()
     monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "other-root"))
     b = SFFileSystem()
     assert b is not a and b.root == os.path.realpath(tmp_path / "other-root")

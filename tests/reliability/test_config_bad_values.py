@@ -227,6 +227,7 @@ def test_a_class_subdir_cannot_leave_root(tmp_path: Path, subdir: str) -> None:
 def test_a_subdir_beneath_root_still_works(tmp_path: Path) -> None:
     cfg = tmp_path / "sfstore.toml"
     cfg.write_text(f"root = {str(tmp_path / 'root')!r}\n[classes.checkpoint]\nsubdir = 'a/./ckpt/'\n")
+    (tmp_path / "root").mkdir()  # a configured root must exist; the subdir beneath it is made
     fp = Router(cfg).file_path("checkpoint")
     assert fp.root == str(tmp_path / "root" / "a" / "ckpt")
 

@@ -325,6 +325,7 @@ def test_fuzz_engines_and_buffer_pools(tmp_path: Path, scale: int) -> None:
     seed = int(os.environ.get("SFSTORE_FUZZ_SEED") or random.randrange(1 << 30))
     work = tmp_path / "fuzz"
     work.mkdir()
+    (tmp_path / "root").mkdir()  # a configured root must exist
     timeout = 180 + 120 * scale
     result = run_child(
         _CHILD.replace("@ARGS@", f"{seed}, {scale}, {str(work)!r}, {timeout - 30}"),

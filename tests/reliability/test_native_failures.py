@@ -37,6 +37,7 @@ def error_fields(exc):
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "root").mkdir(exist_ok=True)  # a configured root must exist
     return {"SFSTORE_ROOT": str(tmp_path / "root"), "SFSTORE_DATA_DIR": str(tmp_path / "data"),
             "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "SFSTORE_CONFIG": ""}
 

@@ -272,6 +272,7 @@ def test_get_file_into_dev_shm_still_publishes_atomically(dataset: tuple[SFFileS
 
 
 def sfstore(*args: str, root: Path, cwd: Path, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    root.mkdir(parents=True, exist_ok=True)  # a configured root (SFSTORE_ROOT) must exist
     env = {**os.environ, "SFSTORE_ROOT": str(root)}
     return subprocess.run(
         [sys.executable, "-m", "sfstore.cli", *args],

@@ -118,6 +118,7 @@ def templates(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture
 def scene(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, templates: tuple[Path, Path]) -> Iterator[Scene]:
+    (tmp_path / "sfroot").mkdir(exist_ok=True)  # a configured root must exist
     monkeypatch.setenv("SFSTORE_ROOT", str(tmp_path / "sfroot"))
     monkeypatch.delenv("SFSTORE_CONFIG", raising=False)
     defaults.reset()

@@ -7,14 +7,14 @@ from __future__ import annotations
 import argparse
 from typing import Any, Protocol
 
-__all__ = ["parse_size", "positive_int", "nonneg_int", "add_warmup", "add_fio"]
+from sfstore import defaults
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+__all__ = ["parse_size", "positive_int", "nonneg_int", "add_warmup", "add_fio"]
 
 
 def parse_size(text: str) -> int:
-    """Parse a byte count such as ``4096``, ``64k``, ``16m``, ``1g`` or ``2GiB`` (binary units).
+    """Parse a byte count such as ``4096``, ``64k``, ``16m``, ``1g`` or ``2GiB``: the sizes of
+    :func:`sfstore.defaults.parse_size` (``k``/``KiB`` 1024-based, ``KB`` 1000-based).
 
     Parameters
     ----------
@@ -31,12 +31,10 @@ def parse_size(text: str) -> int:
     ValueError
         When ``text`` is not a size.
     """
-    t = text.strip().lower()
-    digits = t.rstrip("kmgtib")
-    unit = t[len(digits):]
-    if unit not in _UNITS or not digits.isdigit():
-        raise ValueError(f"not a size: {text!r} (examples: 4096, 64k, 16m, 1g)")
-    return int(digits) * _UNITS[unit]
+    try:
+        return defaults.parse_size(text)
+    except ValueError as exc:
+        raise ValueError(f"not a size: {text!r}: {exc}") from None
 
 
 def positive_int(text: str) -> int:

@@ -191,7 +191,7 @@ def open_checkpoint_dir(url: str, *, create: bool, direct: str | None, chunk_siz
         if not create and not os.path.isdir(where):
             raise errors.os_error(errno.ENOENT, f"no checkpoint at {url!r} (directory missing)", where)
         return CheckpointDir(FilePath(where, create=create, **options), "")
-    root = location.root_for(kind)
+    root = location.root_for(kind, write=create)
     parts = root.beneath.parts(where)  # '..' above the root refused; symlinks are met beneath it, at each use
     if not parts:
         raise errors.PathEscapeError(f"checkpoint url {url!r} resolves to the root {root.root} itself")
