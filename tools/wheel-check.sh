@@ -64,8 +64,8 @@ print(len([n for n in zipfile.ZipFile(sys.argv[1]).namelist() if n.startswith("s
 say "  $(basename "$WHEEL") ($(du -h "$WHEEL" | cut -f1))"
 done_step
 
-step 3 "install the user's own torch first (stand-in: the CPU torch of tools/constraints-dev.txt)"
-retry "$FRESH/bin/pip" install -q -c "$CONSTRAINTS" torch
+step 3 "install the user's own torch (and numpy) first (stand-in: the CPU torch of tools/constraints-dev.txt)"
+retry "$FRESH/bin/pip" install -q -c "$CONSTRAINTS" torch numpy
 TORCH_BEFORE=$("$FRESH/bin/python" -c 'import torch; print(torch.__version__)')
 say "  torch $TORCH_BEFORE"
 done_step
@@ -74,10 +74,9 @@ step 4 "install the wheel with [$EXTRAS], no constraints on sfstore's side; the 
 # A dry run first: a resolution that would replace torch fails here, before pip downloads gigabytes of it.
 "$FRESH/bin/pip" install -q --dry-run --report "$W/report.json" "$WHEEL[$EXTRAS]"
 changed=$("$FRESH/bin/python" -c 'import json, sys
-r = json.load(open(sys.argv[1]))
-print(" ".join(f"{i[\"metadata\"][\"name\"]}=={i[\"metadata\"][\"version\"]}" for i in r["install"]
-               if i["metadata"]["name"].lower() == "torch" or i["metadata"]["name"].lower().startswith("nvidia-")))' \
-  "$W/report.json")
+meta = [i["metadata"] for i in json.load(open(sys.argv[1]))["install"]]
+print(" ".join(m["name"] + "==" + m["version"] for m in meta
+               if m["name"].lower() == "torch" or m["name"].lower().startswith("nvidia-")))' "$W/report.json")
 [ -z "$changed" ] || fail "installing sfstore[$EXTRAS] would replace the user's torch $TORCH_BEFORE: $changed"
 retry "$FRESH/bin/pip" install -q "$WHEEL[$EXTRAS]"
 TORCH_AFTER=$("$FRESH/bin/python" -c 'import torch; print(torch.__version__)')
