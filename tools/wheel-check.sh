@@ -139,7 +139,7 @@ sed 's/^/    /' "$W/probe.txt" | head -n 20 >&2
 done_step
 
 step 8 "sfstore config check (exit 0 on the embedded default)"
-if user sfstore --help 2>/dev/null | grep -q -w config; then
+if user sfstore config check --help >/dev/null 2>&1; then
   user sfstore config check || fail "sfstore config check exited $?"
 else
   say "  WARNING: this sfstore has no 'config check' command yet (it comes with the configuration work of issue"
