@@ -47,6 +47,7 @@ __all__ = [
     "ValueTooLargeError",
     "InvalidKeyError",
     "CorruptStoreError",
+    "MissingDependencyError",
     "native_error",
     "os_error",
 ]
@@ -218,6 +219,19 @@ class InvalidKeyError(InvalidRequestError):
 class CorruptStoreError(SfstoreError, ValueError):
     """A store's on-disk metadata (superblock, state, index snapshot) is damaged, or the device holds data
     that is not a store (it is never formatted over without being asked)."""
+
+
+class MissingDependencyError(SfstoreError, ImportError):
+    """An optional package that a part of sfstore needs is not installed (or fails to import).
+
+    The message names the part, the package and the extra that installs it
+    (``pip install 'sfstore[hf]'``); ``name`` is the package's module name, as for ``ImportError``, and
+    ``extra`` the extra's name.
+    """
+
+    def __init__(self, message: str, *, name: str, extra: str) -> None:
+        super().__init__(message, name=name)
+        self.extra = extra
 
 
 _OS_CLASSES: dict[int, type[SfstoreOSError]] = {

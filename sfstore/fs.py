@@ -31,12 +31,8 @@ from collections.abc import Callable, Sequence
 from glob import has_magic
 from typing import Any, TypeVar
 
-from fsspec.caching import BaseCache
-from fsspec.callbacks import DEFAULT_CALLBACK
-from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
-from fsspec.utils import isfilelike, stringify_path
-
 from sfstore import errors
+from sfstore._optional import require
 from sfstore.buffers import bytes_for_filling, filled_bytes
 from sfstore.futures import Future, MappedFuture
 from sfstore.integrations import webdataset_gopen
@@ -44,6 +40,13 @@ from sfstore.paths.base import Range
 from sfstore.paths.beneath import fold_parts
 from sfstore.paths.file import AtomicWriter, FilePath, OpenFile
 from sfstore.temp_names import temp_name
+
+require("fsspec", "data", "sf:// (sfstore.fs)")
+
+from fsspec.caching import BaseCache  # noqa: E402  (after the check that says which extra installs fsspec)
+from fsspec.callbacks import DEFAULT_CALLBACK  # noqa: E402
+from fsspec.spec import AbstractBufferedFile, AbstractFileSystem  # noqa: E402
+from fsspec.utils import isfilelike, stringify_path  # noqa: E402
 
 __all__ = ["SFFileSystem", "SFFile", "local_path", "other_scheme", "refuse_other_schemes"]
 

@@ -7,10 +7,13 @@
 #
 # Every install step is here: Debian packages (installed only if missing), the virtual environment (.venv,
 # or $SFSTORE_VENV), the build and the package. Re-running is cheap: nothing is reinstalled that is there.
+# Every pip install goes through tools/constraints-dev.txt (-c): the versions development and CI use, torch
+# 2.13.0 (CPU) above all. sfstore's extras pin nothing (users install into environments with their own torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VENV=${SFSTORE_VENV:-$ROOT/.venv}
+CONSTRAINTS=$ROOT/tools/constraints-dev.txt
 PY=${PYTHON:-python3}
 
 . tools/lib.sh
@@ -47,11 +50,11 @@ setup() {  # setup [demo|test]
     "$PY" -m venv "$VENV"
   fi
   say "building and installing sfstore$extras (the first time about 2-4 minutes: downloads, then the native build)"
-  progress "installing the build tools" \
-    retry "$VENV/bin/pip" install -q --disable-pip-version-check "scikit-build-core>=0.10" "nanobind>=2.4"
+  local pip=("$VENV/bin/pip" install -q --disable-pip-version-check -c "$CONSTRAINTS")
+  progress "installing the build tools" retry "${pip[@]}" "scikit-build-core>=0.10" "nanobind>=2.4"
   # --no-build-isolation: build with the venv's scikit-build-core/nanobind (no second download per run)
-  progress "installing sfstore$extras and its dependencies" \
-    retry "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation -e ".$extras"
+  progress "installing sfstore$extras and its dependencies (versions: tools/constraints-dev.txt)" \
+    retry "${pip[@]}" --no-build-isolation -e ".$extras"
 }
 
 cmd=${1:-}

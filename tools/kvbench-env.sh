@@ -22,10 +22,11 @@ MAIN=${SFSTORE_VENV:-$ROOT/.venv}
 . tools/lib.sh
 
 side_venv "$VENV" "$MAIN"
-PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
+# tools/constraints-dev.txt: the versions development uses, torch 2.13.0 (CPU) among them, for every install here
+PIP=("$VENV/bin/pip" install -q --disable-pip-version-check -c "$ROOT/tools/constraints-dev.txt")
 
 say "torch 2.13.0 (CPU), numpy, sfstore's dependencies"
-# The same requirement as sfstore's own extras (pyproject.toml): pinned, so pip never reaches for a newer CUDA build.
+# Pinned (here and by the constraints), so pip never reaches for a newer CUDA build.
 retry "${PIP[@]}" "torch==2.13.0"
 # numpy <= 2.2.6: what lmcache 0.5.6 declares; xxhash: sfstore's one dependency
 retry "${PIP[@]}" "numpy>=1.26,<=2.2.6" "xxhash>=3"

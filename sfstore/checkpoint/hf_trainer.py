@@ -3,7 +3,6 @@
 
 >>> from transformers import Trainer, TrainingArguments
 >>> from sfstore.fs import local_path
-from sfstore.paths.file import fsync_dir
 >>> from sfstore.checkpoint.hf_trainer import SfstoreTrainerCallback, last_committed_checkpoint
 >>> out = local_path("sf://runs/exp1")
 >>> trainer = Trainer(model=model, args=TrainingArguments(output_dir=out, save_total_limit=2),
@@ -17,6 +16,11 @@ fails to. The callback marks the checkpoints whose save finished: once the ``Tra
 ``checkpoint-N`` it makes every file and directory of it durable (``fsync``) and then publishes a commit record,
 :data:`COMMIT_NAME`, holding each file's size and xxh3-64. :func:`last_committed_checkpoint` is the newest
 checkpoint with a record whose files match it, the one to resume from.
+
+:func:`commit_checkpoint` and :func:`last_committed_checkpoint` need neither transformers nor torch (a resume
+script can pick its checkpoint before importing them); :class:`SfstoreTrainerCallback` needs transformers and
+torch (``pip install 'sfstore[hf]'``) and is imported from :mod:`sfstore.checkpoint.hf_trainer_callback` when
+first asked for.
 
 What sfstore reads: the commit record (JSON) and the checkpoint's bytes, to check them. It does not unpickle
 anything: ``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth`` and ``training_args.bin`` are the ``Trainer``'s
@@ -38,15 +42,15 @@ import os
 import re
 import stat
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from sfstore import defaults, errors, temp_names
-from sfstore.fs import local_path
 from sfstore.paths.file import fsync_dir
+
+if TYPE_CHECKING:
+    from sfstore.checkpoint.hf_trainer_callback import SfstoreTrainerCallback
 
 __all__ = ["COMMIT_NAME", "SfstoreTrainerCallback", "commit_checkpoint", "last_committed_checkpoint"]
 
@@ -62,6 +66,16 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers.trainer_utils' o
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 
 log = logging.getLogger(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    # The callback subclasses transformers' TrainerCallback, so it is imported (with transformers) only when
+    # asked for: commit_checkpoint and last_committed_checkpoint work without transformers.
+    if name == "SfstoreTrainerCallback":
+        from sfstore.checkpoint.hf_trainer_callback import SfstoreTrainerCallback
+
+        return SfstoreTrainerCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _os_error(exc: OSError, context: str, path: str) -> errors.SfstoreOSError:
@@ -217,105 +231,6 @@ def commit_checkpoint(directory: str | os.PathLike[str]) -> str:
     return final
 
 
-def _uncommit(directory: str) -> None:
-    """Remove ``directory``'s commit record (if any), durably, before the ``Trainer`` writes over its files."""
-    record = os.path.join(directory, COMMIT_NAME)
-    try:
-        os.unlink(record)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise _os_error(exc, "cannot remove the commit record of a checkpoint about to be written over",
-                        record) from None
-    try:
-        fsync_dir(directory)
-    except OSError as exc:
-        raise _os_error(exc, "cannot sync the checkpoint directory", directory) from None
-    log.info("sfstore: %s is about to be saved again; its commit record is removed until the save is done",
-             directory)
-
-
-def _barrier() -> None:
-    """Wait for every rank (each writes its own files of a checkpoint, e.g. ``rng_state_<rank>.pth``)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        torch.distributed.barrier()
-
-
-class SfstoreTrainerCallback(TrainerCallback):
-    """A ``transformers.TrainerCallback`` that commits each checkpoint the ``Trainer`` saves.
-
-    ``on_save`` runs once the ``Trainer`` has written ``checkpoint-N`` (model, optimizer, scheduler, RNG and
-    trainer state) and rotated old checkpoints away; it then calls :func:`commit_checkpoint` on it, so
-    :func:`last_committed_checkpoint` finds it. Before a save that writes over an existing ``checkpoint-N`` (a
-    run resumed from an earlier step goes through the same steps again), its old record is removed first, so a
-    save cut short there is never taken for the old, committed one.
-
-    Only the process that writes the ``Trainer``'s own files (``args.should_save``: world rank 0, or each
-    node's first process with ``save_on_each_node``) writes records. In a distributed run
-    (``torch.distributed`` initialized) the ranks meet at a ``torch.distributed.barrier`` before the commit, as
-    each writes files of its own into the checkpoint, and after an old record's removal, before any rank writes.
-
-    Notes
-    -----
-    Commit costs one read of the checkpoint's bytes (just written, so mostly from the page cache) and the
-    ``fsync`` the ``Trainer`` never does. ``sfstore`` does not read the ``Trainer``'s pickled files
-    (``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth``, ``training_args.bin``) other than as bytes to
-    checksum.
-
-    With ``save_strategy="best"`` the ``Trainer`` decides to save only after evaluating, so a record of the step
-    being evaluated is removed at each evaluation (a save may follow) and rewritten when it does.
-    """
-
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
-        if args.should_save and args.save_total_limit == 1:
-            log.warning(
-                "sfstore: save_total_limit=1 removes the last committed checkpoint before the new one is "
-                "committed: a run killed in between has no checkpoint to resume from (use 2 or more)")
-
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
-        if control.should_save:
-            self._before_save(args, state)
-
-    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
-        if control.should_save:
-            self._before_save(args, state)
-
-    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
-        if args.save_strategy == "best":
-            self._before_save(args, state)
-
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                **kwargs: Any) -> None:
-        _barrier()
-        if not args.should_save:
-            return
-        directory = self._directory(args, state)
-        if not os.path.isdir(directory):
-            # A hyper-parameter search saves under output_dir/run-<trial>/: not a layout this marks.
-            log.warning("sfstore: %s was not written where expected; no commit record for it", directory)
-            return
-        commit_checkpoint(directory)
-        log.info("sfstore: committed %s", directory)
-
-    def _before_save(self, args: TrainingArguments, state: TrainerState) -> None:
-        if args.should_save:
-            directory = self._directory(args, state)
-            if os.path.isdir(directory):
-                _uncommit(directory)
-        # No rank starts writing its own files over the folder while the record may still be there.
-        _barrier()
-
-    @staticmethod
-    def _directory(args: TrainingArguments, state: TrainerState) -> str:
-        # TrainingArguments sets output_dir ("trainer_output" when not given); the Trainer saves beneath it.
-        return os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
-
-
 def _host_path(path: Any, what: str) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise errors.InvalidRequestError(f"{what} must be a path or sf:// url, not {type(path).__name__}")
@@ -323,6 +238,8 @@ def _host_path(path: Any, what: str) -> str:
     if not isinstance(text, str):
         raise errors.InvalidRequestError(f"{what} must be a text path, not {type(text).__name__}")
     if text.startswith("sf://"):
+        from sfstore.fs import local_path  # only for sf:// urls: host paths need no fsspec
+
         return local_path(text)
     if "://" in text:
         raise errors.InvalidRequestError(f"{what} must be a host path or an sf:// url, not {text!r}")

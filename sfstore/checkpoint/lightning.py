@@ -36,16 +36,19 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.io import CheckpointIO
-
 from sfstore import errors
+from sfstore._optional import require
 from sfstore.checkpoint import load as _load
 from sfstore.checkpoint import location
 from sfstore.checkpoint import save as _save
 from sfstore.checkpoint import save_async as _save_async
 from sfstore.checkpoint.save import SaveFuture
 from sfstore.checkpoint.structure import flatten
+
+require("lightning", "lightning", "sfstore.checkpoint.lightning")
+
+from lightning.fabric.utilities.types import _PATH  # noqa: E402  (after the check that says which extra installs it)
+from lightning.pytorch.plugins.io import CheckpointIO  # noqa: E402
 
 __all__ = ["SfstoreCheckpointIO"]
 

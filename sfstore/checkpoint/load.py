@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from sfstore import errors
+from sfstore._optional import require
 from sfstore.buffers import as_buffer
 from sfstore.checkpoint import hf, location
 from sfstore.checkpoint import safetensors_format as stf
@@ -472,6 +473,7 @@ def load(
     verify: bool = True,
 ) -> Any:
     """Load a checkpoint (or a plain ``.safetensors`` file); see :func:`sfstore.checkpoint.load`."""
+    require("torch", "torch", "sfstore.checkpoint.load")
     import torch
 
     if url is None:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from sfstore import defaults, errors, forks
+from sfstore._optional import require
 from sfstore.arguments import check_timeout
 from sfstore.checkpoint import hf, location
 from sfstore.checkpoint import safetensors_format as stf
@@ -130,6 +131,7 @@ def _item(leaf: Leaf) -> _Item:
 
 def plan(state_dict: Any, max_shard_bytes: int | None, metadata: Mapping[str, Any] | None) -> _Plan:
     """Flatten ``state_dict`` and group its tensors into shards of at most ``max_shard_bytes`` data bytes."""
+    require("torch", "torch", "sfstore.checkpoint.save")
     limit = int(
         defaults.SETTINGS["checkpoint_shard_bytes"].parse(max_shard_bytes, "save(max_shard_bytes=...)")
         if max_shard_bytes is not None

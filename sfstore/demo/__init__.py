@@ -21,6 +21,7 @@ With ``--config`` the same runs on a real cluster's paths (NFS over RDMA, NVMe-o
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -37,6 +38,14 @@ if TYPE_CHECKING:
 __all__ = ["run_demo", "run_steps"]
 
 MiB = 1 << 20
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
 
 
 def _progress(prefix: str) -> Callable[[str], None]:
@@ -80,13 +89,9 @@ def run_steps(
                                                         "counters", "verified")}
     summary["ok"] &= r["verified"]
 
-    try:
-        import torch  # noqa: F401
-
-        have_torch = True
-    except ImportError:
-        have_torch = False
-    if have_torch:
+    # The training step needs torch, numpy and fsspec (the dataset is streamed over sf://): the demo extra.
+    missing = [name for name in ("torch", "numpy", "fsspec") if not _importable(name)]
+    if not missing:
         from sfstore.demo.training import make_dataset, training_job
 
         out(f"[2/5] training: {shards} shards to sf://demo/dataset, streamed by a DataLoader (2 workers); "
@@ -111,7 +116,8 @@ def run_steps(
                                         "dataset_read_mib_s": ds["bytes"] / MiB / ds["read_s"]}
         summary["ok"] &= bool(tr["recovered_last_committed"]) and ds["verified"]
     else:
-        out("[2/5] training: skipped (torch is not installed: pip install 'sfstore[torch]')")
+        out(f"[2/5] training: skipped ({' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
+            "pip install 'sfstore[demo]')")
 
     out("[3/5] inference: requests sharing a 256-token prompt prefix, KV blocks of 16 tokens (128 KiB)")
     with still_going("serving the requests", every=tick, show=show):

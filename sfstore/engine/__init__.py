@@ -200,7 +200,8 @@ def describe_engines() -> dict[str, Any]:
         ``selected`` is ``None`` when the setting names an engine that cannot run (``get_engine()`` then raises).
         ``checksums`` says where read checksums (``submit(..., checksums=...)``) are checked: on the native
         engine's service thread (``"engine"``), or on the caller's thread after the batch where the helper was
-        built without ``xxhash.h`` or is missing (``"caller"``; the Python engine checks them in its workers).
+        built without ``xxhash.h`` or is missing (``"caller"``; the Python engine checks them in its workers);
+        ``checksums_why`` says why, naming the package that was missing when the helper was built.
     """
     setting = str(defaults.get("engine"))
     source = defaults.source("engine")
@@ -219,15 +220,19 @@ def describe_engines() -> dict[str, Any]:
         ok, reason = status[setting]
         selected = setting if ok else None
         why = f"engine={setting} ({source})" + ("" if ok else f", which cannot run here: {reason}")
-    checksums = "caller"
+    checksums, checksums_why = "caller", "no engine can run here"
     if selected in ("uring", "threads"):
         from sfstore.engine.native import checksums_where
 
         checksums = checksums_where()
+        checksums_why = (
+            "xxh3 in the native engine" if checksums == "engine" else
+            "the native helper was built without xxhash.h (Debian/Ubuntu: libxxhash-dev, Fedora/RHEL: xxhash-devel; "
+            "install it and reinstall sfstore): the caller's thread checks read checksums after each batch")
     elif selected == "python":
-        checksums = "engine"
+        checksums, checksums_why = "engine", "the Python engine's workers check them"
     return {"setting": setting, "source": source, "selected": selected, "why": why, "engines": engines,
-            "checksums": checksums}
+            "checksums": checksums, "checksums_why": checksums_why}
 
 
 _DIRECT_MODES = {True: "on", False: "off", "on": "on", "off": "off", "auto": "auto"}

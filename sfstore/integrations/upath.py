@@ -18,10 +18,15 @@ import os
 from pathlib import PurePath
 from typing import Any
 
-from fsspec.core import split_protocol
-from fsspec.registry import get_filesystem_class
-from upath import UPath
-from upath.types import UNSET_DEFAULT, WritablePathLike
+from sfstore._optional import require
+
+require("fsspec", "data", "UPath for sf:// (sfstore.integrations.upath)")
+require("upath", "data", "UPath for sf:// (sfstore.integrations.upath)")
+
+from fsspec.core import split_protocol  # noqa: E402  (after the checks that say which extra installs them)
+from fsspec.registry import get_filesystem_class  # noqa: E402
+from upath import UPath  # noqa: E402
+from upath.types import UNSET_DEFAULT, WritablePathLike  # noqa: E402
 
 __all__ = ["SFPath"]
 

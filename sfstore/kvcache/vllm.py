@@ -138,21 +138,27 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from sfstore._optional import require
+
+# E402 below: the imports come after these checks, so that a missing package is named with the extra to install
+require("torch", "vllm", "sfstore's vLLM KV connector (sfstore.kvcache.vllm)")
+require("vllm", "vllm", "sfstore's vLLM KV connector (sfstore.kvcache.vllm)")
+
+import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from sfstore import defaults, errors
-from sfstore.kvcache import vllm_staging as staging
-from sfstore.kvcache.held import HeldBlocks
-from sfstore.kvcache.shared_budget import check_namespace
-from sfstore.kvcache.store import KVCacheStore
-from sfstore.kvcache.vllm_layout import KVLayout, block_layer_view, layout_for, pages_as_layers
-from sfstore.kvcache.vllm_metrics import (
+from sfstore import defaults, errors  # noqa: E402
+from sfstore.kvcache import vllm_staging as staging  # noqa: E402
+from sfstore.kvcache.held import HeldBlocks  # noqa: E402
+from sfstore.kvcache.shared_budget import check_namespace  # noqa: E402
+from sfstore.kvcache.store import KVCacheStore  # noqa: E402
+from sfstore.kvcache.vllm_layout import KVLayout, block_layer_view, layout_for, pages_as_layers  # noqa: E402
+from sfstore.kvcache.vllm_metrics import (  # noqa: E402
     OWN_STATS,
     STORE_STATS,
     BlockRemoved,

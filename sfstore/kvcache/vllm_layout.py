@@ -11,11 +11,16 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-import torch
-from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
-
 from sfstore import errors
+from sfstore._optional import require
 from sfstore.kvcache.geometry import DTYPE_SIZES, KVGeometry
+
+require("torch", "vllm", "sfstore's vLLM KV connector (sfstore.kvcache.vllm)")
+require("vllm", "vllm", "sfstore's vLLM KV connector (sfstore.kvcache.vllm)")
+
+# E402: after the checks, so that a missing package is named with the extra that installs it
+import torch  # noqa: E402
+from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig

@@ -38,13 +38,17 @@ from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext, RequestOffloadingContext
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-
 from sfstore import errors
+from sfstore._optional import require
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.store import KVCacheStore
+
+require("vllm", "vllm", "sfstore's vLLM offloading tier (sfstore.kvcache.vllm_offload)")
+
+# E402: after the check, so that a missing vLLM is named with the extra that installs it
+from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext, RequestOffloadingContext  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec

@@ -11,9 +11,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from sfstore import errors
+from sfstore._optional import require
+
+require("torch", "vllm", "sfstore's vLLM KV connector (sfstore.kvcache.vllm)")
+
+import torch  # noqa: E402  (after the check, so that a missing torch is named with the extra that installs it)
 
 __all__ = ["StagingPool", "SaveWorker", "current_stream", "done", "host_wait", "new_stream", "on", "record",
            "wait_event", "wait_stream"]

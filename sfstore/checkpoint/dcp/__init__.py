@@ -75,15 +75,30 @@ The modules: :mod:`~sfstore.checkpoint.dcp.directory` (where a checkpoint lives,
 
 from __future__ import annotations
 
-from sfstore.checkpoint.dcp.convert import to_torch_save
-from sfstore.checkpoint.dcp.directory import DATA_SUFFIX, METADATA_NAME, TORCH_METADATA_NAME, resolve_checkpoint_dir
-from sfstore.checkpoint.dcp.metadata_codec import DCP_VERSION as DCP_VERSION
-from sfstore.checkpoint.dcp.metadata_codec import FORMAT_VERSION, ItemLocation, decode_metadata, encode_metadata
-from sfstore.checkpoint.dcp.metadata_codec import MAX_METADATA_BYTES as MAX_METADATA_BYTES
-from sfstore.checkpoint.dcp.metadata_codec import MAX_PLAIN_DEPTH as MAX_PLAIN_DEPTH
-from sfstore.checkpoint.dcp.reader import StorageReader
-from sfstore.checkpoint.dcp.writer import ITEM_ALIGN as ITEM_ALIGN
-from sfstore.checkpoint.dcp.writer import StorageWriter
+from sfstore._optional import require
+
+require("torch.distributed.checkpoint", "torch", "sfstore.checkpoint.dcp (torch.distributed.checkpoint)")
+
+# E402: these come after the check, so that a missing torch is named with the extra that installs it
+from sfstore.checkpoint.dcp.convert import to_torch_save  # noqa: E402
+from sfstore.checkpoint.dcp.directory import (  # noqa: E402
+    DATA_SUFFIX,
+    METADATA_NAME,
+    TORCH_METADATA_NAME,
+    resolve_checkpoint_dir,
+)
+from sfstore.checkpoint.dcp.metadata_codec import DCP_VERSION as DCP_VERSION  # noqa: E402
+from sfstore.checkpoint.dcp.metadata_codec import (  # noqa: E402
+    FORMAT_VERSION,
+    ItemLocation,
+    decode_metadata,
+    encode_metadata,
+)
+from sfstore.checkpoint.dcp.metadata_codec import MAX_METADATA_BYTES as MAX_METADATA_BYTES  # noqa: E402
+from sfstore.checkpoint.dcp.metadata_codec import MAX_PLAIN_DEPTH as MAX_PLAIN_DEPTH  # noqa: E402
+from sfstore.checkpoint.dcp.reader import StorageReader  # noqa: E402
+from sfstore.checkpoint.dcp.writer import ITEM_ALIGN as ITEM_ALIGN  # noqa: E402
+from sfstore.checkpoint.dcp.writer import StorageWriter  # noqa: E402
 
 __all__ = [
     "StorageWriter",
