@@ -44,9 +44,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ImportError:  # pragma: no cover - Python 3.10, where sfstore depends on tomli
+else:  # pragma: no cover - Python 3.10, where sfstore depends on tomli
     import tomli as tomllib
 
 __all__ = ["Block", "extract", "main", "run_file"]
