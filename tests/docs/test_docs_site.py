@@ -30,9 +30,10 @@ def _need_mkdocs() -> None:
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _need_mkdocs()
     out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--clean", "-f",
                            str(ROOT / "mkdocs.yml"), "--site-dir", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=env)
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout[-6000:]}\n{done.stderr[-10000:]}"
     return out
 

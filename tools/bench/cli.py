@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     every = sub.add_parser("all", parents=[common], help="run every suite in turn",
                            description="Run every suite in turn with the options given here; each suite takes the "
                                        "ones it knows (e.g. the engine suite's --size). A suite that cannot run here "
-                                       "is reported and skipped. The docs' performance table: python -m tools.bench all "
-                                       "--quick --report docs/bench --readme docs/performance.md")
+                                       "is reported and skipped. The docs' performance table: python -m tools.bench "
+                                       "all --quick --report docs/bench --readme docs/performance.md")
     every.add_argument("--readme", metavar="PATH",
                        help="with --report: rewrite the block between '<!-- bench-report:start -->' and "
                             "'<!-- bench-report:end -->' in PATH (e.g. docs/performance.md) with the table of this run")
