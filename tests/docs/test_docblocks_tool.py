@@ -83,3 +83,21 @@ def test_an_unclosed_fence_is_an_error(tmp_path: Path) -> None:
     page = _page(tmp_path, "```python\nx = 1\n")
     done = _docblocks("extract", page)
     assert done.returncode == 2 and f"{page}:1" in done.stderr
+
+
+def _has_config_check() -> bool:
+    done = subprocess.run([sys.executable, "-m", "sfstore.cli", "config", "check", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    return done.returncode == 0
+
+
+@pytest.mark.parametrize(("settings", "passes"), [("queue_depth = 64", True), ('queue_depth = "deep"', False),
+                                                  ('kvcache_shared_bytez = "2t"', False)])
+def test_a_cluster_config_may_only_lack_its_mounts(tmp_path: Path, settings: str, passes: bool) -> None:
+    """A marked TOML block names mounts this machine lacks: the config check may find those missing, nothing else."""
+    if not _has_config_check():
+        pytest.skip("this sfstore has no 'sfstore config check' yet: a marked TOML block is only parsed")
+    page = _page(tmp_path, "<!-- docblock: compile-only (names a cluster's mounts) -->\n```toml\n"
+                           f'root = "{tmp_path}/no-such-mount"\n[settings]\n{settings}\n```\n')
+    done = _docblocks("run", page)
+    assert (done.returncode == 0) == passes, done.stdout + done.stderr
