@@ -31,11 +31,8 @@ def test_every_block_runs(page: str) -> None:
 
 def test_readme_has_the_four_quick_starts() -> None:
     """README's quick starts are there to be run: three Python blocks and a TOML config, each at most ten lines."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import docblocks
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    from tools import docblocks
+
     blocks = [b for b in docblocks.extract(str(ROOT / "README.md")) if b.language in ("python", "toml")]
     assert [b.language for b in blocks] == ["python", "python", "python", "toml"]
     for b in blocks:
