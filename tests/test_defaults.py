@@ -1,8 +1,8 @@
-"""sfstore.defaults: precedence, parsing, set() as a context manager, and the README table."""
+"""sfstore.defaults: precedence, parsing, set() as a context manager, and the printed table (docs/configuration.md
+holds it: tests/docs/test_docs_pages.py keeps the two equal)."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 
 from sfstore import defaults, errors
-
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.fixture(autouse=True)
@@ -91,13 +89,6 @@ def test_data_dir_is_absolute(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert Path(defaults.get("data_dir")).is_absolute()
     monkeypatch.setenv("SFSTORE_DATA_DIR", str(tmp_path))
     assert defaults.get("data_dir") == str(tmp_path)
-
-
-def test_readme_table_is_the_generated_table() -> None:
-    text = README.read_text()
-    m = re.search(r"<!-- defaults-table:start -->\n(.*?)\n<!-- defaults-table:end -->", text, re.S)
-    assert m, "README lacks the defaults table markers"
-    assert m.group(1).strip() == defaults.table().strip(), "README's table is stale: run python -m sfstore.defaults"
 
 
 def test_module_prints_the_table() -> None:

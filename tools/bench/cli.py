@@ -87,11 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     every = sub.add_parser("all", parents=[common], help="run every suite in turn",
                            description="Run every suite in turn with the options given here; each suite takes the "
                                        "ones it knows (e.g. the engine suite's --size). A suite that cannot run here "
-                                       "is reported and skipped. README's table: python -m tools.bench all --quick "
-                                       "--report docs/bench --readme README.md")
+                                       "is reported and skipped. The docs' performance table: python -m tools.bench "
+                                       "all --quick --report docs/bench --readme docs/performance.md")
     every.add_argument("--readme", metavar="PATH",
                        help="with --report: rewrite the block between '<!-- bench-report:start -->' and "
-                            "'<!-- bench-report:end -->' in PATH (e.g. README.md) with the table of this run")
+                            "'<!-- bench-report:end -->' in PATH (e.g. docs/performance.md) with the table of this run")
     return parser
 
 
@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # knows is an error.
         rest = _without_readme(args_list[args_list.index("all") + 1:])
         if args.readme and not args.report:
-            parser.error("--readme needs --report DIR (the README links the charts written there)")
+            parser.error("--readme needs --report DIR (the table links the charts written there)")
         unknown: set[str] | None = None
         for suite in registered.values():
             ns, left = _suite_parser(suite).parse_known_args(rest)

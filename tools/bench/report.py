@@ -1,4 +1,4 @@
-"""``--report DIR``: the report of one run, and with ``all --readme README.md`` the table in README.
+"""``--report DIR``: the report of one run, and with ``all --readme docs/performance.md`` the table in the docs.
 
 Per suite, ``DIR`` gets ``<bench>.json`` (the suite's document), ``<bench>.txt`` (its text table and goal lines)
 and ``<bench>.png``: one horizontal bar per case, the ratio sfstore / reference (median of the pairwise ratios,
@@ -9,7 +9,8 @@ reference, ratio, goal with PASS/MISS) and the charts.
 
 :func:`update_readme` replaces the block between ``<!-- bench-report:start -->`` and
 ``<!-- bench-report:end -->`` of a markdown file with :func:`render_summary`'s table, so
-``python -m tools.bench all --quick --report docs/bench --readme README.md`` regenerates README's figures.
+``python -m tools.bench all --quick --report docs/bench --readme docs/performance.md`` regenerates the figures of
+the docs' performance page (README quotes a few of its rows).
 """
 
 from __future__ import annotations

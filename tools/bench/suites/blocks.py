@@ -59,7 +59,7 @@ pairwise ratios).
 
 Where the store's time goes on small batches: its own Python per key (keys, views, index and LRU, requests)
 runs before the first I/O and after the last, and the queue drains meanwhile; 2 batches in flight hide it
-(compare ``get-4k`` with ``get-4k-sync``). README's performance section has the figures.
+(compare ``get-4k`` with ``get-4k-sync``). The docs' performance page (docs/performance.md) has the figures.
 """
 
 from __future__ import annotations
