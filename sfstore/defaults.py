@@ -11,7 +11,7 @@ Environment variables are read when :func:`get` is called, so a process may chan
 ...     defaults.get("queue_depth")
 64
 
-``python -m sfstore.defaults`` prints the table as markdown (README's configuration section is that output).
+``python -m sfstore.defaults`` prints the table as markdown (docs/configuration.md's settings table is that output).
 """
 
 from __future__ import annotations

@@ -195,8 +195,9 @@ def test_every_sfstore_variable_the_project_reads_is_known() -> None:
             if (path.is_file() and path.suffix in ("", ".py", ".sh", ".txt", ".toml")
                     and "__pycache__" not in path.parts and path.name not in misspelling_tests):
                 names |= set(re.findall(r"\bSFSTORE_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")))
-    # Compile-time names of the native build (C preprocessor), never read from the environment.
-    names -= {"SFSTORE_HAVE_LIBURING", "SFSTORE_HAVE_XXHASH", "SFSTORE_HAVE_XXH3_AVX2"}
+    # Compile-time names of the native build (C preprocessor macros, CMake options), never read from the environment.
+    names -= {"SFSTORE_HAVE_LIBURING", "SFSTORE_HAVE_XXHASH", "SFSTORE_HAVE_XXH3_AVX2", "SFSTORE_WITH_URING",
+              "SFSTORE_WITH_XXHASH"}
     warned = {p.key for p in check_environment({n: "1" for n in names}) if p.severity == "warning"}
     assert not warned, f"SFSTORE_* names the project uses but environment.py does not know: {sorted(warned)}"
 

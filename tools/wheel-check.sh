@@ -86,7 +86,8 @@ TORCH_AFTER=$("$FRESH/bin/python" -c 'import torch; print(torch.__version__)')
 say "  torch $TORCH_AFTER unchanged"
 done_step
 
-step 5 "sfstore demo --data-dir (a temporary directory), from outside the checkout"
+step 5 "sfstore demo --data-dir (a temporary directory), from outside the checkout, twice (the second finds the first's data)"
+user sfstore demo --data-dir "$W/demo-data"
 user sfstore demo --data-dir "$W/demo-data"
 done_step
 
@@ -139,22 +140,12 @@ sed 's/^/    /' "$W/probe.txt" | head -n 20 >&2
 done_step
 
 step 8 "sfstore config check (exit 0 on the embedded default)"
-if user sfstore config check --help >/dev/null 2>&1; then
-  user sfstore config check || fail "sfstore config check exited $?"
-else
-  say "  WARNING: this sfstore has no 'config check' command yet (it comes with the configuration work of issue"
-  say "  #26): the step is not run; once merged, it runs here and its failure fails the check"
-fi
+user sfstore config check || fail "sfstore config check exited $?"
 done_step
 
 step 9 "README's quick starts, twice in a row (tools/docblocks.py run README.md --repeat 2)"
-if [ -f "$ROOT/tools/docblocks.py" ]; then
-  # docblocks.py is stdlib-only; it runs with the fresh venv's python, so the blocks import the installed wheel
-  user "$FRESH/bin/python" "$ROOT/tools/docblocks.py" run "$ROOT/README.md" --repeat 2
-else
-  say "  WARNING: tools/docblocks.py is not in this checkout yet (the docs work of issue #26 adds it): README's"
-  say "  quick starts are not run; once merged, they run here and a failure fails the check"
-fi
+# docblocks.py is stdlib-only; it runs with the fresh venv's python, so the blocks import the installed wheel
+user "$FRESH/bin/python" "$ROOT/tools/docblocks.py" run "$ROOT/README.md" --repeat 2 || fail "README's quick starts failed"
 done_step
 
 say "wheel-check passed in $((SECONDS - T0)) s: sfstore[$EXTRAS] from a wheel, beside torch $TORCH_BEFORE"

@@ -199,7 +199,7 @@ class FilePath(StoragePath):
 
         Small files are read through the page cache (they land in unaligned ``bytes``); io_uring hands such
         reads that miss the cache to kernel worker threads one by one, and a native thread pool with many
-        requests in flight is faster for them (README's performance section, the files suite's small-file
+        requests in flight is faster for them (docs/performance.md, the files suite's small-file
         case). So with the ``engine`` setting on ``auto`` these batches use the ``threads`` engine with
         ``file_small_parallelism`` workers; an explicit engine setting is respected.
         """
