@@ -68,8 +68,6 @@ NON_SETTING_VARIABLES: Mapping[str, str] = {
     "SFSTORE_CONFIG": "the config file to read (instead of ./sfstore.toml or ~/.config/sfstore/sfstore.toml)",
     "SFSTORE_ROOT": "the root directory of every file-backed data class (wins over the config file's root)",
     "SFSTORE_VENV": "the virtual environment tools/dev.sh and the tools' env scripts build",
-    "SFSTORE_NO_URING": "a build option: build the native helper without io_uring",
-    "SFSTORE_NO_XXHASH": "a build option: build the native helper without xxHash",
     "SFSTORE_FUZZ_SEED": "the seed of the reliability suite's fuzz tests",
     "SFSTORE_RELIABILITY_SCALE": "how long the reliability suite runs (a multiplier)",
     "SFSTORE_RELIABILITY_SECONDS": "how long the reliability suite runs (seconds)",
