@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
 from sfstore.blocks import BlockStore
-from sfstore.blocks.layout import SUM_KV64
 from sfstore.buffers import RegisteredBufferPool, as_buffer, is_device_buffer
-from sfstore.checksums import xxh3_64
+from sfstore.checksums import SumKind, xxh3_64
 from sfstore.counters import Counters
 from sfstore.futures import DoneFuture, ExecutorFuture
 from sfstore.futures import Future as SfFuture
@@ -1120,7 +1119,7 @@ class KVCacheStore:
         corrupt = unreadable = 0
         if self.block is not None:
             present = [i for i, k in enumerate(ks) if self.block.contains(k)]
-            gpu_written = [i for i in present if self.block.sum_kind(ks[i]) == SUM_KV64]
+            gpu_written = [i for i in present if self.block.sum_kind(ks[i]) is SumKind.KV64]
             if gpu_written:  # written GPU-direct: read the same way, verified on the GPU
                 status, got_d = self._block_run(
                     functools.partial(self.block.get_into_device, keep_on_miss=keep, data_class="kvcache.block"),

@@ -21,7 +21,7 @@ from typing import Any
 
 from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
-from sfstore.checksums import kvsum64, xxh3_64, xxh3_64_many
+from sfstore.checksums import SHARED_FILE_SUMS, SumKind, sum_of, xxh3_64, xxh3_64_many
 from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard, late
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
@@ -32,9 +32,8 @@ __all__ = ["HEADER", "Slot", "Lease", "release_all", "PinnedTier", "SharedTier"]
 
 HEADER = 4096  # bytes before the block in a slot and in a shared file
 _MAGIC = b"SFKVBLK1"
-_HDR = struct.Struct("<8sH6x16s32sQQ")  # magic, version, geometry fingerprint, key, length, checksum of the block
-SUM_XXH3 = 1  # header version 1: the block's checksum is xxh3-64 (a host put)
-SUM_KV64 = 2  # header version 2: kvsum64, computed where the block was (a GPU-direct put)
+# magic, version (the block's checksum kind: SHARED_FILE_SUMS), geometry fingerprint, key, length, block checksum
+_HDR = struct.Struct("<8sH6x16s32sQQ")
 _SUM = struct.Struct("<Q")
 
 
@@ -109,33 +108,29 @@ def release_all(leases: Iterable[Lease | None]) -> None:
             lease.release()
 
 
-def encode_header(geom: KVGeometry, key: bytes, checksum: int, kind: int = SUM_XXH3) -> bytes:
-    """A shared file's header; ``kind`` says which checksum the block carries (:data:`SUM_XXH3`, :data:`SUM_KV64`)."""
-    body = _HDR.pack(_MAGIC, kind, geom.fingerprint(), key, geom.block_bytes, checksum)
+def encode_header(geom: KVGeometry, key: bytes, checksum: int, kind: SumKind = SumKind.XXH3) -> bytes:
+    """A shared file's header; ``kind`` says which checksum the block carries."""
+    body = _HDR.pack(_MAGIC, SHARED_FILE_SUMS.code(kind), geom.fingerprint(), key, geom.block_bytes, checksum)
     return body + _SUM.pack(xxh3_64(body))
 
 
-def read_header(view: memoryview, geom: KVGeometry, key: bytes) -> tuple[int, int] | None:
+def read_header(view: memoryview, geom: KVGeometry, key: bytes) -> tuple[int, SumKind] | None:
     """``(checksum, kind)`` of the block when the header is intact and names ``key`` and ``geom``."""
     end = _HDR.size
     if view[:8] != _MAGIC or _SUM.unpack_from(view, end)[0] != xxh3_64(view[:end]):
         return None
     _m, version, fp, k, length, checksum = _HDR.unpack_from(view)
-    if version not in (SUM_XXH3, SUM_KV64) or fp != geom.fingerprint() or k != key or length != geom.block_bytes:
+    kind = SHARED_FILE_SUMS.kind(version)
+    if kind is None or fp != geom.fingerprint() or k != key or length != geom.block_bytes:
         return None
-    return int(checksum), int(version)
+    return int(checksum), kind
 
 
 def check_header(view: memoryview, geom: KVGeometry, key: bytes) -> int | None:
     """The block's xxh3-64 in a header that is intact, names ``key`` and ``geom``, and was written by a host put
     (a GPU-direct put's kvsum64 is not an xxh3: ``None``, as for any header that does not fit)."""
     found = read_header(view, geom, key)
-    return found[0] if found is not None and found[1] == SUM_XXH3 else None
-
-
-def block_sum(kind: int, data: Any) -> int:
-    """The checksum of kind ``kind`` of host bytes ``data``."""
-    return kvsum64(data) if kind == SUM_KV64 else xxh3_64(data)
+    return found[0] if found is not None and found[1] is SumKind.XXH3 else None
 
 
 class PinnedTier:
@@ -542,7 +537,7 @@ class SharedTier:
                 if status == "corrupt" and st is not None:
                     drops.append((i, st))
             results = self._submit_files([fd for _i, fd, _st in opened], [views[i] for i, _fd, _st in opened])
-            read: list[tuple[int, int, os.stat_result, tuple[int, int] | None, memoryview]] = []
+            read: list[tuple[int, int, os.stat_result, tuple[int, SumKind] | None, memoryview]] = []
             for (i, fd, st), got in zip(opened, results, strict=True):
                 if got is None:  # the read failed (as an OSError of the single read would be)
                     self.fp.counters.add(errors=1)
@@ -551,9 +546,9 @@ class SharedTier:
                 found = read_header(views[i][0][:HEADER], self.geom, keys[i]) if got == HEADER + n else None
                 read.append((i, fd, st, found, _block_bytes(views[i], n)))
             # every host put's block hashed in one call (one release of the GIL for the batch)
-            sums = iter(xxh3_64_many([b for _i, _fd, _st, f, b in read if f is not None and f[1] == SUM_XXH3]))
+            sums = iter(xxh3_64_many([b for _i, _fd, _st, f, b in read if f is not None and f[1] is SumKind.XXH3]))
             for i, fd, st, found, block in read:
-                if found is None or (next(sums) if found[1] == SUM_XXH3 else block_sum(found[1], block)) != found[0]:
+                if found is None or (next(sums) if found[1] is SumKind.XXH3 else sum_of(found[1], block)) != found[0]:
                     self.fp.counters.add(files=1)
                     out[i] = ("corrupt", 0)
                     drops.append((i, st))
@@ -561,7 +556,7 @@ class SharedTier:
                 self.budget.touch(fd, st)  # an access record for the shared LRU, while the file is open
                 self.fp.counters.add(files=1)
                 # the tiers above keep xxh3-64 of host bytes
-                out[i] = ("hit", found[0] if found[1] == SUM_XXH3 else xxh3_64(block))
+                out[i] = ("hit", found[0] if found[1] is SumKind.XXH3 else xxh3_64(block))
         finally:
             for _i, fd, _st in opened:
                 os.close(fd)
@@ -885,12 +880,12 @@ class SharedTier:
             return False
         self._clear(key)
         self._register()
-        with self._block_file(key, checksum, SUM_KV64) as w:
+        with self._block_file(key, checksum, SumKind.KV64) as w:
             w.write_through(device, block, self.geom.block_bytes, data_class="kvcache.shared")
         return True
 
     @contextlib.contextmanager
-    def _block_file(self, key: bytes, checksum: int, kind: int = SUM_XXH3) -> Iterator[AtomicWriter]:
+    def _block_file(self, key: bytes, checksum: int, kind: SumKind = SumKind.XXH3) -> Iterator[AtomicWriter]:
         """The block file of ``key`` being written: its header (checksum of ``kind``) is in, the caller writes
         the block; it is published (renamed into place) on leaving unless this write is past its deadline."""
         hbuf = self._headers.acquire()
@@ -945,7 +940,7 @@ class SharedTier:
                 self._drop(sub, base, st)
                 return "corrupt", ""
             checksum, kind = found
-            if kind == SUM_XXH3:
+            if kind is SumKind.XXH3:
                 return self._read_device_staged(key, dest, device, fd, checksum, sub, base, st)
             set_blocking(fd, direct=False)  # kvikio reopens the file itself
             target = device.runtime.scratch(dest, n) if keep else dest
@@ -1108,4 +1103,4 @@ def _block_bytes(views: list[memoryview], n: int) -> memoryview:
     return views[1][:n]
 
 
-__all__ += ["encode_header", "check_header", "read_header", "block_sum", "SUM_XXH3", "SUM_KV64", "KEY_BYTES"]
+__all__ += ["encode_header", "check_header", "read_header", "KEY_BYTES"]
