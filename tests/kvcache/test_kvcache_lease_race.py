@@ -39,11 +39,13 @@ class CountReadOutsideTierWaitsForAChange(Slot):
     its lock) are untouched."""
 
     outside: ClassVar[list[str]] = []  # modules that read a slot's reader count from outside the pinned tier
+    inside: ClassVar[list[int]] = []  # reads from inside it (one entry each): the hook is in place
 
     @property  # type: ignore[override]
     def readers(self) -> int:
         caller = sys._getframe(1).f_globals.get("__name__", "?")
         if caller == _TIER_MODULE:
+            CountReadOutsideTierWaitsForAChange.inside.append(1)
             return int(self.__dict__["readers"])
         CountReadOutsideTierWaitsForAChange.outside.append(str(caller))
         changed: threading.Event = self.__dict__["changed"]
@@ -85,6 +87,7 @@ def _wide_store(geom: KVGeometry, block_store: BlockStore, shared_dir: Path, slo
 def test_promotion_never_reads_a_slot_reused_while_leased(block_store: BlockStore, shared_dir: Path) -> None:
     geom, n = GEOM, GEOM.block_bytes
     CountReadOutsideTierWaitsForAChange.outside.clear()
+    CountReadOutsideTierWaitsForAChange.inside.clear()
     with KVCacheStore(geom, model_id="race", pinned_bytes=0, shared_dir=shared_dir) as writer:
         keys = writer.keys_for(list(range(24 * geom.block_tokens)))
         writer.put(keys, [bytearray(_content(k, n)) for k in keys])  # the shared tier only
@@ -172,6 +175,7 @@ def test_promotion_never_reads_a_slot_reused_while_leased(block_store: BlockStor
         f"{len(wrong)} blocks read back differ from what was put (e.g. {wrong[:3]}); "
         f"{len(failures)} calls failed (e.g. {failures[:2]})")
     assert promoted > 0 and stored  # the race did promote blocks, and left some in the block store
+    assert CountReadOutsideTierWaitsForAChange.inside  # the window-widening slots were the ones in use
     # nothing outside the pinned tier reads (or changes) a slot's reader count: leases do it under its lock
     assert not CountReadOutsideTierWaitsForAChange.outside, sorted(set(CountReadOutsideTierWaitsForAChange.outside))
     assert kv.pinned.leased == 0  # every lease came back exactly once: none is left out once all work is done
