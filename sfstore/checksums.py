@@ -1,5 +1,10 @@
 """xxh3-64 (seed 0): the checksum every stored block, slot header and value carries, one function for all layers;
-and :func:`kvsum64`, the checksum of KV blocks that move GPU-direct (computed where the block is, GPU or host).
+:func:`kvsum64`, the checksum of KV blocks that move GPU-direct (computed where the block is, GPU or host); and the
+one table of checksum kinds (:class:`SumKind`) with each on-disk format's codes for them (:class:`SumCodes`).
+
+In memory a value's checksum kind is always a :class:`SumKind`; a number appears only where a format stores it,
+through that format's table (:data:`BLOCK_SLOT_SUMS`, :data:`BLOCK_SNAPSHOT_SUMS`, :data:`SHARED_FILE_SUMS`), so no
+format's number can be read as another's.
 
 The native helper's build releases the GIL from 64 KiB (threads hashing large values run in parallel, and other
 Python threads meanwhile); where the helper was built without ``xxhash.h`` or is missing, python-xxhash (which
@@ -8,12 +13,14 @@ holds it) computes the same sums.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import enum
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import xxhash
 
-__all__ = ["xxh3_64", "xxh3_64_many", "xxh3_64_hex", "kvsum64", "kvsum64_finish", "KVSUM_WORD"]
+__all__ = ["xxh3_64", "xxh3_64_many", "xxh3_64_hex", "kvsum64", "kvsum64_finish", "KVSUM_WORD", "SumKind", "sum_of",
+           "SumCodes", "BLOCK_SLOT_SUMS", "BLOCK_SNAPSHOT_SUMS", "SHARED_FILE_SUMS"]
 
 
 def _pick() -> Callable[[Any], int]:
@@ -92,3 +99,54 @@ def kvsum64(data: Any) -> int:
     with np.errstate(over="ignore"):
         total = int(np.dot(words, w)) if words.size else 0  # uint64 arithmetic wraps mod 2**64
     return kvsum64_finish(total & _MASK, n)
+
+
+class SumKind(enum.Enum):
+    """Which checksum a stored value carries."""
+
+    XXH3 = "xxh3-64"
+    """:data:`xxh3_64`: a value put from host memory."""
+    KV64 = "kvsum64"
+    """:func:`kvsum64`: a KV block put GPU-direct (its checksum computed on the GPU)."""
+
+
+def sum_of(kind: SumKind, data: Any) -> int:
+    """The checksum of kind ``kind`` of host bytes ``data``."""
+    return kvsum64(data) if kind is SumKind.KV64 else xxh3_64(data)
+
+
+class SumCodes:
+    """One on-disk format's numbers for the checksum kinds it stores: :meth:`code` to write one, :meth:`kind` to
+    read one back (``None`` for a number the format does not define: the record is not one of this format's).
+
+    The numbers are part of the format: files and slots written with them must still read, so they never change.
+    """
+
+    def __init__(self, where: str, codes: Mapping[SumKind, int]) -> None:
+        self.where = where
+        self._codes = dict(codes)
+        self._kinds = {code: kind for kind, code in self._codes.items()}
+        if len(self._kinds) != len(self._codes):
+            raise ValueError(f"{where}: two checksum kinds share a code")
+
+    def code(self, kind: SumKind) -> int:
+        """The number this format stores for ``kind``."""
+        try:
+            return self._codes[kind]
+        except KeyError:
+            raise ValueError(f"{self.where} cannot record a {kind.value} checksum") from None
+
+    def kind(self, code: int) -> SumKind | None:
+        """The kind stored as ``code``, or ``None`` when this format defines no such code."""
+        return self._kinds.get(code)
+
+    def __repr__(self) -> str:
+        return f"SumCodes({self.where!r}, {{{', '.join(f'{k.name}: {c}' for k, c in self._codes.items())}}})"
+
+
+#: A block store's slot header: its ``flags`` byte (:class:`sfstore.blocks.layout.SlotHeader`).
+BLOCK_SLOT_SUMS = SumCodes("a block store's slot header", {SumKind.XXH3: 0, SumKind.KV64: 1})
+#: A block store's index snapshot entry: the top bit of its class byte (:class:`sfstore.blocks.layout.SnapshotEntry`).
+BLOCK_SNAPSHOT_SUMS = SumCodes("a block store's index snapshot", {SumKind.XXH3: 0, SumKind.KV64: 0x80})
+#: A KV cache's shared-tier block file: its header's version field (:func:`sfstore.kvcache.tiers.encode_header`).
+SHARED_FILE_SUMS = SumCodes("a shared KV block file's header", {SumKind.XXH3: 1, SumKind.KV64: 2})

@@ -11,8 +11,9 @@
 A slot header holds the store's uuid (so headers left by an earlier format never come back), the slot
 number, the key, the value's length and checksum, a generation (a store-wide counter: the newest wins) and a
 checksum over all of it. A value's checksum is xxh3-64, or kvsum64 (:func:`sfstore.checksums.kvsum64`) for a
-value written GPU-direct (computed on the GPU): the header's flags say which (:data:`SUM_KV64`), and in a
-snapshot entry the top bit of the class byte does. ``meta`` is ``max(LBA, 4096)``; a slot header takes
+value written GPU-direct (computed on the GPU): the header's flags say which
+(:data:`~sfstore.checksums.BLOCK_SLOT_SUMS`), and in a snapshot entry the top bit of the class byte does
+(:data:`~sfstore.checksums.BLOCK_SNAPSHOT_SUMS`). ``meta`` is ``max(LBA, 4096)``; a slot header takes
 ``max(LBA, 512)`` bytes.
 """
 
@@ -21,13 +22,11 @@ from __future__ import annotations
 import struct
 import uuid as _uuid
 from dataclasses import dataclass
-from typing import Any
 
 from sfstore import errors
-from sfstore.checksums import kvsum64, xxh3_64
+from sfstore.checksums import BLOCK_SLOT_SUMS, BLOCK_SNAPSHOT_SUMS, SumKind, xxh3_64
 
-__all__ = ["ClassRegion", "Layout", "SlotHeader", "State", "SnapshotEntry", "plan_layout", "round_up", "sum_of",
-           "SUM_XXH3", "SUM_KV64"]
+__all__ = ["ClassRegion", "Layout", "SlotHeader", "State", "SnapshotEntry", "plan_layout", "round_up"]
 
 SUPER_MAGIC = b"SFBLKSB1"
 STATE_MAGIC = b"SFBLKST1"
@@ -45,9 +44,7 @@ _SLOT = struct.Struct("<8s16sQQQQHBB")  # magic, uuid, slot, gen, length, value_
 _SNAP = struct.Struct("<BQQQQH")  # class, slot, gen, length, value_sum, key_len
 _SUM = struct.Struct("<Q")
 SLOT_FIXED = _SLOT.size + _SUM.size
-SUM_XXH3 = 0  # a value's checksum kinds (slot header flags; a snapshot entry's class byte, top bit)
-SUM_KV64 = 1
-_SNAP_KV64 = 0x80
+_SNAP_SUM_BITS = 0x80  # a snapshot entry's class byte: the checksum kind's code (BLOCK_SNAPSHOT_SUMS) in its top bit
 
 
 def round_up(n: int, align: int) -> int:
@@ -184,12 +181,12 @@ class SlotHeader:
     value_sum: int
     cls: int
     key: bytes
-    sum_kind: int = SUM_XXH3
+    sum_kind: SumKind = SumKind.XXH3
 
     def pack_into(self, buf: memoryview, uid: bytes) -> None:
         """Write the header at the start of ``buf`` (a ``"B"`` memoryview)."""
         _SLOT.pack_into(buf, 0, SLOT_MAGIC, uid, self.slot, self.gen, self.length, self.value_sum, len(self.key),
-                        self.cls, self.sum_kind)
+                        self.cls, BLOCK_SLOT_SUMS.code(self.sum_kind))
         end = _SLOT.size + len(self.key)
         buf[_SLOT.size:end] = self.key
         _SUM.pack_into(buf, end, xxh3_64(buf[:end]))
@@ -210,9 +207,10 @@ class SlotHeader:
         end = _SLOT.size + klen
         if u != uid or end + _SUM.size > limit or _SUM.unpack_from(buf, end)[0] != xxh3_64(buf[:end]):
             return None
-        if flags not in (SUM_XXH3, SUM_KV64):
+        kind = BLOCK_SLOT_SUMS.kind(flags)
+        if kind is None:
             return None
-        return cls(slot, gen, length, vsum, c, bytes(buf[_SLOT.size:end]), flags)
+        return cls(slot, gen, length, vsum, c, bytes(buf[_SLOT.size:end]), kind)
 
 
 @dataclass(frozen=True)
@@ -225,10 +223,10 @@ class SnapshotEntry:
     length: int
     value_sum: int
     key: bytes
-    sum_kind: int = SUM_XXH3
+    sum_kind: SumKind = SumKind.XXH3
 
     def encode(self) -> bytes:
-        c = self.cls | (_SNAP_KV64 if self.sum_kind == SUM_KV64 else 0)
+        c = self.cls | BLOCK_SNAPSHOT_SUMS.code(self.sum_kind)
         return _SNAP.pack(c, self.slot, self.gen, self.length, self.value_sum, len(self.key)) + self.key
 
     @staticmethod
@@ -241,8 +239,10 @@ class SnapshotEntry:
             pos += _SNAP.size
             if pos + klen > len(data):
                 raise ValueError("snapshot entry runs past the end")
-            kind = SUM_KV64 if c & _SNAP_KV64 else SUM_XXH3
-            out.append(SnapshotEntry(c & ~_SNAP_KV64, slot, gen, length, vsum, bytes(data[pos:pos + klen]), kind))
+            kind = BLOCK_SNAPSHOT_SUMS.kind(c & _SNAP_SUM_BITS)
+            if kind is None:  # (every value of the bit is a kind today)
+                raise ValueError(f"snapshot entry with an unknown checksum kind {c & _SNAP_SUM_BITS:#x}")
+            out.append(SnapshotEntry(c & ~_SNAP_SUM_BITS, slot, gen, length, vsum, bytes(data[pos:pos + klen]), kind))
             pos += klen
         return out
 
@@ -250,7 +250,3 @@ class SnapshotEntry:
 #: The checksum of a value written from host memory (xxh3-64).
 value_sum = xxh3_64
 
-
-def sum_of(kind: int, data: Any) -> int:
-    """The checksum of kind ``kind`` (:data:`SUM_XXH3` or :data:`SUM_KV64`) of host bytes ``data``."""
-    return kvsum64(data) if kind == SUM_KV64 else xxh3_64(data)

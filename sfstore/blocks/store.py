@@ -33,18 +33,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
 from sfstore.blocks.layout import (
-    SUM_KV64,
-    SUM_XXH3,
     Layout,
     SlotHeader,
     SnapshotEntry,
     State,
     plan_layout,
     round_up,
-    sum_of,
     value_sum,
 )
 from sfstore.buffers import RegisteredBufferPool, as_buffer
+from sfstore.checksums import SumKind, sum_of
 from sfstore.counters import Counters
 from sfstore.futures import ExecutorFuture
 from sfstore.paths.base import PathFuture, Range
@@ -105,7 +103,7 @@ class _Entry:
     header: bytes = b""  # the slot header's exact bytes (made on first read): a read compares them whole
     readers: int = 0
     dead: bool = False
-    kind: int = SUM_XXH3  # which checksum vsum is (SUM_KV64: the value was written GPU-direct)
+    kind: SumKind = SumKind.XXH3  # which checksum vsum is (KV64: the value was written GPU-direct)
 
 
 @dataclass
@@ -524,12 +522,12 @@ class BlockStore:
             batch[k] = mv
         if not batch:
             return
-        self._put_reserved(list(batch.items()), self._write_slots, SUM_XXH3)
+        self._put_reserved(list(batch.items()), self._write_slots, SumKind.XXH3)
         if durable:
             self.flush()
 
     def _put_reserved(self, remaining: list[tuple[bytes, Any]], write: Callable[[list[list[Any]]], None],
-                      kind: int) -> None:
+                      kind: SumKind) -> None:
         """Reserve slots for the values, ``write`` them (and their headers), publish them with checksums of
         ``kind``; as many at a time as there are slots free."""
         deadline = time.monotonic() + _WAIT_SECONDS
@@ -577,7 +575,7 @@ class BlockStore:
             batch[k] = _DeviceValue(value, n)
         if batch:
             self._put_reserved(list(batch.items()),
-                               lambda reserved: self._write_device_slots(reserved, device, data_class), SUM_KV64)
+                               lambda reserved: self._write_device_slots(reserved, device, data_class), SumKind.KV64)
         if durable:
             self.flush()
 
@@ -596,7 +594,7 @@ class BlockStore:
                 reqs = []
                 for j, (k, dv, cls, slot, gen, vsum) in enumerate(wave):
                     hview = memoryview(hbuf)[j * hdr:(j + 1) * hdr]
-                    SlotHeader(slot, gen, dv.nbytes, vsum, cls, k, SUM_KV64).pack_into(hview, uid)
+                    SlotHeader(slot, gen, dv.nbytes, vsum, cls, k, SumKind.KV64).pack_into(hview, uid)
                     del hview
                     reqs.append(("write", self._classes[cls].slot_offset(slot), hdr, hbuf, j * hdr))
                 self.path.submit(reqs, check=False).get()
@@ -623,8 +621,8 @@ class BlockStore:
         result: list[int | None] = [None] * len(ks)
         hits = nbytes = 0
         try:
-            live = [i for i, e in enumerate(entries) if e is not None and e.kind == SUM_KV64]
-            for first, last in _waves([e.length for e in entries if e is not None and e.kind == SUM_KV64]):
+            live = [i for i, e in enumerate(entries) if e is not None and e.kind is SumKind.KV64]
+            for first, last in _waves([e.length for e in entries if e is not None and e.kind is SumKind.KV64]):
                 wave = live[first:last]
                 targets = []
                 ranges = []
@@ -656,9 +654,9 @@ class BlockStore:
         self.counters.add(gets=len(ks), hits=hits, misses=len(ks) - hits, bytes_got=nbytes)
         return result
 
-    def sum_kind(self, key: Key) -> int | None:
-        """Which checksum ``key``'s value carries (:data:`~sfstore.blocks.layout.SUM_XXH3` for a host put,
-        :data:`~sfstore.blocks.layout.SUM_KV64` for a GPU-direct one), or ``None`` without a value."""
+    def sum_kind(self, key: Key) -> SumKind | None:
+        """Which checksum ``key``'s value carries (:attr:`~sfstore.checksums.SumKind.XXH3` for a host put,
+        :attr:`~sfstore.checksums.SumKind.KV64` for a GPU-direct one), or ``None`` without a value."""
         k = self._key(key)
         with self._lock:
             e = self._index.get(k)
@@ -807,7 +805,7 @@ class BlockStore:
                     b.release()
         self.counters.add(puts=len(reserved), bytes_put=sum(item[1].nbytes for item in reserved))
 
-    def _publish(self, reserved: list[list[Any]], kind: int = SUM_XXH3) -> None:
+    def _publish(self, reserved: list[list[Any]], kind: SumKind = SumKind.XXH3) -> None:
         with self._lock:
             for k, mv, cls, slot, gen, vsum in reserved:
                 self._inflight.discard(gen)
@@ -1007,14 +1005,14 @@ class BlockStore:
                             # content fails it), so the header needs no read: it is what a recovery scan reads.
                             # The engine checks it where the read completes when the read is exactly the value;
                             # a value that fails leaves the caller's buffer overwritten.
-                            engine_checked = n == e.length and e.kind == SUM_XXH3  # the engine checks xxh3
+                            engine_checked = n == e.length and e.kind is SumKind.XXH3  # the engine checks xxh3
                             items.append((i, None, engine_checked))
                             reqs.append(("read", off + hdr, n, dests[i], 0))
                             sums.append(e.vsum if engine_checked else None)
                             continue
                         buf = c.pool.acquire()
                         held.append(buf)
-                        if dests is not None and n == e.length and n >= _ZERO_COPY_MIN and e.kind == SUM_XXH3:
+                        if dests is not None and n == e.length and n >= _ZERO_COPY_MIN and e.kind is SumKind.XXH3:
                             # Staged only to land verified (keep_on_miss): the value alone, checked by the
                             # engine where it completes, as a direct read is; the caller's thread only copies.
                             items.append((i, buf, True))
@@ -1085,7 +1083,7 @@ class BlockStore:
         k = self._key(key)
         with self._lock:
             e = self._index.get(k)
-            return None if e is None or e.kind != SUM_XXH3 else e.vsum
+            return None if e is None or e.kind is not SumKind.XXH3 else e.vsum
 
     def locate(self, key: Key) -> tuple[int, int] | None:
         """Where ``key``'s slot is on the device: ``(offset, bytes)`` of its header and value (for tools)."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from sfstore import errors
 from sfstore.kvcache.geometry import KVGeometry
-from sfstore.kvcache.tiers import PinnedTier, Slot
+from sfstore.kvcache.tiers import Lease, release_all
 
 __all__ = ["HeldBlocks"]
 
@@ -28,17 +28,15 @@ class HeldBlocks:
     the tier cannot give to another block.
     """
 
-    def __init__(self, pinned: PinnedTier, geometry: KVGeometry, slots: Sequence[Slot | None],
-                 tiers: Sequence[str | None]) -> None:
+    def __init__(self, geometry: KVGeometry, leases: Sequence[Lease | None], tiers: Sequence[str | None]) -> None:
         self.geometry = geometry
         self.tiers: list[str | None] = list(tiers)
-        self.rows: list[int] = [i for i, s in enumerate(slots) if s is not None]
-        self._pinned: PinnedTier | None = pinned
-        self._slots: list[Slot] = [s for s in slots if s is not None]
-        self._buffers = [s.buffer for s in self._slots]
+        self.rows: list[int] = [i for i, lease in enumerate(leases) if lease is not None]
+        self._leases: list[Lease] | None = [lease for lease in leases if lease is not None]
+        self._buffers = [lease.slot.buffer for lease in self._leases]
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._leases or ())
 
     @property
     def tiers_of_rows(self) -> list[str | None]:
@@ -77,7 +75,7 @@ class HeldBlocks:
         g = self.geometry
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < g.num_layers:
             raise errors.InvalidRequestError(f"copy_layer_into: layer {layer!r} is not an int in [0, {g.num_layers})")
-        if self._pinned is None:
+        if self._leases is None:
             raise errors.InvalidRequestError("copy_layer_into: the blocks were released")
         from sfstore import _native  # present: the slots are its buffers
 
@@ -111,8 +109,8 @@ class HeldBlocks:
         if not arr.flags.writeable:
             raise errors.InvalidRequestError("copy_layer_into: out is read-only")
         rows = list(rows_at)
-        if len(rows) != len(self._slots):
-            raise errors.InvalidRequestError(f"copy_layer_into: {len(rows)} rows_at for {len(self._slots)} rows")
+        if len(rows) != len(self):
+            raise errors.InvalidRequestError(f"copy_layer_into: {len(rows)} rows_at for {len(self)} rows")
         pages = int(arr.shape[0])
         for r in rows:
             if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < pages:
@@ -125,13 +123,10 @@ class HeldBlocks:
                 [int(st) for st in arr.strides[1:-1]], src, g.layer_shape[-1] * g.itemsize)
 
     def release(self) -> None:
-        """Unpin every block (idempotent): the pinned tier may evict or reuse them from now on."""
-        pinned, self._pinned = self._pinned, None
-        if pinned is None:
-            return
-        slots, self._slots, self._buffers = self._slots, [], []
-        for s in slots:
-            pinned.unpin(s)
+        """Release every block's lease (idempotent): the pinned tier may evict or reuse them from now on."""
+        leases, self._leases, self._buffers = self._leases, None, []
+        if leases is not None:
+            release_all(leases)
 
     def __enter__(self) -> HeldBlocks:
         return self

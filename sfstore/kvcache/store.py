@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
 from sfstore.blocks import BlockStore
-from sfstore.blocks.layout import SUM_KV64
 from sfstore.buffers import RegisteredBufferPool, as_buffer, is_device_buffer
-from sfstore.checksums import xxh3_64
+from sfstore.checksums import SumKind, xxh3_64
 from sfstore.counters import Counters
 from sfstore.futures import DoneFuture, ExecutorFuture
 from sfstore.futures import Future as SfFuture
@@ -32,7 +31,7 @@ from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
 from sfstore.kvcache.held import HeldBlocks
 from sfstore.kvcache.shared_budget import check_namespace
-from sfstore.kvcache.tiers import PinnedTier, SharedTier, Slot
+from sfstore.kvcache.tiers import Lease, PinnedTier, SharedTier, Slot, release_all
 from sfstore.paths.file import FilePath
 
 if TYPE_CHECKING:
@@ -199,7 +198,7 @@ class KVCacheStore:
         self.counters = Counters(_COUNTERS)
         self._lat: dict[str, deque[float]] = {op: deque(maxlen=_LATENCY_SAMPLES) for op in ("put", "get")}
         self._lock = threading.Lock()
-        self._partial: dict[bytes, tuple[Slot, set[int]]] = {}
+        self._partial: dict[bytes, tuple[Lease, set[int]]] = {}
         self._writes: list[Future[None]] = []
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sfstore-kvcache")
         self._preparing = False  # a prepare_pinned job is running
@@ -540,50 +539,49 @@ class KVCacheStore:
     def _stage(self, ks: list[bytes], sources: list[tuple[Any, bool]]) -> ExecutorFuture[None]:
         """Copy the (checked) blocks into pinned slots and commit them (lower tiers written in the background)."""
         t0 = time.perf_counter()
-        slots: list[tuple[bytes, Slot]] = []
+        leased: list[tuple[bytes, Lease]] = []
         try:
             for k, (src, device) in zip(ks, sources, strict=True):
-                slot = self.pinned.take()
-                slots.append((k, slot))
-                self._copy_in(slot, src, device)
+                lease = self.pinned.take()
+                leased.append((k, lease))
+                self._copy_in(lease.slot, src, device)
         except BaseException:
-            for _k, s in slots:
-                self.pinned.drop(s)
+            release_all(lease for _k, lease in leased)
             raise
-        return self._commit(slots, t0)
+        return self._commit(leased, t0)
 
-    def _commit(self, slots: list[tuple[bytes, Slot]], t0: float) -> ExecutorFuture[None]:
+    def _commit(self, leased: list[tuple[bytes, Lease]], t0: float) -> ExecutorFuture[None]:
         n = self.geometry.block_bytes
-        for k, slot in slots:
-            self.pinned.insert(k, slot, 0)  # still pinned by take(): the lower-tier writes read it
-        self.counters.add(puts=len(slots), bytes_put=n * len(slots))
-        fut = self._executor.submit(self._write_lower, slots, t0)
+        for k, lease in leased:
+            self.pinned.insert(k, lease, 0)  # take()'s lease stays out: the lower-tier writes read the slot
+        self.counters.add(puts=len(leased), bytes_put=n * len(leased))
+        fut = self._executor.submit(self._write_lower, leased, t0)
         with self._lock:
             self._writes = [w for w in self._writes if not w.done()] + [fut]
         return ExecutorFuture(fut)
 
-    def _write_lower(self, slots: list[tuple[bytes, Slot]], t0: float) -> None:
+    def _write_lower(self, leased: list[tuple[bytes, Lease]], t0: float) -> None:
+        """Write the leased slots' blocks to the lower tiers, then release the leases."""
         n = self.geometry.block_bytes
         try:
             if self.block is not None:
-                status, _ = self._block_run(self.block.put_many, [(k, s.data(n)) for k, s in slots],
-                                            slots=[s for _k, s in slots], what="a put")
-                self.counters.add(puts_dropped=len(slots) if status != OK else 0)
+                status, _ = self._block_run(self.block.put_many, [(k, lease.slot.data(n)) for k, lease in leased],
+                                            leases=[lease for _k, lease in leased], what="a put")
+                self.counters.add(puts_dropped=len(leased) if status != OK else 0)
             if self.shared is not None:
                 dropped = 0
-                for k, s in slots:
+                for k, lease in leased:
                     # the block store checksummed the value already; hash again only without one
                     known = self.block.checksum(k) if self.block is not None else None
-                    s.checksum = known if known is not None else xxh3_64(s.data(n))
-                    done = self.shared.write(k, s, release=self._pin([s]))
+                    lease.slot.checksum = known if known is not None else xxh3_64(lease.slot.data(n))
+                    done = self.shared.write(k, lease.slot, release=self._lease_again([lease]))
                     dropped += done is None
                 self.counters.add(puts_dropped=dropped)
         except BaseException:
             self.counters.add(lower_tier_errors=1)
             raise
         finally:
-            for _k, s in slots:
-                self.pinned.unpin(s)
+            release_all(lease for _k, lease in leased)
             self._lat["put"].append(time.perf_counter() - t0)
 
     def wait_for_puts(self, timeout: float | None = None) -> None:
@@ -624,19 +622,19 @@ class KVCacheStore:
         """
         g = self.geometry
         ks = self._layer_args("put_layer", keys, layer, tensors)
-        done: list[tuple[bytes, Slot]] = []
+        done: list[tuple[bytes, Lease]] = []
         for k, t in zip(ks, list(tensors), strict=True):
             with self._lock:
-                slot, layers = self._partial.get(k) or (None, set())
-                if slot is None:
-                    slot = self.pinned.take()
-                    self._partial[k] = (slot, layers)
-            self._copy_in(slot, t, is_device_buffer(t), layer * g.layer_bytes, g.layer_bytes)
+                lease, layers = self._partial.get(k) or (None, set())
+                if lease is None:
+                    lease = self.pinned.take()
+                    self._partial[k] = (lease, layers)
+            self._copy_in(lease.slot, t, is_device_buffer(t), layer * g.layer_bytes, g.layer_bytes)
             with self._lock:
                 layers.add(layer)
                 if len(layers) == g.num_layers:
                     del self._partial[k]
-                    done.append((k, slot))
+                    done.append((k, lease))
         if done:
             self._commit(done, time.perf_counter())
 
@@ -646,8 +644,7 @@ class KVCacheStore:
         with self._lock:
             chosen = list(self._partial) if keys is None else [k for k in self._check_keys(keys) if k in self._partial]
             dropped = [self._partial.pop(k)[0] for k in chosen]
-        for slot in dropped:
-            self.pinned.drop(slot)
+        release_all(dropped)
         return len(dropped)
 
     def _layer_args(self, op: str, keys: Sequence[bytes], layer: int, tensors: Sequence[Any]) -> list[bytes]:
@@ -680,21 +677,19 @@ class KVCacheStore:
         CUDA); blocks not in the pinned tier are fetched first (call :meth:`prefetch` early to overlap)."""
         g = self.geometry
         ks = self._layer_args("get_layer_into", keys, layer, tensors)
-        slots, tiers = self._fetch(ks, count=False)
-        self._deliver(slots, list(tensors), layer * g.layer_bytes, g.layer_bytes)
+        leases, tiers = self._fetch(ks, count=False)
+        self._deliver(leases, list(tensors), layer * g.layer_bytes, g.layer_bytes)
         return tiers
 
-    def _deliver(self, slots: list[Slot | None], dests: Sequence[Any], offset: int, nbytes: int) -> None:
-        """Copy ``[offset, offset + nbytes)`` of each fetched block into its destination; unpin every slot."""
+    def _deliver(self, leases: list[Lease | None], dests: Sequence[Any], offset: int, nbytes: int) -> None:
+        """Copy ``[offset, offset + nbytes)`` of each fetched block into its destination; release every lease."""
         try:
-            pairs = [(s, d) for s, d in zip(slots, dests, strict=True) if s is not None]
+            pairs = [(lease.slot, d) for lease, d in zip(leases, dests, strict=True) if lease is not None]
             if not self._copy_out_batch(pairs, offset, nbytes):
                 for slot, d in pairs:
                     self._copy_out(slot, d, offset, nbytes)
         finally:
-            for s in slots:
-                if s is not None:
-                    self.pinned.unpin(s)
+            release_all(leases)
 
     # -- get --------------------------------------------------------------------------------------------------
     def get_into(
@@ -729,9 +724,9 @@ class KVCacheStore:
             tiers = self._get_direct(ks, views, bool(keep_on_miss))
             self._lat["get"].append(time.perf_counter() - t0)
             return tiers
-        slots, tiers = self._fetch(ks, count=True)
-        self._deliver(slots, bs, 0, self.geometry.block_bytes)
-        self.counters.add(bytes_got=self.geometry.block_bytes * sum(1 for s in slots if s is not None))
+        leases, tiers = self._fetch(ks, count=True)
+        self._deliver(leases, bs, 0, self.geometry.block_bytes)
+        self.counters.add(bytes_got=self.geometry.block_bytes * sum(1 for lease in leases if lease is not None))
         self._lat["get"].append(time.perf_counter() - t0)
         return tiers
 
@@ -814,8 +809,8 @@ class KVCacheStore:
         """
         self._check_open()
         ks = self._check_keys(keys)
-        slots, tiers = self._fetch(ks, count=bool(count))
-        return HeldBlocks(self.pinned, self.geometry, slots, tiers)
+        leases, tiers = self._fetch(ks, count=bool(count))
+        return HeldBlocks(self.geometry, leases, tiers)
 
     def prefetch(self, keys: Sequence[bytes], *, count: bool = False) -> SfFuture[list[str | None]]:
         """Bring the blocks into the pinned tier in the background; ``.get()`` gives the tier of each.
@@ -835,69 +830,72 @@ class KVCacheStore:
             return DoneFuture(tiers)
 
         def run() -> list[str | None]:
-            slots, tiers = self._fetch(ks, count=bool(count))
-            for s in slots:
-                if s is not None:
-                    self.pinned.unpin(s)
+            leases, tiers = self._fetch(ks, count=bool(count))
+            release_all(leases)
             return tiers
 
         return ExecutorFuture(self._executor.submit(run))
 
-    def _fetch(self, keys: list[bytes], count: bool) -> tuple[list[Slot | None], list[str | None]]:
-        """Pinned slots (pinned for the caller) holding each block, promoting from the lower tiers."""
+    def _fetch(self, keys: list[bytes], count: bool) -> tuple[list[Lease | None], list[str | None]]:
+        """Leases (the caller's to release) on pinned slots holding each block, promoting from the lower tiers."""
         n = self.geometry.block_bytes
-        slots: list[Slot | None] = [self.pinned.get(k) for k in keys]
-        tiers: list[str | None] = ["pinned" if s is not None else None for s in slots]
-        missing = [i for i, s in enumerate(slots) if s is None]
+        leases: list[Lease | None] = [self.pinned.lease(k) for k in keys]
+        tiers: list[str | None] = ["pinned" if lease is not None else None for lease in leases]
+        missing = [i for i, lease in enumerate(leases) if lease is None]
         corrupt = unreadable = 0
         if missing and self.block is not None:
             present = [i for i in missing if self.block.contains(keys[i])]
             if present:
                 fresh = [self.pinned.take() for _ in present]
                 try:  # into slots, not the caller's memory
-                    status, out = self._block_run(self._get_slots, [keys[i] for i in present], fresh,
-                                                  slots=fresh, what="get")
+                    status, out = self._block_run(self._get_slots, [keys[i] for i in present],
+                                                  [lease.slot for lease in fresh], leases=fresh, what="get")
                 except BaseException:
-                    for s in fresh:
-                        self.pinned.drop(s)
-                    self._unpin_all(slots)
+                    release_all(fresh)
+                    release_all(leases)
                     raise
                 got, corrupt = out if status == OK else ([None] * len(present), 0)
-                for i, s, length in zip(present, fresh, got, strict=True):
+                for i, lease, length in zip(present, fresh, got, strict=True):
                     if length == n:  # verified by the block store against the checksum it holds
-                        self.pinned.insert(keys[i], s, self.block.checksum(keys[i]) or 0)
-                        slots[i], tiers[i] = s, "block"
+                        self.pinned.insert(keys[i], lease, self.block.checksum(keys[i]) or 0)
+                        leases[i], tiers[i] = lease, "block"
                     else:
-                        self.pinned.drop(s)
-        missing = [i for i, s in enumerate(slots) if s is None]
+                        lease.release()
+        missing = [i for i, lease in enumerate(leases) if lease is None]
         if missing and self.shared is not None:
-            promote: list[tuple[bytes, Slot]] = []
+            promote: list[tuple[bytes, Lease]] = []
             for wave in self._shared_waves(missing):
                 fresh = [self.pinned.take() for _ in wave]
                 try:  # one batch of reads, in flight together, under one deadline
-                    got = self.shared.read_many_into([keys[i] for i in wave], fresh, release=self._pin(fresh))
+                    got_s = self.shared.read_many_into([keys[i] for i in wave], [lease.slot for lease in fresh],
+                                                       release=self._lease_again(fresh))
                 except BaseException:
-                    for s in fresh:
-                        self.pinned.drop(s)
-                    self._unpin_all(slots)
+                    release_all(fresh)
+                    release_all(leases)
                     raise
-                for i, s, status in zip(wave, fresh, got, strict=True):
+                for i, lease, status in zip(wave, fresh, got_s, strict=True):
                     if status == "hit":
-                        self.pinned.insert(keys[i], s, s.checksum)
-                        slots[i], tiers[i] = s, "shared"
-                        promote.append((keys[i], s))
+                        self.pinned.insert(keys[i], lease, lease.slot.checksum)
+                        leases[i], tiers[i] = lease, "shared"
+                        promote.append((keys[i], lease))
                     else:
-                        self.pinned.drop(s)
+                        lease.release()
                         corrupt += status == "corrupt"
                         unreadable += status == "unreadable"
             if promote and self.block is not None:
-                for _k, s in promote:
-                    s.readers += 1  # released by the background write
-                self._executor.submit(self._promote_to_block, promote)
+                # leases of the background write's own, taken while the caller's are out: the slots keep their
+                # blocks until the write has read them, whenever the caller releases its leases
+                background = [(k, lease.another()) for k, lease in promote]
+                try:
+                    self._executor.submit(self._promote_to_block, background)
+                except BaseException:
+                    release_all(lease for _k, lease in background)
+                    release_all(leases)
+                    raise
         self.counters.add(corrupt_dropped=corrupt, unreadable=unreadable)
         if count:
             self.count_loads(tiers)
-        return slots, tiers
+        return leases, tiers
 
     def count_loads(self, tiers: Sequence[str | None]) -> None:
         """Count blocks a caller loaded from an uncounted :meth:`prefetch` (``count=False``), once it used them:
@@ -911,28 +909,19 @@ class KVCacheStore:
         )
 
     # -- deadlines ------------------------------------------------------------------------------------------------
-    def _pin(self, slots: Sequence[Slot]) -> Callable[[], None]:
-        """Pin ``slots`` once more for an operation that reads or fills them; the function returned unpins them
-        (once): the operation's end, which for one abandoned past its deadline comes when its worker returns."""
-        with self.pinned.lock:
-            for sl in slots:
-                sl.readers += 1
-        done = threading.Event()
+    def _lease_again(self, leases: Sequence[Lease]) -> Callable[[], None]:
+        """Another lease on each slot for an operation that reads or fills it; the function returned releases them
+        (once, however often it is called): at the operation's end, which for one abandoned past its deadline
+        comes when its worker returns."""
+        extra = [lease.another() for lease in leases]
+        return functools.partial(release_all, extra)
 
-        def release() -> None:
-            if not done.is_set():
-                done.set()
-                for sl in slots:
-                    self.pinned.unpin(sl)
-
-        return release
-
-    def _block_run(self, fn: Callable[..., Any], *args: Any, slots: Sequence[Slot] = (),
+    def _block_run(self, fn: Callable[..., Any], *args: Any, leases: Sequence[Lease] = (),
                    buffers: Sequence[Any] = (), what: str) -> tuple[str, Any]:
         """A block-store call within the block tier's deadline: ``(status, result)`` as
         :meth:`TierGuard.run <sfstore.kvcache.deadline.TierGuard.run>`. ``slots`` and ``buffers`` (registered
         staging buffers) are what the call reads or fills: kept from reuse until it is done with them."""
-        release_slots = self._pin(slots)
+        release_slots = self._lease_again(leases)
 
         def release() -> None:
             release_slots()
@@ -1045,23 +1034,19 @@ class KVCacheStore:
             for v in views:
                 v.release()
 
-    def _unpin_all(self, slots: list[Slot | None]) -> None:
-        for s in slots:
-            if s is not None:
-                self.pinned.unpin(s)
-
-    def _promote_to_block(self, items: list[tuple[bytes, Slot]]) -> None:
+    def _promote_to_block(self, items: list[tuple[bytes, Lease]]) -> None:
+        """Write blocks just read from the shared tier to the block store from their leased slots, then release
+        the leases."""
         n = self.geometry.block_bytes
         try:
             assert self.block is not None
-            status, _ = self._block_run(self.block.put_many, [(k, s.data(n)) for k, s in items],
-                                        slots=[s for _k, s in items], what="promotion")
+            status, _ = self._block_run(self.block.put_many, [(k, lease.slot.data(n)) for k, lease in items],
+                                        leases=[lease for _k, lease in items], what="promotion")
             self.counters.add(promotions=len(items) if status == OK else 0)
         except Exception:
             self.counters.add(lower_tier_errors=1)
         finally:
-            for _k, s in items:
-                self.pinned.unpin(s)
+            release_all(lease for _k, lease in items)
 
     # -- GPU blocks through the device path -------------------------------------------------------------------------
     def _is_device(self, block: Any) -> bool:
@@ -1134,7 +1119,7 @@ class KVCacheStore:
         corrupt = unreadable = 0
         if self.block is not None:
             present = [i for i, k in enumerate(ks) if self.block.contains(k)]
-            gpu_written = [i for i in present if self.block.sum_kind(ks[i]) == SUM_KV64]
+            gpu_written = [i for i in present if self.block.sum_kind(ks[i]) is SumKind.KV64]
             if gpu_written:  # written GPU-direct: read the same way, verified on the GPU
                 status, got_d = self._block_run(
                     functools.partial(self.block.get_into_device, keep_on_miss=keep, data_class="kvcache.block"),
@@ -1277,7 +1262,7 @@ class KVCacheStore:
         c = self.counters.snapshot()
         out: dict[str, Any] = dict(c)
         out["resident"] = {
-            "pinned": len(self.pinned.entries),
+            "pinned": len(self.pinned),
             "block": len(self.block) if self.block is not None else None,
             "shared": self.shared.count() if self.shared is not None else None,
         }
@@ -1342,8 +1327,7 @@ class KVCacheStore:
             self._executor.shutdown(wait=True)
             with self._lock:
                 partial, self._partial = list(self._partial.values()), {}
-            for slot, _layers in partial:
-                self.pinned.drop(slot)
+            release_all(lease for lease, _layers in partial)
             self._block_guard.close()
             self.pinned.close()
             self._host_stage.close()

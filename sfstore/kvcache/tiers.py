@@ -15,37 +15,38 @@ import stat
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
-from sfstore.checksums import kvsum64, xxh3_64, xxh3_64_many
+from sfstore.checksums import SHARED_FILE_SUMS, SumKind, sum_of, xxh3_64, xxh3_64_many
 from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard, late
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
 from sfstore.paths.base import Range
 from sfstore.paths.file import AtomicWriter, FilePath, set_blocking
 
-__all__ = ["HEADER", "Slot", "PinnedTier", "SharedTier"]
+__all__ = ["HEADER", "Slot", "Lease", "release_all", "PinnedTier", "SharedTier"]
 
 HEADER = 4096  # bytes before the block in a slot and in a shared file
 _MAGIC = b"SFKVBLK1"
-_HDR = struct.Struct("<8sH6x16s32sQQ")  # magic, version, geometry fingerprint, key, length, checksum of the block
-SUM_XXH3 = 1  # header version 1: the block's checksum is xxh3-64 (a host put)
-SUM_KV64 = 2  # header version 2: kvsum64, computed where the block was (a GPU-direct put)
+# magic, version (the block's checksum kind: SHARED_FILE_SUMS), geometry fingerprint, key, length, block checksum
+_HDR = struct.Struct("<8sH6x16s32sQQ")
 _SUM = struct.Struct("<Q")
 
 
 @dataclass(eq=False)
 class Slot:
-    """A block in a registered buffer (``buffer``) and its shared-file header (``header``, ``HEADER`` bytes);
-    ``readers`` pin it against eviction.
+    """A block in a registered buffer (``buffer``) and its shared-file header (``header``, ``HEADER`` bytes).
 
     The block has a buffer of its own, not a slice after its header in one buffer (one read request per shared
     file instead of two): a buffer of exactly a block's size gets transparent huge pages where blocks are a
     multiple of 2 MiB, and the copies out of it run faster.
+
+    ``readers`` counts the :class:`Lease` objects out on the slot; it belongs to the :class:`PinnedTier` that made
+    the slot, which reads and changes it only under its lock. Nothing else touches it: hold a lease instead.
     """
 
     buffer: Any
@@ -61,40 +62,84 @@ class Slot:
         return memoryview(self.buffer)[:nbytes]
 
 
-def encode_header(geom: KVGeometry, key: bytes, checksum: int, kind: int = SUM_XXH3) -> bytes:
-    """A shared file's header; ``kind`` says which checksum the block carries (:data:`SUM_XXH3`, :data:`SUM_KV64`)."""
-    body = _HDR.pack(_MAGIC, kind, geom.fingerprint(), key, geom.block_bytes, checksum)
+class Lease:
+    """One hold on a pinned slot: while any lease on a slot is out, the tier neither evicts the slot nor gives it
+    to another block, so its bytes stay those of its block.
+
+    Made by the tier (:meth:`PinnedTier.take`, :meth:`PinnedTier.lease`) or from another lease (:meth:`another`);
+    :meth:`release` gives it back, exactly once however often and from however many threads it is called (also
+    as a context manager). The count behind it is only ever changed under the tier's lock.
+    """
+
+    __slots__ = ("_out", "_tier", "slot")
+
+    def __init__(self, tier: PinnedTier, slot: Slot) -> None:
+        self.slot = slot
+        self._tier = tier
+        self._out = True  # changed under the tier's lock
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` was called."""
+        return not self._out
+
+    def another(self) -> Lease:
+        """A second lease on the same slot, for work that may outlive this one (a background write reading the
+        slot). Raises :class:`~sfstore.errors.InvalidRequestError` once this lease is released (the slot may
+        hold another block by then)."""
+        return self._tier._another(self)
+
+    def release(self) -> None:
+        """Give the lease back (once: later calls do nothing); a slot no lease holds that is not resident is free
+        for the next block."""
+        self._tier._release(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def release_all(leases: Iterable[Lease | None]) -> None:
+    """Release each lease (``None`` entries, a miss's place, are skipped)."""
+    for lease in leases:
+        if lease is not None:
+            lease.release()
+
+
+def encode_header(geom: KVGeometry, key: bytes, checksum: int, kind: SumKind = SumKind.XXH3) -> bytes:
+    """A shared file's header; ``kind`` says which checksum the block carries."""
+    body = _HDR.pack(_MAGIC, SHARED_FILE_SUMS.code(kind), geom.fingerprint(), key, geom.block_bytes, checksum)
     return body + _SUM.pack(xxh3_64(body))
 
 
-def read_header(view: memoryview, geom: KVGeometry, key: bytes) -> tuple[int, int] | None:
+def read_header(view: memoryview, geom: KVGeometry, key: bytes) -> tuple[int, SumKind] | None:
     """``(checksum, kind)`` of the block when the header is intact and names ``key`` and ``geom``."""
     end = _HDR.size
     if view[:8] != _MAGIC or _SUM.unpack_from(view, end)[0] != xxh3_64(view[:end]):
         return None
     _m, version, fp, k, length, checksum = _HDR.unpack_from(view)
-    if version not in (SUM_XXH3, SUM_KV64) or fp != geom.fingerprint() or k != key or length != geom.block_bytes:
+    kind = SHARED_FILE_SUMS.kind(version)
+    if kind is None or fp != geom.fingerprint() or k != key or length != geom.block_bytes:
         return None
-    return int(checksum), int(version)
+    return int(checksum), kind
 
 
 def check_header(view: memoryview, geom: KVGeometry, key: bytes) -> int | None:
     """The block's xxh3-64 in a header that is intact, names ``key`` and ``geom``, and was written by a host put
     (a GPU-direct put's kvsum64 is not an xxh3: ``None``, as for any header that does not fit)."""
     found = read_header(view, geom, key)
-    return found[0] if found is not None and found[1] == SUM_XXH3 else None
-
-
-def block_sum(kind: int, data: Any) -> int:
-    """The checksum of kind ``kind`` of host bytes ``data``."""
-    return kvsum64(data) if kind == SUM_KV64 else xxh3_64(data)
+    return found[0] if found is not None and found[1] is SumKind.XXH3 else None
 
 
 class PinnedTier:
     """Blocks in registered (pinned) host memory, LRU within a byte budget.
 
-    Slots come from a :class:`~sfstore.buffers.RegisteredBufferPool`; a slot pinned by a reader or an
-    in-flight write is never evicted (the budget may be exceeded while many are in flight).
+    Slots come from a :class:`~sfstore.buffers.RegisteredBufferPool`. Callers hold slots through :class:`Lease`
+    objects: a slot with a lease out (a reader, an in-flight write) is never evicted nor reused (the budget may
+    be exceeded while many are out). Leases are the only way to hold a slot: the reader counts behind them are
+    read and changed only here, under the tier's lock.
     """
 
     def __init__(self, geom: KVGeometry, budget_bytes: int) -> None:
@@ -106,31 +151,67 @@ class PinnedTier:
         self._headers = RegisteredBufferPool(HEADER)
         self._free: list[Slot] = []
         self._made = 0  # slots allocated so far (each lives until close)
+        self._every: list[Slot] = []  # those slots
         self.entries: OrderedDict[bytes, Slot] = OrderedDict()
-        self.lock = threading.RLock()
+        self._lock = threading.RLock()
         self._removed: list[bytes] | None = None  # keys that left the tier since take_removed (when tracked)
 
-    def take(self) -> Slot:
-        """A slot to fill: a free one, else (the tier full of blocks) the least recently used block's, else a new
-        buffer; give it back with :meth:`insert` or :meth:`drop`. A full tier so reuses its memory rather than
-        allocating past its budget (which only blocks all pinned at once make it do)."""
-        with self.lock:
+    def take(self) -> Lease:
+        """A slot to fill, leased to the caller: a free one, else (the tier full of blocks) the least recently used
+        block's, else a new buffer. Make it resident with :meth:`insert`, or release the lease to give it back.
+        A full tier so reuses its memory rather than allocating past its budget (which only blocks all leased at
+        once make it do)."""
+        with self._lock:
             slot = self._free.pop() if self._free else self._evict_for_reuse()
             if slot is not None:
                 slot.key, slot.readers, slot.checksum = b"", 1, 0
-                return slot
+                return Lease(self, slot)
             self._made += 1
-        return self._new_slot(readers=1)
+        return Lease(self, self._new_slot(readers=1))
+
+    def lease(self, key: bytes) -> Lease | None:
+        """A lease on the resident slot of ``key`` (made most recently used), or ``None`` when it is not here."""
+        with self._lock:
+            slot = self.entries.get(key)
+            if slot is None:
+                return None
+            slot.readers += 1
+            self.entries.move_to_end(key)
+            return Lease(self, slot)
+
+    def _another(self, lease: Lease) -> Lease:
+        with self._lock:
+            if not lease._out:
+                raise errors.InvalidRequestError("a released lease on a pinned slot cannot be extended")
+            lease.slot.readers += 1
+            return Lease(self, lease.slot)
+
+    def _release(self, lease: Lease) -> None:
+        with self._lock:
+            if not lease._out:
+                return
+            lease._out = False
+            slot = lease.slot
+            slot.readers -= 1
+            if slot.readers == 0 and self.entries.get(slot.key) is not slot:
+                self._free.append(slot)
+            self._trim()
+
+    @property
+    def leased(self) -> int:
+        """Slots with a lease out (resident or not)."""
+        with self._lock:
+            return sum(1 for s in self._every if s.readers > 0)
 
     def _evict_for_reuse(self) -> Slot | None:
-        """Once the tier holds as many blocks as its capacity: the least recently used unpinned one leaves, and its
+        """Once the tier holds as many blocks as its capacity: the least recently used unleased one leaves, and its
         slot is returned (under the lock). Slots out for reads and writes in flight do not count: while they are
         out, new ones are allocated, as before the tier is full."""
         return self._evict_lru() if len(self.entries) >= self.capacity else None
 
     def _evict_lru(self) -> Slot | None:
-        """Take the least recently used unpinned block out of the tier (under the lock): its slot, or ``None``
-        when every block is pinned."""
+        """Take the least recently used unleased block out of the tier (under the lock): its slot, or ``None``
+        when every block is leased."""
         victim = next((s for s in self.entries.values() if s.readers == 0), None)
         if victim is not None:
             del self.entries[victim.key]
@@ -141,31 +222,34 @@ class PinnedTier:
         try:
             buf = self._pool.acquire()
             try:
-                return Slot(buf, self._headers.acquire(), readers=readers)
+                slot = Slot(buf, self._headers.acquire(), readers=readers)
             except BaseException:
                 buf.release()
                 raise
         except BaseException:
-            with self.lock:
+            with self._lock:
                 self._made -= 1
             raise
+        with self._lock:
+            self._every.append(slot)
+        return slot
 
     @property
     def full(self) -> bool:
         """Whether every slot the capacity allows is allocated."""
-        with self.lock:
+        with self._lock:
             return self._made >= self.capacity
 
     @property
     def idle(self) -> int:
         """Slots allocated that hold no block, ready for :meth:`take`."""
-        with self.lock:
+        with self._lock:
             return len(self._free)
 
     def ready(self, idle: int) -> bool:
         """Whether ``idle`` slots hold no block, or the tier's capacity is allocated (:meth:`top_up` has nothing to
         do)."""
-        with self.lock:
+        with self._lock:
             return len(self._free) >= idle or self.full
 
     def top_up(self, idle: int) -> int:
@@ -184,18 +268,22 @@ class PinnedTier:
         the lock); returns how many."""
         made = 0
         while True:
-            with self.lock:
+            with self._lock:
                 if enough():
                     return made
                 self._made += 1
             slot = self._new_slot()
-            with self.lock:
+            with self._lock:
                 self._free.append(slot)
             made += 1
 
-    def insert(self, key: bytes, slot: Slot, checksum: int) -> None:
-        """Make ``slot`` (filled, still pinned by the caller) the resident copy of ``key``; evict beyond budget."""
-        with self.lock:
+    def insert(self, key: bytes, lease: Lease, checksum: int) -> None:
+        """Make the leased slot (filled by the caller, who keeps the lease) the resident copy of ``key``; evict
+        beyond budget."""
+        with self._lock:
+            if not lease._out:
+                raise errors.InvalidRequestError("a pinned slot is made resident under a lease, not after it")
+            slot = lease.slot
             slot.key, slot.checksum = key, checksum
             old = self.entries.pop(key, None)
             if old is not None and old is not slot:
@@ -203,31 +291,8 @@ class PinnedTier:
             self.entries[key] = slot
             self._trim()
 
-    def drop(self, slot: Slot) -> None:
-        """Give back a slot taken with :meth:`take` that was not inserted."""
-        with self.lock:
-            slot.readers = max(0, slot.readers - 1)
-            if slot.readers == 0 and self.entries.get(slot.key) is not slot:
-                self._free.append(slot)
-
-    def get(self, key: bytes) -> Slot | None:
-        """The resident slot of ``key``, pinned (call :meth:`unpin`), and made most recently used."""
-        with self.lock:
-            slot = self.entries.get(key)
-            if slot is not None:
-                slot.readers += 1
-                self.entries.move_to_end(key)
-            return slot
-
-    def unpin(self, slot: Slot) -> None:
-        with self.lock:
-            slot.readers -= 1
-            if slot.readers == 0 and self.entries.get(slot.key) is not slot:
-                self._free.append(slot)
-            self._trim()
-
     def remove(self, key: bytes) -> bool:
-        with self.lock:
+        with self._lock:
             slot = self.entries.pop(key, None)
             if slot is None:
                 return False
@@ -248,13 +313,13 @@ class PinnedTier:
 
     def track_removals(self) -> None:
         """From now on, note each key that leaves the tier (evicted or removed) for :meth:`take_removed`."""
-        with self.lock:
+        with self._lock:
             if self._removed is None:
                 self._removed = []
 
     def take_removed(self) -> list[bytes]:
         """The keys that left the tier since the last call (in order; none unless :meth:`track_removals`)."""
-        with self.lock:
+        with self._lock:
             out = self._removed or []
             if self._removed is not None:
                 self._removed = []
@@ -265,19 +330,25 @@ class PinnedTier:
             self._removed.append(key)
 
     def __contains__(self, key: bytes) -> bool:
-        with self.lock:
+        with self._lock:
             return key in self.entries
 
+    def __len__(self) -> int:
+        """Blocks resident."""
+        with self._lock:
+            return len(self.entries)
+
     def close(self) -> None:
-        with self.lock:
-            slots = list(self.entries.values()) + self._free
+        """Release the memory of every slot no lease holds (a slot still leased keeps its buffers)."""
+        with self._lock:
+            slots = [s for s in self._every if s.readers == 0]
+            self._every = [s for s in self._every if s.readers != 0]
             self.entries.clear()
             self._free = []
         for s in slots:
-            if s.readers == 0:
-                s.tensor = None  # the buffer's last export, before its release
-                s.buffer.release()
-                s.header.release()
+            s.tensor = None  # the buffer's last export, before its release
+            s.buffer.release()
+            s.header.release()
         self._pool.close()
         self._headers.close()
 
@@ -466,7 +537,7 @@ class SharedTier:
                 if status == "corrupt" and st is not None:
                     drops.append((i, st))
             results = self._submit_files([fd for _i, fd, _st in opened], [views[i] for i, _fd, _st in opened])
-            read: list[tuple[int, int, os.stat_result, tuple[int, int] | None, memoryview]] = []
+            read: list[tuple[int, int, os.stat_result, tuple[int, SumKind] | None, memoryview]] = []
             for (i, fd, st), got in zip(opened, results, strict=True):
                 if got is None:  # the read failed (as an OSError of the single read would be)
                     self.fp.counters.add(errors=1)
@@ -475,9 +546,9 @@ class SharedTier:
                 found = read_header(views[i][0][:HEADER], self.geom, keys[i]) if got == HEADER + n else None
                 read.append((i, fd, st, found, _block_bytes(views[i], n)))
             # every host put's block hashed in one call (one release of the GIL for the batch)
-            sums = iter(xxh3_64_many([b for _i, _fd, _st, f, b in read if f is not None and f[1] == SUM_XXH3]))
+            sums = iter(xxh3_64_many([b for _i, _fd, _st, f, b in read if f is not None and f[1] is SumKind.XXH3]))
             for i, fd, st, found, block in read:
-                if found is None or (next(sums) if found[1] == SUM_XXH3 else block_sum(found[1], block)) != found[0]:
+                if found is None or (next(sums) if found[1] is SumKind.XXH3 else sum_of(found[1], block)) != found[0]:
                     self.fp.counters.add(files=1)
                     out[i] = ("corrupt", 0)
                     drops.append((i, st))
@@ -485,7 +556,7 @@ class SharedTier:
                 self.budget.touch(fd, st)  # an access record for the shared LRU, while the file is open
                 self.fp.counters.add(files=1)
                 # the tiers above keep xxh3-64 of host bytes
-                out[i] = ("hit", found[0] if found[1] == SUM_XXH3 else xxh3_64(block))
+                out[i] = ("hit", found[0] if found[1] is SumKind.XXH3 else xxh3_64(block))
         finally:
             for _i, fd, _st in opened:
                 os.close(fd)
@@ -809,12 +880,12 @@ class SharedTier:
             return False
         self._clear(key)
         self._register()
-        with self._block_file(key, checksum, SUM_KV64) as w:
+        with self._block_file(key, checksum, SumKind.KV64) as w:
             w.write_through(device, block, self.geom.block_bytes, data_class="kvcache.shared")
         return True
 
     @contextlib.contextmanager
-    def _block_file(self, key: bytes, checksum: int, kind: int = SUM_XXH3) -> Iterator[AtomicWriter]:
+    def _block_file(self, key: bytes, checksum: int, kind: SumKind = SumKind.XXH3) -> Iterator[AtomicWriter]:
         """The block file of ``key`` being written: its header (checksum of ``kind``) is in, the caller writes
         the block; it is published (renamed into place) on leaving unless this write is past its deadline."""
         hbuf = self._headers.acquire()
@@ -869,7 +940,7 @@ class SharedTier:
                 self._drop(sub, base, st)
                 return "corrupt", ""
             checksum, kind = found
-            if kind == SUM_XXH3:
+            if kind is SumKind.XXH3:
                 return self._read_device_staged(key, dest, device, fd, checksum, sub, base, st)
             set_blocking(fd, direct=False)  # kvikio reopens the file itself
             target = device.runtime.scratch(dest, n) if keep else dest
@@ -1032,4 +1103,4 @@ def _block_bytes(views: list[memoryview], n: int) -> memoryview:
     return views[1][:n]
 
 
-__all__ += ["encode_header", "check_header", "read_header", "block_sum", "SUM_XXH3", "SUM_KV64", "KEY_BYTES"]
+__all__ += ["encode_header", "check_header", "read_header", "KEY_BYTES"]

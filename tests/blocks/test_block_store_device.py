@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sfstore.blocks import BlockStore
-from sfstore.blocks.layout import SUM_KV64, SUM_XXH3
+from sfstore.checksums import SumKind
 from sfstore.paths.device import DevicePath
 from sfstore.testing.device_runtime import EmulatedDeviceRuntime, gpu_array
 
@@ -39,7 +39,7 @@ def test_emulated_gpu_values_round_trip_and_carry_their_kind(tmp_path: Path) -> 
         keys = [f"k{i}".encode() for i in range(5)]
         bs.put_many_device(list(zip(keys, vals, strict=True)), dp)
         bs.put(b"host", bytes(V))
-        assert [bs.sum_kind(k) for k in keys] == [SUM_KV64] * 5 and bs.sum_kind(b"host") == SUM_XXH3
+        assert [bs.sum_kind(k) for k in keys] == [SumKind.KV64] * 5 and bs.sum_kind(b"host") is SumKind.XXH3
         assert bs.checksum(keys[0]) is None and bs.checksum(b"host") is not None  # checksum() is xxh3 only
         out = [gpu_array(V) for _ in keys]
         assert bs.get_into_device(keys, out, dp) == [V] * 5

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from sfstore.blocks import BlockStore
+from sfstore.checksums import SumKind
 from sfstore.kvcache import KVCacheStore, KVGeometry
 from sfstore.kvcache.tiers import HEADER
 from sfstore.paths import device as device_mod
@@ -211,7 +212,7 @@ def test_emulated_gpu_block_store_on_a_target_cufile_takes_goes_gpu_direct(
         src = _blocks(3, seed=17)
         keys = kv.keys_for(list(range(3 * GEOM.block_tokens)))
         kv.put(keys, src)
-        assert all(kv.block.sum_kind(k) == 1 for k in keys)  # type: ignore[union-attr]  # kvsum64: GPU-written
+        assert all(kv.block.sum_kind(k) is SumKind.KV64 for k in keys)  # type: ignore[union-attr]  # GPU-written
         dst = [gpu_array(N) for _ in src]
         assert kv.get_into(keys, dst) == ["block"] * 3
         assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from sfstore.kvcache import KVCacheStore
-from sfstore.kvcache.tiers import HEADER
+from sfstore.kvcache.tiers import HEADER, release_all
 from tests.kvcache import shared_workers as w
 from tests.kvcache.stalls import Stall
 from tests.kvcache.test_kvcache_deadlines import DEADLINE_MS, SLACK_S, wait_for
@@ -157,7 +157,8 @@ def test_the_tier_answers_a_status_per_key(tmp_path: Path) -> None:
         os.truncate(_file(kv, shared, keys[2]), 100)
         (shared / kv.shared.name(keys[1])).parent.mkdir(parents=True, exist_ok=True)
         (shared / kv.shared.name(keys[1])).mkdir()  # a directory at the name
-        slots = [kv.pinned.take() for _ in keys]
+        leases = [kv.pinned.take() for _ in keys]
+        slots = [lease.slot for lease in leases]
         released: list[int] = []
         try:
             got = kv.shared.read_many_into(keys, slots, release=lambda: released.append(1))
@@ -167,14 +168,12 @@ def test_the_tier_answers_a_status_per_key(tmp_path: Path) -> None:
             assert bytes(slots[3].data(w.GEOM.block_bytes)) == w.block(3).tobytes()
             assert slots[0].checksum and slots[3].checksum
         finally:
-            for s in slots:
-                kv.pinned.drop(s)
+            release_all(leases)
         again = [kv.pinned.take(), kv.pinned.take()]
-        try:
-            assert kv.shared.read_many_into(keys[2:4], again) == ["missing", "hit"]  # the truncated one is gone
+        try:  # the truncated one is gone
+            assert kv.shared.read_many_into(keys[2:4], [lease.slot for lease in again]) == ["missing", "hit"]
         finally:
-            for s in again:
-                kv.pinned.drop(s)
+            release_all(again)
         assert kv.shared.read_many_into([], []) == []
         assert kv.shared.read_many_views(keys[:1], [memoryview(bytearray(w.GEOM.block_bytes))]) == ["hit"]
     finally:
