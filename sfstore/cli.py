@@ -58,7 +58,8 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
     # The configuration first, whole: each bad value, key or variable named at the top and again at the end of
     # the table, and the exit status 1, so a bad configuration cannot pass as a report with "ok" beside it.
-    config_file, problems = check(args.config)
+    # A misspelt SFSTORE_* name is an error here: the setting it was meant to be is not in force.
+    config_file, problems = check(args.config, unknown_variables="error")
     checked_clean = not any(p.severity == "error" for p in problems)
     # Where each data class goes (the router sits above the probe, so the command joins the two). The router is
     # opened first: a config file's data_dir is a setting it sets, which the probe's data_dir check then reads.
@@ -131,7 +132,7 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConfigWarning)
-        config_file, problems = check(args.file)
+        config_file, problems = check(args.file, unknown_variables="error")  # a misspelt name sets nothing
     print(report(config_file, problems))
     return 1 if any(p.severity == "error" for p in problems) else 0
 
@@ -145,7 +146,8 @@ def _add_config(sub: Subparsers) -> None:
         description="Validate FILE (default: the config that applies: SFSTORE_CONFIG, ./sfstore.toml, "
                     "~/.config/sfstore/sfstore.toml) and every SFSTORE_* environment variable: TOML syntax, "
                     "unknown or misspelt keys and variables, bad values, [classes.*] tables, roots that do not "
-                    "exist. Every problem is printed; the exit status is 1 when any is an error, else 0.")
+                    "exist. Every problem is printed; the exit status is 1 when any is an error (an SFSTORE_* "
+                    "name sfstore does not read is one), else 0.")
     q.add_argument("file", metavar="FILE", nargs="?", default=None, help="the config file to check")
     q.set_defaults(func=_cmd_config_check)
 

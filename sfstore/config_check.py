@@ -410,15 +410,16 @@ def check_file(path: str | os.PathLike[str], *, check_paths: bool = True) -> lis
 
 
 def check(config: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None,
-          check_paths: bool = True) -> tuple[str | None, list[ConfigProblem]]:
+          check_paths: bool = True, unknown_variables: Severity = "warning") -> tuple[str | None, list[ConfigProblem]]:
     """The config file that applies (``config``, else as :func:`find_config` finds it) and every problem with
-    it and with the ``SFSTORE_*`` variables of ``environ`` (default ``os.environ``)."""
+    it and with the ``SFSTORE_*`` variables of ``environ`` (default ``os.environ``); an ``SFSTORE_*`` name
+    sfstore does not read is a problem of severity ``unknown_variables``."""
     env = os.environ if environ is None else environ
     path = find_config(config, env)
     problems: list[ConfigProblem] = []
     if path is not None:
         problems += check_file(path, check_paths=check_paths)
-    problems += check_environment(env)
+    problems += check_environment(env, unknown=unknown_variables)
     root = env.get("SFSTORE_ROOT")
     if root and check_paths:
         why = check_root(root, "SFSTORE_ROOT")

@@ -94,11 +94,14 @@ def _known_variables() -> dict[str, str]:
     return known
 
 
-def check_environment(environ: Mapping[str, str] | None = None) -> list[ConfigProblem]:
+def check_environment(environ: Mapping[str, str] | None = None, *,
+                      unknown: Severity = "warning") -> list[ConfigProblem]:
     """Every problem with the ``SFSTORE_*`` variables of ``environ`` (default ``os.environ``).
 
     A setting's variable that does not parse is an error; an ``SFSTORE_*`` name sfstore does not read is a
-    warning (with the closest known name). Whether ``SFSTORE_ROOT`` exists is checked where the root is used
+    problem of severity ``unknown`` (with the closest known name): a warning where sfstore runs, an error for the
+    commands whose job is to check (``sfstore config check``, ``sfstore probe``), since the setting it was meant
+    to be is not in force. Whether ``SFSTORE_ROOT`` exists is checked where the root is used
     (:mod:`sfstore.config_check`, the router).
     """
     env = os.environ if environ is None else environ
@@ -120,7 +123,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> list[ConfigPr
             hint = did_you_mean(name[len("SFSTORE_"):], [k[len("SFSTORE_"):] for k in known])
             hint = hint.replace("(did you mean ", "(did you mean SFSTORE_") if hint else ""
             problems.append(ConfigProblem(
-                "warning", source, name,
+                unknown, source, name,
                 f"not a variable sfstore reads{hint}; `python -m sfstore.defaults` lists the settings"))
     return problems
 

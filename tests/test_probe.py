@@ -471,11 +471,11 @@ def test_cli_probe_exits_1_on_a_bad_variable(tmp_path: Path, var: str, value: st
         assert line.split()[1] == "error" and var in line, line
 
 
-def test_cli_probe_warns_about_an_unknown_variable_and_exits_0(tmp_path: Path) -> None:
+def test_cli_probe_names_an_unknown_variable_and_exits_1(tmp_path: Path) -> None:
     result = _probe_cli(tmp_path, SFSTORE_QUEUEDEPTH="8")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("configuration  warning") and "did you mean SFSTORE_QUEUE_DEPTH?" in lines[1]
+    assert lines[0].startswith("configuration  error") and "did you mean SFSTORE_QUEUE_DEPTH?" in lines[1]
     assert "did you mean SFSTORE_QUEUE_DEPTH?" in lines[-1]
     assert "ConfigWarning" not in result.stderr  # printed once, in the report
 
