@@ -64,11 +64,6 @@ _ARRAY_DTYPES = {
 
 
 
-def _release_all(buffers: Sequence[Any]) -> None:
-    for b in buffers:
-        b.release()
-
-
 def _bytes_or_setting(value: Any, name: str, setting: str, zero: str) -> int:
     """A byte budget argument: ``value`` (an int >= 0), or the setting's when ``None``."""
     if value is None:
@@ -1006,10 +1001,10 @@ class KVCacheStore:
             bufs = self._staged_block(len(idx))
             try:
                 status, out = self._block_guard.run(self._get_buffers, [keys[i] for i in idx], bufs,
-                                                    on_late=functools.partial(_release_all, bufs),
+                                                    on_late=functools.partial(release_all, bufs),
                                                     what="a block-store get")
             except BaseException:
-                _release_all(bufs)
+                release_all(bufs)
                 raise
             if status == TIMEOUT:
                 continue
@@ -1017,7 +1012,7 @@ class KVCacheStore:
                 lengths: list[int | None] = out[0] if status == OK else [None] * len(idx)
                 yield idx, bufs, lengths, int(out[1]) if status == OK else 0
             finally:
-                _release_all(bufs)
+                release_all(bufs)
 
     def _get_slots(self, keys: list[bytes], slots: list[Slot]) -> tuple[list[int | None], int]:
         assert self.block is not None
@@ -1191,7 +1186,7 @@ class KVCacheStore:
                     with memoryview(b) as mv:
                         dp.runtime.to_host(blocks[i], 0, mv[:n])
             except BaseException:
-                _release_all(bufs)
+                release_all(bufs)
                 raise
             status, _ = self._block_run(self._put_buffers, [ks[i] for i in wave], bufs, buffers=bufs, what="put")
             dropped += 0 if status == OK else len(wave)

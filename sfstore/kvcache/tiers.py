@@ -17,7 +17,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
@@ -101,11 +101,17 @@ class Lease:
         self.release()
 
 
-def release_all(leases: Iterable[Lease | None]) -> None:
-    """Release each lease (``None`` entries, a miss's place, are skipped)."""
-    for lease in leases:
-        if lease is not None:
-            lease.release()
+class Releasable(Protocol):
+    """What :func:`release_all` gives back: a :class:`Lease`, a registered buffer."""
+
+    def release(self) -> None: ...
+
+
+def release_all(held: Iterable[Releasable | None]) -> None:
+    """Release each lease or buffer (``None`` entries, a miss's place, are skipped)."""
+    for item in held:
+        if item is not None:
+            item.release()
 
 
 def encode_header(geom: KVGeometry, key: bytes, checksum: int, kind: SumKind = SumKind.XXH3) -> bytes:
