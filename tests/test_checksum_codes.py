@@ -155,7 +155,7 @@ def test_emulated_gpu_shared_files_carry_and_read_their_codes(tmp_path: Path) ->
         kv.put(keys[:1], [bytearray(_block(0))])  # a host put
         kv.put(keys[1:2], [gpu_array(GEOM.block_bytes, fill=np.frombuffer(_block(1), np.uint8))])  # GPU-direct
         assert kv.shared is not None
-        name = kv.shared.name
+        name = kv.shared.file_name
         assert (shared / name(keys[0])).read_bytes()[8:10] == struct.pack("<H", 1)  # xxh3-64
         assert (shared / name(keys[1])).read_bytes()[8:10] == struct.pack("<H", 2)  # kvsum64
         # files written by hand with each code (and one with a code the format does not define)

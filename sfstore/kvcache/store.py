@@ -10,7 +10,6 @@ from the highest tier that has it and promotes it to the tiers above.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 import time
@@ -22,15 +21,16 @@ from typing import TYPE_CHECKING, Any
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
 from sfstore.blocks import BlockStore
-from sfstore.buffers import RegisteredBufferPool, as_buffer, is_device_buffer
-from sfstore.checksums import SumKind, xxh3_64
+from sfstore.buffers import as_buffer, is_device_buffer
 from sfstore.counters import Counters
 from sfstore.futures import DoneFuture, ExecutorFuture
 from sfstore.futures import Future as SfFuture
-from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard
+from sfstore.kvcache.block_tier import BlockKVTier
+from sfstore.kvcache.deadline import TierGuard
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
 from sfstore.kvcache.held import HeldBlocks
 from sfstore.kvcache.shared_budget import check_namespace
+from sfstore.kvcache.tier import KVBatch, KVTier, ReadStatus
 from sfstore.kvcache.tiers import Lease, PinnedTier, SharedTier, Slot, release_all
 from sfstore.paths.file import FilePath
 
@@ -47,11 +47,6 @@ _COUNTERS = (
     "puts_dropped",
 )
 _LATENCY_SAMPLES = 4096
-_STAGE_WAVE = 16  # GPU blocks staged through host memory at a time (bounds the staging buffers held)
-# shared files read as one batch, in flight together under one deadline: bounds the descriptors open at once and
-# the bytes one deadline has to cover (a wave that misses it quarantines the tier, so the waves after it answer
-# at once)
-_SHARED_WAVE = 64
 
 
 # what numpy/cupy arrays may carry a geometry's dtype in: its own, or the unsigned int of its size where numpy
@@ -184,11 +179,8 @@ class KVCacheStore:
                                   quarantine_s=backoff_ms / 1000)
                        if shared_dir is not None else None)
         # the block store's calls run under a deadline of their own (its I/O may stall on a fabric too)
-        self._block_guard = TierGuard(
-            "block", timeout_ms / 1000, backoff_ms / 1000, workers=4, max_abandoned=8,
-            recorder=QuarantineRecorder("block", target=str(block_store.path.device)) if block_store is not None
-            else None,
-        )
+        self.block_tier = (BlockKVTier(block_store, geometry, timeout_s=timeout_ms / 1000,
+                                       quarantine_s=backoff_ms / 1000) if block_store is not None else None)
         self.namespace = namespace
         self.counters = Counters(_COUNTERS)
         self._lat: dict[str, deque[float]] = {op: deque(maxlen=_LATENCY_SAMPLES) for op in ("put", "get")}
@@ -202,7 +194,6 @@ class KVCacheStore:
             raise errors.ConfigError(f"KVCacheStore: device must be a DevicePath or None, not {device!r}")
         self._device = device
         self._owns_device = False
-        self._host_stage = RegisteredBufferPool(-(-geometry.block_bytes // 4096) * 4096)
 
     @classmethod
     def from_router(
@@ -256,21 +247,18 @@ class KVCacheStore:
         """Whether any tier has the block."""
         return self.contains_many([key])[0]
 
-    def _in_memory(self, key: bytes) -> bool:
-        """Whether a tier that answers from this process's memory has the block: the pinned tier, or the block
-        store's index."""
-        return key in self.pinned or (self.block is not None and self.block.contains(key))
-
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """:meth:`contains` of each key: the upper tiers answer from memory, and the blocks only the shared tier
-        may have are asked of it in one operation (one deadline, one handoff to its workers) instead of one per
-        block; past its deadline, or while it is quarantined, those answer ``False``."""
+        """:meth:`contains` of each key: each tier is asked, highest first, about the keys the tiers above lack,
+        in one operation per tier (the shared tier's under one deadline: past it, or while it is quarantined,
+        those answer ``False``)."""
         self._check_open()
         ks = self._check_keys(keys)
-        out = [self._in_memory(k) for k in ks]
-        need = [i for i, found in enumerate(out) if not found]
-        if need and self.shared is not None:
-            for i, found in zip(need, self.shared.present([ks[i] for i in need]), strict=True):
+        out = [False] * len(ks)
+        for tier in (self.pinned, *self.lower):
+            need = [i for i, found in enumerate(out) if not found]
+            if not need:
+                break
+            for i, found in zip(need, tier.present([ks[i] for i in need]), strict=True):
                 out[i] = found
         return out
 
@@ -279,18 +267,17 @@ class KVCacheStore:
         ``block_tokens``): the prefix an engine can load instead of computing."""
         self._check_open()
         keys = self.keys_for(token_ids, extra)
-        # The upper tiers answer from memory; the blocks only the shared tier may have are asked of it in one
-        # operation (one deadline, one handoff to its workers) instead of one per block.
-        need: list[int] = []
-        for i, k in enumerate(keys):
-            if self._in_memory(k):
-                continue
-            if self.shared is None:
-                return i * self.geometry.block_tokens
-            need.append(i)
-        found = self.shared.leading_present([keys[i] for i in need]) if need and self.shared is not None else 0
-        n = need[found] if found < len(need) else len(keys)
-        return n * self.geometry.block_tokens
+        # Tiers that answer from memory are asked of every key still needed; a tier that does I/O only of the
+        # leading ones, in one operation (one deadline, one handoff to its workers), stopping at its first miss.
+        need = list(range(len(keys)))
+        for tier in (self.pinned, *self.lower):
+            if not need:
+                break
+            if tier.in_memory:
+                need = [i for i, found in zip(need, tier.present([keys[i] for i in need]), strict=True) if not found]
+            else:
+                need = need[tier.leading_present([keys[i] for i in need]):]
+        return (need[0] if need else len(keys)) * self.geometry.block_tokens
 
     # -- blocks in and out --------------------------------------------------------------------------------------
     def _source(self, block: Any, what: str, writable: bool = False) -> tuple[Any, bool]:
@@ -466,14 +453,13 @@ class KVCacheStore:
             self._stage(ks, sources).get()
             return
         with self._lower_tier_put(len(ks)):
-            if self.block is not None:
-                self.counters.add(puts_dropped=self._block_put_views(list(zip(ks, views, strict=True))))
-            if self.shared is not None:
-                dropped = 0
-                for k, v in zip(ks, views, strict=True):
-                    known = self.block.checksum(k) if self.block is not None else None
-                    dropped += self.shared.write_view(k, v, known if known is not None else xxh3_64(v)) is None
-                self.counters.add(puts_dropped=dropped)
+            self._write_through(ks, KVBatch("host", views))
+
+    def _write_through(self, keys: list[bytes], srcs: KVBatch) -> None:
+        """Write the blocks to every lower tier, highest first (the checksum one tier computed is passed to the
+        next); count the dropped writes in ``puts_dropped``."""
+        for tier in self.lower:
+            self.counters.add(puts_dropped=tier.write(keys, srcs).count("dropped"))
 
     @contextlib.contextmanager
     def _lower_tier_put(self, count: int) -> Iterator[None]:
@@ -557,21 +543,8 @@ class KVCacheStore:
 
     def _write_lower(self, leased: list[tuple[bytes, Lease]], t0: float) -> None:
         """Write the leased slots' blocks to the lower tiers, then release the leases."""
-        n = self.geometry.block_bytes
         try:
-            if self.block is not None:
-                status, _ = self._block_run(self.block.put_many, [(k, lease.slot.data(n)) for k, lease in leased],
-                                            leases=[lease for _k, lease in leased], what="a put")
-                self.counters.add(puts_dropped=len(leased) if status != OK else 0)
-            if self.shared is not None:
-                dropped = 0
-                for k, lease in leased:
-                    # the block store checksummed the value already; hash again only without one
-                    known = self.block.checksum(k) if self.block is not None else None
-                    lease.slot.checksum = known if known is not None else xxh3_64(lease.slot.data(n))
-                    done = self.shared.write(k, lease.slot, release=self._lease_again([lease]))
-                    dropped += done is None
-                self.counters.add(puts_dropped=dropped)
+            self._write_through([k for k, _ in leased], KVBatch("slots", [lease for _k, lease in leased]))
         except BaseException:
             self.counters.add(lower_tier_errors=1)
             raise
@@ -728,32 +701,83 @@ class KVCacheStore:
     def _get_direct(self, keys: list[bytes], views: list[memoryview], keep: bool) -> list[str | None]:
         """get_into without a pinned tier: from the lower tiers into the caller's host buffers.
 
-        With ``keep`` each block lands in the caller's buffer only once verified (the block store's staging
-        buffers): one host copy per block, which keeps a missed key's buffer as it was. The shared tier always
-        reads through its scratch buffer (its files' reads cost far more than the copy).
+        With ``keep`` each block lands in the caller's buffer only once verified (through staging or scratch
+        buffers: one host copy per block), which keeps a missed key's buffer as it was.
         """
+        batch = KVBatch("host", list(views), keep=keep)
+        tiers = self._load(keys, lambda idx: batch.pick(idx))
+        self._count_gets(tiers)
+        return tiers
+
+    def _count_gets(self, tiers: list[str | None]) -> None:
         n = self.geometry.block_bytes
+        self.count_loads(tiers)
+        self.counters.add(bytes_got=n * (len(tiers) - tiers.count(None)))
+
+    def _load(self, keys: list[bytes], dests_for: Callable[[list[int]], KVBatch],
+              finish: Callable[[list[int], KVBatch, list[ReadStatus] | None], None] | None = None
+              ) -> list[str | None]:
+        """The lower tiers as one loop: each is asked, highest first, for the blocks the tiers above did not
+        answer (a tier that answers from memory only of those it has); the first that has a block answers, and
+        its hits are promoted to the lower tiers above it. ``dests_for(indices)`` gives the destinations of a
+        tier's read; ``finish(indices, dests, statuses)`` runs after each read (statuses ``None``: it raised).
+        Returns the tier each block came from (``None``: a miss); counts what failed verification or could not
+        be read."""
         tiers: list[str | None] = [None] * len(keys)
         corrupt = unreadable = 0
-        if self.block is not None:
-            got, corrupt = self._block_get_views(keys, views, keep)
-            tiers = ["block" if g == n else None for g in got]
-        if self.shared is not None:
-            found = []
-            for wave in self._shared_waves([i for i, t in enumerate(tiers) if t is None]):
-                answers = self.shared.read_many_views([keys[i] for i in wave], [views[i] for i in wave])
-                for i, status in zip(wave, answers, strict=True):
-                    if status == "hit":
-                        tiers[i] = "shared"
-                        found.append((keys[i], views[i]))
-                    corrupt += status == "corrupt"
-                    unreadable += status == "unreadable"
-            if found and self.block is not None:  # promotion: the next get finds them in the block store
-                self.counters.add(promotions=len(found) - self._block_put_views(found))
-        self.counters.add(gets=len(keys), misses=tiers.count(None), hits_block=tiers.count("block"),
-                          hits_shared=tiers.count("shared"), bytes_got=n * (len(keys) - tiers.count(None)),
-                          corrupt_dropped=corrupt, unreadable=unreadable)
+        for depth, tier in enumerate(self.lower):
+            need = [i for i, t in enumerate(tiers) if t is None]
+            if need and tier.in_memory:
+                need = [i for i, found in zip(need, tier.present([keys[i] for i in need]), strict=True) if found]
+            if not need:
+                continue
+            dests = dests_for(need)
+            try:
+                answers = tier.read_into([keys[i] for i in need], dests)
+            except BaseException:
+                if finish is not None:
+                    finish(need, dests, None)
+                raise
+            hits = [j for j, a in enumerate(answers) if a == "hit"]
+            for j in hits:
+                tiers[need[j]] = tier.name
+            corrupt += answers.count("corrupt")
+            unreadable += answers.count("unreadable")
+            try:
+                if hits and depth > 0:
+                    self._promote(depth, [keys[need[j]] for j in hits], dests.pick(hits))
+            finally:
+                if finish is not None:
+                    finish(need, dests, answers)
+        self.counters.add(corrupt_dropped=corrupt, unreadable=unreadable)
         return tiers
+
+    def _promote(self, depth: int, keys: list[bytes], srcs: KVBatch) -> None:
+        """Write blocks a lower tier (``self.lower[depth]``) just answered to the lower tiers above it, so the
+        next get finds them there. From leased slots in the background (on leases of its own: the slots keep
+        their blocks until the write has read them, whenever the caller releases its leases); from the caller's
+        memory now. A promotion that fails is counted (``lower_tier_errors``), never the get's error."""
+        if srcs.kind == "slots":
+            background = [lease.another() for lease in srcs.items]
+            try:
+                self._executor.submit(self._promote_now, depth, keys,
+                                      KVBatch("slots", background, checksums=list(srcs.checksums)), True)
+            except BaseException:
+                release_all(background)
+                raise
+            return
+        self._promote_now(depth, keys, srcs, False)
+
+    def _promote_now(self, depth: int, keys: list[bytes], srcs: KVBatch, release: bool) -> None:
+        try:
+            for tier in self.lower[:depth]:
+                answers = tier.write(keys, srcs)
+                self.counters.add(promotions=answers.count("written"))
+        except Exception:
+            self.counters.add(lower_tier_errors=1)
+        finally:
+            if release:
+                release_all(srcs.items)
 
     def allocate_pinned(self) -> int:
         """Allocate the pinned tier's whole budget now: every slot it can hold, registered (locked in memory where
@@ -832,62 +856,32 @@ class KVCacheStore:
         return ExecutorFuture(self._executor.submit(run))
 
     def _fetch(self, keys: list[bytes], count: bool) -> tuple[list[Lease | None], list[str | None]]:
-        """Leases (the caller's to release) on pinned slots holding each block, promoting from the lower tiers."""
-        n = self.geometry.block_bytes
+        """Leases (the caller's to release) on pinned slots holding each block, read from the lower tiers into
+        fresh slots (made resident) where the pinned tier lacks them."""
         leases: list[Lease | None] = [self.pinned.lease(k) for k in keys]
-        tiers: list[str | None] = ["pinned" if lease is not None else None for lease in leases]
+        resident = ["pinned" if lease is not None else None for lease in leases]
+
+        def fresh(indices: list[int]) -> KVBatch:
+            return KVBatch("slots", [self.pinned.take() for _ in indices])
+
+        def finish(indices: list[int], dests: KVBatch, answers: list[ReadStatus] | None) -> None:
+            for j, (i, lease) in enumerate(zip(indices, dests.items, strict=True)):
+                if answers is not None and answers[j] == "hit":
+                    self.pinned.insert(keys[i], lease, dests.checksums[j] or 0)
+                    leases[i] = lease
+                else:
+                    lease.release()
+
         missing = [i for i, lease in enumerate(leases) if lease is None]
-        corrupt = unreadable = 0
-        if missing and self.block is not None:
-            present = [i for i in missing if self.block.contains(keys[i])]
-            if present:
-                fresh = [self.pinned.take() for _ in present]
-                try:  # into slots, not the caller's memory
-                    status, out = self._block_run(self._get_slots, [keys[i] for i in present],
-                                                  [lease.slot for lease in fresh], leases=fresh, what="get")
-                except BaseException:
-                    release_all(fresh)
-                    release_all(leases)
-                    raise
-                got, corrupt = out if status == OK else ([None] * len(present), 0)
-                for i, lease, length in zip(present, fresh, got, strict=True):
-                    if length == n:  # verified by the block store against the checksum it holds
-                        self.pinned.insert(keys[i], lease, self.block.checksum(keys[i]) or 0)
-                        leases[i], tiers[i] = lease, "block"
-                    else:
-                        lease.release()
-        missing = [i for i, lease in enumerate(leases) if lease is None]
-        if missing and self.shared is not None:
-            promote: list[tuple[bytes, Lease]] = []
-            for wave in self._shared_waves(missing):
-                fresh = [self.pinned.take() for _ in wave]
-                try:  # one batch of reads, in flight together, under one deadline
-                    got_s = self.shared.read_many_into([keys[i] for i in wave], [lease.slot for lease in fresh],
-                                                       release=self._lease_again(fresh))
-                except BaseException:
-                    release_all(fresh)
-                    release_all(leases)
-                    raise
-                for i, lease, status in zip(wave, fresh, got_s, strict=True):
-                    if status == "hit":
-                        self.pinned.insert(keys[i], lease, lease.slot.checksum)
-                        leases[i], tiers[i] = lease, "shared"
-                        promote.append((keys[i], lease))
-                    else:
-                        lease.release()
-                        corrupt += status == "corrupt"
-                        unreadable += status == "unreadable"
-            if promote and self.block is not None:
-                # leases of the background write's own, taken while the caller's are out: the slots keep their
-                # blocks until the write has read them, whenever the caller releases its leases
-                background = [(k, lease.another()) for k, lease in promote]
-                try:
-                    self._executor.submit(self._promote_to_block, background)
-                except BaseException:
-                    release_all(lease for _k, lease in background)
-                    release_all(leases)
-                    raise
-        self.counters.add(corrupt_dropped=corrupt, unreadable=unreadable)
+        try:
+            lower = self._load([keys[i] for i in missing], lambda idx: fresh(idx),
+                               lambda idx, dests, answers: finish([missing[j] for j in idx], dests, answers))
+        except BaseException:
+            release_all(leases)
+            raise
+        tiers = list(resident)
+        for i, t in zip(missing, lower, strict=True):
+            tiers[i] = t
         if count:
             self.count_loads(tiers)
         return leases, tiers
@@ -902,146 +896,6 @@ class KVCacheStore:
             gets=len(ts), misses=sum(1 for t in ts if t is None),
             hits_pinned=ts.count("pinned"), hits_block=ts.count("block"), hits_shared=ts.count("shared"),
         )
-
-    # -- deadlines ------------------------------------------------------------------------------------------------
-    def _lease_again(self, leases: Sequence[Lease]) -> Callable[[], None]:
-        """Another lease on each slot for an operation that reads or fills it; the function returned releases them
-        (once, however often it is called): at the operation's end, which for one abandoned past its deadline
-        comes when its worker returns."""
-        extra = [lease.another() for lease in leases]
-        return functools.partial(release_all, extra)
-
-    def _block_run(self, fn: Callable[..., Any], *args: Any, leases: Sequence[Lease] = (),
-                   buffers: Sequence[Any] = (), what: str) -> tuple[str, Any]:
-        """A block-store call within the block tier's deadline: ``(status, result)`` as
-        :meth:`TierGuard.run <sfstore.kvcache.deadline.TierGuard.run>`. ``slots`` and ``buffers`` (registered
-        staging buffers) are what the call reads or fills: kept from reuse until it is done with them."""
-        release_slots = self._lease_again(leases)
-
-        def release() -> None:
-            release_slots()
-            for b in buffers:
-                b.release()
-
-        try:
-            status, out = self._block_guard.run(fn, *args, on_late=release, what=f"a block-store {what}")
-        except BaseException:
-            release()
-            raise
-        if status != TIMEOUT:
-            release()
-        return status, out
-
-    def _staged_block(self, count: int) -> list[Any]:
-        return [self._host_stage.acquire() for _ in range(count)]
-
-    def _block_put_views(self, items: list[tuple[bytes, memoryview]]) -> int:
-        """Put blocks from the caller's memory in the block store; how many were dropped (deadline, quarantine).
-
-        Under a deadline they are copied into staging buffers first, on this thread: a put abandoned past its
-        deadline must not read memory the caller has got back (it would store those bytes, checksummed, as the
-        block)."""
-        assert self.block is not None
-        if not self._block_guard.enabled:
-            self.block.put_many(items)
-            return 0
-        dropped = 0
-        n = self.geometry.block_bytes
-        for wave in self._staged_waves(len(items)):
-            bufs = self._staged_block(len(wave))
-            for b, i in zip(bufs, wave, strict=True):
-                with memoryview(b) as mv:
-                    mv[:n] = items[i][1]
-            status, _ = self._block_run(self._put_buffers, [items[i][0] for i in wave], bufs, buffers=bufs,
-                                        what="put")
-            dropped += len(wave) if status != OK else 0
-        return dropped
-
-    def _put_buffers(self, keys: list[bytes], bufs: list[Any]) -> None:
-        n = self.geometry.block_bytes
-        views = [memoryview(b)[:n] for b in bufs]
-        try:
-            assert self.block is not None
-            self.block.put_many(list(zip(keys, views, strict=True)))
-        finally:
-            for v in views:
-                v.release()
-
-    def _block_get_views(self, keys: list[bytes], views: list[memoryview], keep: bool) -> tuple[list[int | None], int]:
-        """The block store's ``get_into_counting_drops`` of ``keys`` into the caller's ``views``:
-        ``(lengths, corrupt)``, a length ``None`` for a miss (past the deadline, or quarantined, too).
-
-        Under a deadline the values land in staging buffers and are copied into ``views`` on this thread, once
-        in time: an abandoned read never writes the caller's memory."""
-        assert self.block is not None
-        if not self._block_guard.enabled:
-            return self.block.get_into_counting_drops(keys, views, keep_on_miss=keep)
-        n = self.geometry.block_bytes
-        got: list[int | None] = [None] * len(keys)
-        corrupt = 0
-        present = [i for i in range(len(keys)) if self.block.contains(keys[i])]
-        for idx, bufs, lengths, bad in self._staged_block_gets(keys, present):
-            corrupt += bad
-            for i, b, length in zip(idx, bufs, lengths, strict=True):
-                if length == n:  # verified by the block store: only then does it reach the caller
-                    with memoryview(b) as mv:
-                        views[i][:n] = mv[:n]
-                    got[i] = length
-        return got, corrupt
-
-    def _staged_block_gets(
-        self, keys: Sequence[bytes], indices: list[int]
-    ) -> Iterator[tuple[list[int], list[Any], list[int | None], int]]:
-        """The block store's gets of ``keys[i]`` for ``i`` in ``indices``, wave by wave into registered staging
-        buffers under the block tier's deadline: per wave ``(its indices, buffers, lengths, dropped as
-        corrupt)``, a length ``None`` for a miss (quarantined too). A wave past its deadline yields nothing: its
-        buffers are the abandoned worker's until it returns. The others' are released once the caller moves on."""
-        for wave in self._staged_waves(len(indices)):
-            idx = [indices[j] for j in wave]
-            bufs = self._staged_block(len(idx))
-            try:
-                status, out = self._block_guard.run(self._get_buffers, [keys[i] for i in idx], bufs,
-                                                    on_late=functools.partial(release_all, bufs),
-                                                    what="a block-store get")
-            except BaseException:
-                release_all(bufs)
-                raise
-            if status == TIMEOUT:
-                continue
-            try:
-                lengths: list[int | None] = out[0] if status == OK else [None] * len(idx)
-                yield idx, bufs, lengths, int(out[1]) if status == OK else 0
-            finally:
-                release_all(bufs)
-
-    def _get_slots(self, keys: list[bytes], slots: list[Slot]) -> tuple[list[int | None], int]:
-        assert self.block is not None
-        n = self.geometry.block_bytes
-        return self.block.get_into_counting_drops(keys, [s.data(n) for s in slots], keep_on_miss=False)
-
-    def _get_buffers(self, keys: list[bytes], bufs: list[Any]) -> tuple[list[int | None], int]:
-        n = self.geometry.block_bytes
-        views = [memoryview(b)[:n] for b in bufs]
-        try:
-            assert self.block is not None
-            return self.block.get_into_counting_drops(keys, views, keep_on_miss=False)
-        finally:
-            for v in views:
-                v.release()
-
-    def _promote_to_block(self, items: list[tuple[bytes, Lease]]) -> None:
-        """Write blocks just read from the shared tier to the block store from their leased slots, then release
-        the leases."""
-        n = self.geometry.block_bytes
-        try:
-            assert self.block is not None
-            status, _ = self._block_run(self.block.put_many, [(k, lease.slot.data(n)) for k, lease in items],
-                                        leases=[lease for _k, lease in items], what="promotion")
-            self.counters.add(promotions=len(items) if status == OK else 0)
-        except Exception:
-            self.counters.add(lower_tier_errors=1)
-        finally:
-            release_all(lease for _k, lease in items)
 
     # -- GPU blocks through the device path -------------------------------------------------------------------------
     def _is_device(self, block: Any) -> bool:
@@ -1072,126 +926,21 @@ class KVCacheStore:
         return (self.pinned.capacity == 0 and (self.block is not None or self.shared is not None)
                 and bool(sources) and all(device for _, device in sources))
 
-    def _shared_waves(self, indices: list[int]) -> Iterable[list[int]]:
-        """``indices`` in batches of the shared tier's reads (each one batch of files under one deadline)."""
-        return (indices[i:i + _SHARED_WAVE] for i in range(0, len(indices), _SHARED_WAVE))
-
-    def _staged_waves(self, count: int) -> Iterable[range]:
-        return (range(i, min(count, i + _STAGE_WAVE)) for i in range(0, count, _STAGE_WAVE))
-
-    @contextlib.contextmanager
-    def _staging(self, count: int) -> Iterator[list[memoryview]]:
-        """``count`` host staging views of a block each (registered buffers), released afterwards."""
-        n = self.geometry.block_bytes
-        bufs = [self._host_stage.acquire() for _ in range(count)]
-        views: list[memoryview] = []
-        try:
-            views = [memoryview(b)[:n] for b in bufs]
-            yield views
-        finally:
-            for v in views:
-                v.release()
-            for b in bufs:
-                b.release()
-
     def _put_device(self, ks: list[bytes], blocks: list[Any]) -> None:
-        """A put of GPU blocks without a pinned tier: the shared tier on the device path's route (HBM to storage,
-        GPU-direct with cuFile), the block store through host staging buffers (its checksums are of host bytes)."""
+        """A put of GPU blocks without a pinned tier: each lower tier on the device path's route for it (the
+        shared tier HBM to storage, GPU-direct with cuFile; the block store through host staging buffers where
+        cuFile does not take its target)."""
         dp = self._device_path()
         with self._lower_tier_put(len(ks)):
-            dropped = self._put_device_block_only(ks, blocks, dp) if self.block is not None else 0
-            if self.shared is not None:
-                for k, b in zip(ks, blocks, strict=True):
-                    dropped += self.shared.write_device(k, b, dp) is None
-            self.counters.add(puts_dropped=dropped)
+            self._write_through(ks, KVBatch("device", list(blocks), device=dp))
 
     def _get_device(self, ks: list[bytes], dests: list[Any], keep: bool) -> list[str | None]:
-        """get_into GPU buffers without a pinned tier: the block store through host staging buffers (verified
-        there, then copied up), the shared tier on the device path's route (verified on the GPU)."""
-        n = self.geometry.block_bytes
-        dp = self._device_path()
-        tiers: list[str | None] = [None] * len(ks)
-        corrupt = unreadable = 0
-        if self.block is not None:
-            present = [i for i, k in enumerate(ks) if self.block.contains(k)]
-            gpu_written = [i for i in present if self.block.sum_kind(ks[i]) is SumKind.KV64]
-            if gpu_written:  # written GPU-direct: read the same way, verified on the GPU
-                status, got_d = self._block_run(
-                    functools.partial(self.block.get_into_device, keep_on_miss=keep, data_class="kvcache.block"),
-                    [ks[i] for i in gpu_written], [dests[i] for i in gpu_written], dp, what="get")
-                if status != OK:
-                    got_d = [None] * len(gpu_written)
-                for i, length in zip(gpu_written, got_d, strict=True):
-                    if length == n:
-                        tiers[i] = "block"
-                    else:
-                        corrupt += self.block.sum_kind(ks[i]) is None  # dropped as it failed verification
-                done = set(gpu_written)
-                present = [i for i in present if i not in done]
-            for idx, bufs, got, bad in self._staged_block_gets(ks, present):
-                corrupt += bad
-                hits = 0
-                for i, b, length in zip(idx, bufs, got, strict=True):
-                    if length == n:  # verified by the block store: only then does it reach the caller
-                        with memoryview(b) as mv:
-                            dp.runtime.from_host(dests[i], 0, mv[:n])
-                        tiers[i] = "block"
-                        hits += 1
-                dp.counters.add_for("kvcache.block", bytes_staged=n * hits)
-        if self.shared is not None:
-            found = []
-            for i, t in enumerate(tiers):
-                if t is not None:
-                    continue
-                status, _how = self.shared.read_device(ks[i], dests[i], dp, keep=keep)
-                if status == "hit":
-                    tiers[i] = "shared"
-                    found.append(i)
-                corrupt += status == "corrupt"
-                unreadable += status == "unreadable"
-            if found and self.block is not None:  # promotion: the next get finds them in the block store
-                self._promote_device([ks[i] for i in found], [dests[i] for i in found], dp)
-        self.counters.add(gets=len(ks), misses=tiers.count(None), hits_block=tiers.count("block"),
-                          hits_shared=tiers.count("shared"), bytes_got=n * (len(ks) - tiers.count(None)),
-                          corrupt_dropped=corrupt, unreadable=unreadable)
+        """get_into GPU buffers without a pinned tier: each lower tier on the device path's route for it
+        (verified on the GPU, or in host memory and then copied up)."""
+        batch = KVBatch("device", list(dests), device=self._device_path(), keep=keep)
+        tiers = self._load(ks, lambda idx: batch.pick(idx))
+        self._count_gets(tiers)
         return tiers
-
-    def _promote_device(self, ks: list[bytes], blocks: list[Any], dp: Any) -> None:
-        try:
-            self.counters.add(promotions=len(ks) - self._put_device_block_only(ks, blocks, dp))
-        except errors.SfstoreError:
-            self.counters.add(lower_tier_errors=1)
-
-    def _block_gpu_direct(self, dp: Any) -> bool:
-        """Whether GPU blocks go to the block store's slots GPU-direct: cuFile takes its target (an image file
-        on ext4/XFS on NVMe); never a raw namespace."""
-        assert self.block is not None
-        return bool(dp.route_for(self.block.path.fd, self.block.path.device)[0] == "gds")
-
-    def _put_device_block_only(self, ks: list[bytes], blocks: list[Any], dp: Any) -> int:
-        """Put GPU blocks in the block store; how many were dropped (past the deadline, or quarantined). The
-        staged route copies them to host memory on this thread, so a put abandoned past its deadline never
-        reads GPU memory the caller has got back; a GPU-direct one (cuFile) may (sfstore cannot recall it)."""
-        n = self.geometry.block_bytes
-        assert self.block is not None
-        if self._block_gpu_direct(dp):
-            status, _ = self._block_run(functools.partial(self.block.put_many_device, data_class="kvcache.block"),
-                                        list(zip(ks, blocks, strict=True)), dp, what="put")
-            return 0 if status == OK else len(ks)
-        dropped = 0
-        for wave in self._staged_waves(len(ks)):
-            bufs = self._staged_block(len(wave))
-            try:
-                for i, b in zip(wave, bufs, strict=True):
-                    with memoryview(b) as mv:
-                        dp.runtime.to_host(blocks[i], 0, mv[:n])
-            except BaseException:
-                release_all(bufs)
-                raise
-            status, _ = self._block_run(self._put_buffers, [ks[i] for i in wave], bufs, buffers=bufs, what="put")
-            dropped += 0 if status == OK else len(wave)
-            dp.counters.add_for("kvcache.block", bytes_staged=n * len(wave))
-        return dropped
 
     def describe(self) -> dict[str, Any]:
         """How GPU blocks move to and from each tier, and why (the device path's routes), and the device path.
@@ -1213,16 +962,9 @@ class KVCacheStore:
             return out
         dp = self._device_path()
         if self.shared is not None:
-            route, why = dp.route_for(self.shared.fp.beneath.root_fd(), self.shared.fp.root)
-            gpu["shared"] = {"route": route, "why": why}
-        if self.block is not None:
-            route, why = dp.route_for(self.block.path.fd, self.block.path.device)
-            if route == "gds":
-                gpu["block"] = {"route": "gds", "why": f"{why}: slots written and read GPU-direct (kvsum64 on the GPU)"}
-            else:
-                gpu["block"] = {"route": "staged", "why": (
-                    f"cuFile does not take the block store's target ({why}): GPU blocks are staged through "
-                    "sfstore's registered host buffers (xxh3-64 checksums, O_DIRECT)")}
+            gpu["shared"] = self.shared.describe_route(dp)
+        if self.block_tier is not None:
+            gpu["block"] = self.block_tier.describe_route(dp)
         out["gpu_blocks"] = gpu
         out["device"] = dp.describe()
         return out
@@ -1236,15 +978,7 @@ class KVCacheStore:
         bad = chosen - set(TIERS)
         if bad:
             raise errors.InvalidRequestError(f"evict: unknown tier(s) {sorted(bad)}; tiers are {TIERS}")
-        removed = 0
-        for k in ks:
-            if "pinned" in chosen:
-                removed += self.pinned.remove(k)
-            if "block" in chosen and self.block is not None:
-                status, gone = self._block_run(self.block.delete, k, what="delete")
-                removed += status == OK and bool(gone)
-            if "shared" in chosen and self.shared is not None:
-                removed += self.shared.remove(k)
+        removed = sum(tier.remove(ks) for tier in (self.pinned, *self.lower) if tier.name in chosen)
         self.counters.add(evictions=removed)
         return removed
 
@@ -1295,6 +1029,11 @@ class KVCacheStore:
         return out
 
     @property
+    def lower(self) -> list[KVTier]:
+        """The tiers below the pinned one, highest first: a get asks them in this order, a put writes them all."""
+        return [t for t in (self.block_tier, self.shared) if t is not None]
+
+    @property
     def tiers(self) -> list[str]:
         """The tiers this store has, highest first (``pinned``, then ``block`` and ``shared`` where configured);
         no I/O, unlike :meth:`stats`, which lists the shared directory."""
@@ -1302,10 +1041,7 @@ class KVCacheStore:
                 if on]
 
     def _guards(self) -> dict[str, TierGuard]:
-        out = {"block": self._block_guard} if self.block is not None else {}
-        if self.shared is not None:
-            out["shared"] = self.shared.guard
-        return out
+        return {t.name: t.guard for t in self.lower if t.guard is not None}
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1323,11 +1059,8 @@ class KVCacheStore:
             with self._lock:
                 partial, self._partial = list(self._partial.values()), {}
             release_all(lease for lease, _layers in partial)
-            self._block_guard.close()
-            self.pinned.close()
-            self._host_stage.close()
-            if self.shared is not None:
-                self.shared.close()
+            for tier in (*self.lower, self.pinned):
+                tier.close()
             if self._owns_device and self._device is not None:
                 self._device.close()
 

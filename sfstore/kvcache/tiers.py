@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import stat
 import struct
@@ -25,10 +26,11 @@ from sfstore.checksums import SHARED_FILE_SUMS, SumKind, sum_of, xxh3_64, xxh3_6
 from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard, late
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
+from sfstore.kvcache.tier import KVBatch, KVTier, ReadStatus, WriteStatus, read_status
 from sfstore.paths.base import Range
 from sfstore.paths.file import AtomicWriter, FilePath, set_blocking
 
-__all__ = ["HEADER", "Slot", "Lease", "release_all", "PinnedTier", "SharedTier"]
+__all__ = ["HEADER", "Slot", "Lease", "release_all", "lease_again", "PinnedTier", "SharedTier"]
 
 HEADER = 4096  # bytes before the block in a slot and in a shared file
 _MAGIC = b"SFKVBLK1"
@@ -114,6 +116,14 @@ def release_all(held: Iterable[Releasable | None]) -> None:
             item.release()
 
 
+def lease_again(leases: Iterable[Lease]) -> Callable[[], None]:
+    """Another lease on each slot for an operation that reads or fills it; the function returned releases them
+    (once, however often it is called): at the operation's end, which for one abandoned past its deadline comes
+    when its worker returns."""
+    extra = [lease.another() for lease in leases]
+    return functools.partial(release_all, extra)
+
+
 def encode_header(geom: KVGeometry, key: bytes, checksum: int, kind: SumKind = SumKind.XXH3) -> bytes:
     """A shared file's header; ``kind`` says which checksum the block carries."""
     body = _HDR.pack(_MAGIC, SHARED_FILE_SUMS.code(kind), geom.fingerprint(), key, geom.block_bytes, checksum)
@@ -139,14 +149,20 @@ def check_header(view: memoryview, geom: KVGeometry, key: bytes) -> int | None:
     return found[0] if found is not None and found[1] is SumKind.XXH3 else None
 
 
-class PinnedTier:
+class PinnedTier(KVTier):
     """Blocks in registered (pinned) host memory, LRU within a byte budget.
 
     Slots come from a :class:`~sfstore.buffers.RegisteredBufferPool`. Callers hold slots through :class:`Lease`
     objects: a slot with a lease out (a reader, an in-flight write) is never evicted nor reused (the budget may
     be exceeded while many are out). Leases are the only way to hold a slot: the reader counts behind them are
     read and changed only here, under the tier's lock.
+
+    As a :class:`~sfstore.kvcache.tier.KVTier` it reads into and writes from ``host`` batches (a copy of the
+    bytes); the store holds its blocks by lease instead (:meth:`lease`, :meth:`take`, :meth:`insert`): a read of
+    the pinned tier into its own slots is a lease.
     """
+
+    name = "pinned"
 
     def __init__(self, geom: KVGeometry, budget_bytes: int) -> None:
         self.geom = geom
@@ -297,14 +313,55 @@ class PinnedTier:
             self.entries[key] = slot
             self._trim()
 
-    def remove(self, key: bytes) -> bool:
+    def remove(self, keys: Sequence[bytes]) -> int:
+        removed = 0
         with self._lock:
-            slot = self.entries.pop(key, None)
-            if slot is None:
-                return False
-            self._note_removed(key)
-            self._retire(slot)
-            return True
+            for key in keys:
+                slot = self.entries.pop(key, None)
+                if slot is None:
+                    continue
+                self._note_removed(key)
+                self._retire(slot)
+                removed += 1
+        return removed
+
+    # -- the tier contract ------------------------------------------------------------------------------------
+    @property
+    def in_memory(self) -> bool:
+        return True
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [k in self.entries for k in keys]
+
+    def count(self) -> int | None:
+        return len(self)
+
+    def read_into(self, keys: Sequence[bytes], dests: KVBatch) -> list[ReadStatus]:
+        """Copy each resident block into its ``host`` destination (a byte view of a block)."""
+        _host_only(dests, "read")
+        n = self.geom.block_bytes
+        out: list[ReadStatus] = []
+        for i, k in enumerate(keys):
+            lease = self.lease(k)
+            if lease is None:
+                out.append("missing")
+                continue
+            with lease:
+                dests.items[i][:n] = lease.slot.data(n)
+                dests.checksums[i] = lease.slot.checksum or None
+            out.append("hit")
+        return out
+
+    def write(self, keys: Sequence[bytes], srcs: KVBatch) -> list[WriteStatus]:
+        """Copy each ``host`` source (a byte view of a block) into a slot and make it resident."""
+        _host_only(srcs, "write")
+        n = self.geom.block_bytes
+        for i, k in enumerate(keys):
+            with self.take() as lease:
+                lease.slot.data(n)[:] = srcs.items[i]
+                self.insert(k, lease, srcs.checksums[i] or 0)
+        return ["written"] * len(keys)
 
     def _retire(self, slot: Slot) -> None:
         if slot.readers == 0:
@@ -359,7 +416,7 @@ class PinnedTier:
         self._headers.close()
 
 
-class SharedTier:
+class SharedTier(KVTier):
     """Blocks as files in a shared directory (NFS over RDMA on a cluster), content-addressed by key.
 
     ``<dir>/<key[0:1] hex>/<key hex>.kvb``: a 4096-byte header (magic, geometry, key, length, xxh3-64) and the
@@ -387,6 +444,9 @@ class SharedTier:
     starts at ``quarantine_s``. A read reaches the caller's memory only from the caller's thread, once verified
     and in time; a write that missed its deadline is not published if it has not been yet.
     """
+
+    name = "shared"
+    guard: TierGuard
 
     def __init__(
         self, geom: KVGeometry, directory: str | os.PathLike[str], *, fsync: bool = False, on: FilePath | None = None,
@@ -417,7 +477,7 @@ class SharedTier:
         self._scratch = RegisteredBufferPool(HEADER + self.slot_bytes)
         self._headers = RegisteredBufferPool(HEADER)
 
-    def name(self, key: bytes) -> str:
+    def file_name(self, key: bytes) -> str:
         """The block file's name under the file path's root."""
         return self.prefix + self._rel(key)
 
@@ -710,7 +770,7 @@ class SharedTier:
         with memoryview(buf) as view:
             return self._read(key, [view])[0]
 
-    def read_into(self, key: bytes, slot: Slot, release: Callable[[], None] | None = None) -> str:
+    def read_slot(self, key: bytes, slot: Slot, release: Callable[[], None] | None = None) -> str:
         """Read the block into ``slot`` (the tier's own memory); on a ``"hit"`` its checksum is set.
         ``release`` is called once this tier is done with the slot: before this returns, or, past the deadline
         (``"timeout"``), when the abandoned worker returns."""
@@ -720,8 +780,8 @@ class SharedTier:
     def read_many_into(self, keys: Sequence[bytes], slots: Sequence[Slot],
                        release: Callable[[], None] | None = None) -> list[str]:
         """Read each key's block into its slot (the tier's own memory) as one batch: every file is opened and
-        checked as :meth:`read_into` does, then all their reads are in flight at once, then each is verified.
-        A status per key, as :meth:`read_into` answers it; on a ``"hit"`` the slot's checksum is set.
+        checked as :meth:`read_slot` does, then all their reads are in flight at once, then each is verified.
+        A status per key, as :meth:`read_slot` answers it; on a ``"hit"`` the slot's checksum is set.
 
         One deadline covers the whole batch: past it every key answers ``"timeout"`` (``"quarantined"`` for
         every key while the tier is). ``release`` is called once this tier is done with all the slots: before
@@ -816,9 +876,9 @@ class SharedTier:
         sub, base = self._entry(key)
         self._unlink_if(sub, base, lambda st: not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)))
 
-    def write(self, key: bytes, slot: Slot, release: Callable[[], None] | None = None) -> bool | None:
+    def write_slot(self, key: bytes, slot: Slot, release: Callable[[], None] | None = None) -> bool | None:
         """Publish the block in ``slot`` (its header is filled here); ``False`` when it is already there, ``None``
-        when dropped (past the deadline, or quarantined). ``release`` is as for :meth:`read_into`."""
+        when dropped (past the deadline, or quarantined). ``release`` is as for :meth:`read_slot`."""
         status, done = self._run_holding(release, self._write, key, slot, what="a write")
         return bool(done) if status == OK else None
 
@@ -831,7 +891,7 @@ class SharedTier:
         hdr = encode_header(self.geom, key, slot.checksum)
         hview[:len(hdr)] = hdr
         hview[len(hdr):HEADER] = bytes(HEADER - len(hdr))
-        with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:  # both parts straight from the slot
+        with self.fp.open_writer(self.file_name(key), fsync=self.fsync) as w:  # both parts straight from the slot
             w.write(hview[:HEADER])
             w.write(slot.data(self.geom.block_bytes))
             _not_late()
@@ -900,7 +960,7 @@ class SharedTier:
             hdr = encode_header(self.geom, key, checksum, kind)
             hview[:len(hdr)] = hdr
             hview[len(hdr):] = bytes(HEADER - len(hdr))
-            with self.fp.open_writer(self.name(key), fsync=self.fsync) as w:
+            with self.fp.open_writer(self.file_name(key), fsync=self.fsync) as w:
                 w.write(hview)
                 yield w
                 _not_late()
@@ -912,7 +972,7 @@ class SharedTier:
     def read_device(self, key: bytes, dest: Any, device: Any, *, keep: bool = True) -> tuple[str, str]:
         """Read the block of ``key`` into the GPU buffer ``dest`` through ``device``: ``(status, how)``.
 
-        ``status`` is as for :meth:`read_into`. A block a GPU put wrote (kvsum64) is read on the device path's
+        ``status`` is as for :meth:`read_slot`. A block a GPU put wrote (kvsum64) is read on the device path's
         route and verified on the GPU (``how``: the route); with ``keep`` it lands in a GPU scratch buffer first
         and reaches ``dest`` only once verified. A block a host put wrote (xxh3-64, which a GPU does not compute)
         is read and verified in host memory and copied up (``how``: ``"staged"``).
@@ -1000,11 +1060,66 @@ class SharedTier:
             buf.release()
         return "hit", "staged"
 
-    def remove(self, key: bytes) -> bool:
-        """Remove the key's file (beneath the directory); ``True`` when a block file was removed (``False`` past
-        the deadline or quarantined too). A directory at the name is left alone."""
-        status, gone = self.guard.run(self._remove, key, what="a removal")
-        return status == OK and bool(gone)
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Remove the keys' files (beneath the directory); how many block files were removed (none past the
+        deadline or while quarantined). A directory at a name is left alone."""
+        removed = 0
+        for key in keys:
+            status, gone = self.guard.run(self._remove, key, what="a removal")
+            removed += status == OK and bool(gone)
+        return removed
+
+    # -- the tier contract ------------------------------------------------------------------------------------
+    @property
+    def supports_device_buffers(self) -> bool:
+        return True
+
+    def read_into(self, keys: Sequence[bytes], dests: KVBatch) -> list[ReadStatus]:
+        """Leased slots are filled straight from the files (held by further leases while the read may go on),
+        the caller's host memory through scratch buffers, GPU buffers on the device path's route; many files
+        are read as one batch (``_SHARED_WAVE`` at a time, each under one deadline)."""
+        ks = list(keys)
+        out: list[ReadStatus] = []
+        if dests.kind == "device":
+            for k, d in zip(ks, dests.items, strict=True):
+                out.append(read_status(self.read_device(k, d, dests.device, keep=dests.keep)[0]))
+            return out
+        for start in range(0, len(ks), _SHARED_WAVE):
+            wave = range(start, min(len(ks), start + _SHARED_WAVE))
+            wk = [ks[i] for i in wave]
+            if dests.kind == "slots":
+                leases = [dests.items[i] for i in wave]
+                got = self.read_many_into(wk, [lease.slot for lease in leases], release=lease_again(leases))
+                for i, lease, status in zip(wave, leases, got, strict=True):
+                    if status == "hit":
+                        dests.checksums[i] = lease.slot.checksum
+            else:
+                got = self.read_many_views(wk, [dests.items[i] for i in wave])
+            out += [read_status(g) for g in got]
+        return out
+
+    def write(self, keys: Sequence[bytes], srcs: KVBatch) -> list[WriteStatus]:
+        """Publish each block (its xxh3-64 taken from ``srcs.checksums`` where known, else computed here)."""
+        n = self.geom.block_bytes
+        out: list[WriteStatus] = []
+        for i, k in enumerate(keys):
+            item = srcs.items[i]
+            if srcs.kind == "slots":
+                slot = item.slot
+                slot.checksum = srcs.checksums[i] if srcs.checksums[i] is not None else xxh3_64(slot.data(n))
+                done = self.write_slot(k, slot, release=lease_again([item]))
+            elif srcs.kind == "host":
+                known = srcs.checksums[i]
+                done = self.write_view(k, item, known if known is not None else xxh3_64(item))
+            else:
+                done = self.write_device(k, item, srcs.device)
+            out.append("dropped" if done is None else "written" if done else "exists")
+        return out
+
+    def describe_route(self, device: Any) -> dict[str, str]:
+        """How GPU blocks move to and from the files on ``device``'s routes, and why."""
+        route, why = device.route_for(self.fp.beneath.root_fd(), self.fp.root)
+        return {"route": route, "why": why}
 
     def _remove(self, key: bytes) -> bool:
         sub, base = self._entry(key)
@@ -1058,6 +1173,10 @@ class SharedTier:
         self._headers.close()
 
 
+# shared files read as one batch, in flight together under one deadline: bounds the descriptors open at once and
+# the bytes one deadline has to cover (a wave that misses it quarantines the tier, so the waves after it answer
+# at once)
+_SHARED_WAVE = 64
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
 
@@ -1090,6 +1209,14 @@ def _not_late() -> None:
     """Raise :class:`_Late` in a write that was abandoned, so that its temporary file is discarded."""
     if late():
         raise _Late
+
+
+def _host_only(batch: KVBatch, op: str) -> None:
+    if batch.kind != "host":
+        raise errors.InvalidRequestError(
+            f"the pinned tier cannot {op} a batch of {batch.kind}: its own slots are held by lease, other memory "
+            "is copied in and out by the store"
+        )
 
 
 def _is_sub(name: str) -> bool:

@@ -186,7 +186,7 @@ def test_a_stalled_block_store_misses_within_the_deadline(tmp_path: Path) -> Non
         keys = [w.key(kv, i) for i in range(3)]
         kv.put(keys[:2], [w.block(0), w.block(1)])
         dest = np.full(w.GEOM.block_bytes, 7, dtype=np.uint8)
-        guard = kv._block_guard
+        guard = kv.block_tier.guard
         with simulated_stall(bs, "_read_entries", tmp_path) as stall:
             for keep in (True, False):
                 wait_for(lambda: not guard.quarantined(), 5.0)

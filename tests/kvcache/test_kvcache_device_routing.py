@@ -139,7 +139,7 @@ def test_emulated_gpu_a_corrupt_shared_block_is_a_miss_that_leaves_the_destinati
         src = _blocks(1, seed=9)
         keys = kv.keys_for(list(range(GEOM.block_tokens)))
         kv.put(keys, src)
-        name = tmp_path / "shared" / kv.shared.name(keys[0])  # type: ignore[union-attr]
+        name = tmp_path / "shared" / kv.shared.file_name(keys[0])  # type: ignore[union-attr]
         raw = bytearray(name.read_bytes())
         raw[HEADER + 1000] ^= 0xFF
         name.write_bytes(bytes(raw))

@@ -46,7 +46,7 @@ def _publish(shared: Path, blocks: dict[int, int], namespace: str = "") -> list[
 
 def _file(kv: KVCacheStore, shared: Path, key: bytes) -> Path:
     assert kv.shared is not None
-    return shared / kv.shared.name(key)
+    return shared / kv.shared.file_name(key)
 
 
 @pytest.fixture(autouse=True)
@@ -155,8 +155,8 @@ def test_the_tier_answers_a_status_per_key(tmp_path: Path) -> None:
     try:
         assert kv.shared is not None
         os.truncate(_file(kv, shared, keys[2]), 100)
-        (shared / kv.shared.name(keys[1])).parent.mkdir(parents=True, exist_ok=True)
-        (shared / kv.shared.name(keys[1])).mkdir()  # a directory at the name
+        (shared / kv.shared.file_name(keys[1])).parent.mkdir(parents=True, exist_ok=True)
+        (shared / kv.shared.file_name(keys[1])).mkdir()  # a directory at the name
         leases = [kv.pinned.take() for _ in keys]
         slots = [lease.slot for lease in leases]
         released: list[int] = []
