@@ -779,7 +779,35 @@ class KVCacheStore:
             if release:
                 release_all(srcs.items)
 
-    def allocate_pinned(self) -> int:
+    # -- the pinned tier, for engines ----------------------------------------------------------------------------
+    @property
+    def pinned_capacity(self) -> int:
+        """Blocks the pinned tier holds within its budget (0: no pinned tier)."""
+        return self.pinned.capacity
+
+    @property
+    def pinned_bytes_per_block(self) -> int:
+        """Registered memory one pinned block takes (its slot and its header)."""
+        return self.pinned.bytes_per_slot
+
+    def pinned_count(self, keys: Iterable[bytes]) -> int:
+        """How many of ``keys`` the pinned tier holds now (no I/O)."""
+        return sum(self.pinned.present(list(keys)))
+
+    def in_pinned(self, key: bytes) -> bool:
+        """Whether the pinned tier holds ``key`` now (no I/O)."""
+        return key in self.pinned
+
+    def track_pinned_removals(self) -> None:
+        """From now on, note each block that leaves the pinned tier (evicted or removed), for
+        :meth:`take_pinned_removals` (an engine's KV events)."""
+        self.pinned.track_removals()
+
+    def take_pinned_removals(self) -> list[bytes]:
+        """The keys that left the pinned tier since the last call (none unless :meth:`track_pinned_removals`)."""
+        return self.pinned.take_removed()
+
+    def allocate_pinned(self, blocks: int | None = None) -> int:
         """Allocate the pinned tier's whole budget now: every slot it can hold, registered (locked in memory where
         the limits allow) and ready, so that later puts, gets and prefetches do not pay for allocating registered
         memory (``mmap``, page faults and ``mlock`` of each new slot) on the way: once the tier is full, a new
@@ -787,10 +815,11 @@ class KVCacheStore:
         budget at start. Returns the slots allocated by this call (0 when they all exist).
 
         Takes time and memory in proportion to ``pinned_bytes``, at once; without this call slots are allocated as
-        blocks first arrive (and :meth:`prepare_pinned` keeps some ready).
+        blocks first arrive (and :meth:`prepare_pinned` keeps some ready). ``blocks``: allocate only until that
+        many slots exist (within the capacity).
         """
         self._check_open()
-        return self.pinned.reserve(self.pinned.capacity)
+        return self.pinned.reserve(self.pinned.capacity if blocks is None else blocks)
 
     def prepare_pinned(self, idle: int) -> bool:
         """Allocate pinned slots in the background until ``idle`` hold no block (within the pinned tier's

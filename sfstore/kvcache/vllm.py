@@ -595,8 +595,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending_loads[request.request_id] = BlockTransfer(request.request_id, keys, list(block_ids[first:last]))
         tracker.saved_blocks = max(tracker.saved_blocks, last)  # loaded blocks are in the store already
         # where the blocks are now, before a prefetch promotes them (get_external_cache_hit_sources)
-        self._host_hits[request.request_id] = sum(1 for k in keys if k in self.store.pinned)
-        if self._ahead.workers and len(keys) <= self.store.pinned.capacity // 2:
+        self._host_hits[request.request_id] = self.store.pinned_count(keys)
+        if self._ahead.workers and len(keys) <= self.store.pinned_capacity // 2:
             self._ahead.put(request.request_id, keys, self._prefetch(keys))  # a worker in this process takes it
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
@@ -701,7 +701,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 except RuntimeError:  # pages not contiguous with each other: loaded block by block
                     self._layers_viewable[id(cache)] = False
         self._kv_caches = dict(kv_caches)
-        self.store.pinned.track_removals()  # each block leaving the pinned tier is a BlockRemoved for routers
+        self.store.track_pinned_removals()  # each block leaving the pinned tier is a BlockRemoved for routers
         if not self._counted_worker:
             self._counted_worker = True
             self._ahead.add_worker(1)
@@ -712,9 +712,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             made = self.store.allocate_pinned()
             if made:
                 log.info("SfstoreConnector: pinned tier allocated: %d slots, %.0f MiB, in %.2f s", made,
-                         made * self.store.pinned.bytes_per_slot / (1 << 20), time.monotonic() - t0)
+                         made * self.store.pinned_bytes_per_block / (1 << 20), time.monotonic() - t0)
         else:  # the first loads' slots (and one step's kept ready after each step: wait_for_save)
-            self.store.pinned.reserve(self._ready_slots)
+            self.store.allocate_pinned(self._ready_slots)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -737,7 +737,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     @property
     def _ready_slots(self) -> int:
         """Idle pinned slots kept ready for the next step's loads (one step's worth, at most half the tier)."""
-        return min(self._step_blocks, self.store.pinned.capacity // 2)
+        return min(self._step_blocks, self.store.pinned_capacity // 2)
 
     def _layer_of(self, layer_name: str) -> int | None:
         return self._layer_index.get(layer_name)
@@ -761,7 +761,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._step_start = {key: staging.record(staging.current_stream(dev)) for key, dev in devices.items()}
             keys = [k for t in self._loads for k in t.keys]
             self._dropped_before = self._dropped()
-            if len(keys) > self.store.pinned.capacity // 2:
+            if len(keys) > self.store.pinned_capacity // 2:
                 for t in self._loads:
                     self._ahead.drop(t.req_id)
                 self._load_all_layers_now()
@@ -786,7 +786,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         is pinned, before the forward pass (the loads are synchronous for the scheduler either way)."""
         keys = [k for t in self._loads for k in t.keys]
         block_ids = [b for t in self._loads for b in t.block_ids]
-        chunk = max(1, self.store.pinned.capacity // 2)
+        chunk = max(1, self.store.pinned_capacity // 2)
         failed: set[int] = set()
         devices: dict[str, torch.device] = {}
         for i in range(0, len(keys), chunk):
@@ -1163,7 +1163,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if t.req_id in self._failed_reqs or t.token_ids is None or t.parents is None:
                 continue
             for key, toks, parent in zip(t.keys, t.token_ids, t.parents, strict=True):
-                if key not in self._saved_keys or key not in self.store.pinned:  # not committed this step
+                if key not in self._saved_keys or not self.store.in_pinned(key):  # not committed this step
                     continue
                 self._stats["blocks_saved"] += 1
                 if "pinned" in tiers:
@@ -1185,7 +1185,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         such as Dynamo or llm-d see what sfstore holds); ``medium`` names the sfstore tier. A block saved here
         that leaves the pinned tier is a ``BlockRemoved`` with medium ``sfstore/pinned``; a block that failed to
         load, one with medium ``None``."""
-        gone = [k for k in self.store.pinned.take_removed() if k in self._announced]
+        gone = [k for k in self.store.take_pinned_removals() if k in self._announced]
         if gone and BlockRemoved is not None:
             # evicted from the pinned tier (its least recently used blocks leave it), or removed: a lower tier may
             # still hold them, as its own BlockStored said
