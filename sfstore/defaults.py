@@ -320,6 +320,11 @@ _SETTINGS_LIST = [
             "default namespace (the directory itself; the default). 1 to 64 letters, digits, `.`, `_`, `-`.",
             pattern=r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}",
             pattern_text="1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"),
+    Setting("kvcache_chunk_tokens", "int", 256,
+            "Tokens per file of a `KVCacheStore`'s shared tier: consecutive blocks of one prompt are stored as "
+            "one chunk file of this many tokens (a multiple of the geometry's `block_tokens`), laid out "
+            "layer-major, so a hit of n tokens opens about n / this files (on NFS each open and close is a round "
+            "trip to the server). 0: one file per block.", minimum=0, maximum=1 << 20),
     Setting("kvcache_io_timeout_ms", "int", 500,
             "Deadline of every operation of a `KVCacheStore`'s block-store and shared tiers, in milliseconds (0: "
             "none: a stalled mount then holds the caller until it returns). Past it a get is a miss and a put is "

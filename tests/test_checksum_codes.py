@@ -150,7 +150,7 @@ def _block(seed: int) -> bytes:
 def test_emulated_gpu_shared_files_carry_and_read_their_codes(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     dp = DevicePath(runtime=EmulatedDeviceRuntime("gds"))
-    with KVCacheStore(GEOM, model_id="m", pinned_bytes=0, shared_dir=shared, device=dp) as kv:
+    with KVCacheStore(GEOM, model_id="m", pinned_bytes=0, shared_dir=shared, device=dp, chunk_tokens=0) as kv:
         keys = kv.keys_for(list(range(6 * GEOM.block_tokens)))
         kv.put(keys[:1], [bytearray(_block(0))])  # a host put
         kv.put(keys[1:2], [gpu_array(GEOM.block_bytes, fill=np.frombuffer(_block(1), np.uint8))])  # GPU-direct

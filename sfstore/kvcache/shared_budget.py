@@ -5,6 +5,7 @@ The state lives in the directory and nowhere else, written with operations that 
 for the default namespace, ``ns/<name>/`` beneath it for another) holds::
 
     <xx>/<key hex>.kvb         block files (the shared tier's)
+    <xx>/<key hex>.<B>.<m>.kvc chunk files: runs of m blocks (:mod:`sfstore.kvcache.shared_chunks`)
     <xx>/.evicting-*           a block being evicted: renamed away from its name, then unlinked
     .sfkv/writers/<id>.json    one record per process that writes here: host, pid, bytes it added and evicted,
                                heartbeat, budget (rewritten atomically at most once a heartbeat)
@@ -429,7 +430,8 @@ class SharedBudget:
                                 continue
                             if self.fp.is_temporary(name):
                                 out.temporaries.append((sub, name, st))
-                            elif name.endswith(".kvb") and not name.startswith(".") and stat.S_ISREG(st.st_mode):
+                            elif (name.endswith((".kvb", ".kvc")) and not name.startswith(".")
+                                  and stat.S_ISREG(st.st_mode)):
                                 out.total += st.st_size
                                 out.files += 1
                                 cands.append((max(st.st_atime_ns, st.st_mtime_ns), sub, name, st.st_ino,

@@ -26,6 +26,7 @@ from sfstore.counters import Counters
 from sfstore.futures import DoneFuture, ExecutorFuture
 from sfstore.futures import Future as SfFuture
 from sfstore.kvcache.block_tier import BlockKVTier
+from sfstore.kvcache.chains import KeyChains
 from sfstore.kvcache.deadline import TierGuard
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
 from sfstore.kvcache.held import HeldBlocks
@@ -144,6 +145,7 @@ class KVCacheStore:
         cache_namespace: str | None = None,
         io_timeout_ms: int | None = None,
         quarantine_ms: int | None = None,
+        chunk_tokens: int | None = None,
     ) -> None:
         if not isinstance(geometry, KVGeometry):
             raise errors.InvalidRequestError(
@@ -162,6 +164,14 @@ class KVCacheStore:
                          defaults.SETTINGS["kvcache_io_timeout_ms"].parse(io_timeout_ms, "KVCacheStore(io_timeout_ms)"))
         backoff_ms = int(defaults.get("kvcache_quarantine_ms") if quarantine_ms is None else
                          defaults.SETTINGS["kvcache_quarantine_ms"].parse(quarantine_ms, "KVCacheStore(quarantine_ms)"))
+        chunk = int(defaults.get("kvcache_chunk_tokens") if chunk_tokens is None else
+                    defaults.SETTINGS["kvcache_chunk_tokens"].parse(chunk_tokens, "KVCacheStore(chunk_tokens)"))
+        if chunk % geometry.block_tokens:
+            raise errors.ConfigError(
+                f"kvcache_chunk_tokens={chunk} is not a multiple of the geometry's block_tokens "
+                f"({geometry.block_tokens}): a chunk file holds whole blocks (e.g. "
+                f"{max(1, chunk // geometry.block_tokens) * geometry.block_tokens}; 0: a file per block)"
+            )
         if isinstance(block_store, str) or not (block_store is None or isinstance(block_store, BlockStore)):
             raise errors.ConfigError(f"block_store must be a BlockStore or None, not {block_store!r}")
         self.geometry = geometry
@@ -174,9 +184,13 @@ class KVCacheStore:
             )
         self.block: BlockStore | None = block_store
         self.cache_namespace = cache_ns
+        self.chunk_tokens = chunk
+        # the chains keys_for made: the shared tier finds the chunk file of a block from its key through them
+        self.chains = KeyChains()
         self.shared = (SharedTier(geometry, shared_dir, fsync=fsync_shared, on=shared_on, namespace=cache_ns,
                                   budget_bytes=shared_budget, timeout_s=timeout_ms / 1000,
-                                  quarantine_s=backoff_ms / 1000)
+                                  quarantine_s=backoff_ms / 1000, chunk_blocks=chunk // geometry.block_tokens,
+                                  chains=self.chains)
                        if shared_dir is not None else None)
         # the block store's calls run under a deadline of their own (its I/O may stall on a fabric too)
         self.block_tier = (BlockKVTier(block_store, geometry, timeout_s=timeout_ms / 1000,
@@ -229,8 +243,13 @@ class KVCacheStore:
 
     # -- keys -------------------------------------------------------------------------------------------------
     def keys_for(self, token_ids: Sequence[int] | Any, extra: Iterable[Any] = ()) -> list[bytes]:
-        """One chained key per full block of ``token_ids`` (see :func:`~sfstore.kvcache.geometry.chained_keys`)."""
-        return chained_keys(token_ids, self.geometry.block_tokens, self.namespace, extra)
+        """One chained key per full block of ``token_ids`` (see :func:`~sfstore.kvcache.geometry.chained_keys`).
+
+        The store notes the chain, so that the shared tier stores and finds these blocks in chunk files
+        (``kvcache_chunk_tokens``); blocks of keys made elsewhere are stored a file per block."""
+        keys = chained_keys(token_ids, self.geometry.block_tokens, self.namespace, extra)
+        self.chains.add(keys)
+        return keys
 
     def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         out = []
@@ -459,7 +478,48 @@ class KVCacheStore:
         """Write the blocks to every lower tier, highest first (the checksum one tier computed is passed to the
         next); count the dropped writes in ``puts_dropped``."""
         for tier in self.lower:
-            self.counters.add(puts_dropped=tier.write(keys, srcs).count("dropped"))
+            extra: list[Lease] = []
+            ks, batch = keys, srcs
+            if tier is self.shared and srcs.kind == "slots":
+                ks, batch, extra = self._with_chunk_heads(keys, srcs)
+            try:
+                self.counters.add(puts_dropped=tier.write(ks, batch).count("dropped"))
+            finally:
+                release_all(extra)
+
+    def _with_chunk_heads(self, keys: list[bytes], srcs: KVBatch) -> tuple[list[bytes], KVBatch, list[Lease]]:
+        """A batch of slots for the shared tier's chunk files, completed with the earlier blocks of each chunk it
+        starts inside of, leased from the pinned tier where it holds them (a prompt saved over several steps: a
+        step's blocks begin inside a chunk whose first blocks an earlier step saved). Returns the keys, the batch
+        and the leases taken (the caller's to release)."""
+        if self.shared is None or self.shared.chunks is None:
+            return keys, srcs, []
+        per = self.shared.chunks.per_chunk
+        have = set(keys)
+        more_keys: list[bytes] = []
+        more: list[Lease] = []
+        try:
+            for k in keys:
+                at = self.chains.locate(k)
+                if at is None:
+                    continue
+                chain, pos = at
+                for q in range(pos - pos % per, pos):
+                    if chain[q] in have:
+                        continue
+                    lease = self.pinned.lease(chain[q])
+                    if lease is None:
+                        break  # the chunk cannot be completed: the shared tier stores its blocks as block files
+                    have.add(chain[q])
+                    more_keys.append(chain[q])
+                    more.append(lease)
+        except BaseException:
+            release_all(more)
+            raise
+        if not more:
+            return keys, srcs, []
+        batch = KVBatch("slots", list(srcs.items) + more, checksums=list(srcs.checksums) + [None] * len(more))
+        return keys + more_keys, batch, more
 
     @contextlib.contextmanager
     def _lower_tier_put(self, count: int) -> Iterator[None]:
@@ -1032,6 +1092,10 @@ class KVCacheStore:
         out["shared_budget_bytes"] = self.shared.budget.budget if self.shared is not None else None
         out["shared_budget_errors"] = self.shared.budget.errors if self.shared is not None else 0
         out["cache_namespace"] = self.cache_namespace
+        # files the shared tier opened to read blocks (chunk files and block files): a hit of n tokens opens
+        # about n / chunk_tokens of them
+        out["shared_opens"] = self.shared.counters.snapshot()["opens"] if self.shared is not None else 0
+        out["chunk_tokens"] = self.chunk_tokens
         # deadlines: operations past theirs (gets were misses, puts dropped), and each tier's quarantine
         guards = self._guards()
         out["deadline_misses"] = sum(g.counters.snapshot()["deadline_misses"] for g in guards.values())

@@ -23,9 +23,12 @@ from typing import Any, Protocol
 from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.checksums import SHARED_FILE_SUMS, SumKind, sum_of, xxh3_64, xxh3_64_many
+from sfstore.counters import Counters
+from sfstore.kvcache.chains import KeyChains
 from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard, late
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
+from sfstore.kvcache.shared_chunks import CHUNK_SUFFIX, ChunkFiles, Entry, parse_name
 from sfstore.kvcache.tier import KVBatch, KVTier, ReadStatus, WriteStatus, read_status
 from sfstore.paths.base import Range
 from sfstore.paths.file import AtomicWriter, FilePath, set_blocking
@@ -451,7 +454,7 @@ class SharedTier(KVTier):
     def __init__(
         self, geom: KVGeometry, directory: str | os.PathLike[str], *, fsync: bool = False, on: FilePath | None = None,
         namespace: str = "", budget_bytes: int = 0, budget_options: dict[str, Any] | None = None,
-        timeout_s: float = 0.0, quarantine_s: float = 1.0,
+        timeout_s: float = 0.0, quarantine_s: float = 1.0, chunk_blocks: int = 0, chains: KeyChains | None = None,
     ) -> None:
         self.geom = geom
         ns = namespace_prefix(namespace)
@@ -476,6 +479,11 @@ class SharedTier(KVTier):
         # a write's header is staged in a registered buffer. Both pools allocate on first use and reuse.
         self._scratch = RegisteredBufferPool(HEADER + self.slot_bytes)
         self._headers = RegisteredBufferPool(HEADER)
+        # blocks whose chain is known are stored in chunk files of ``chunk_blocks`` (see shared_chunks)
+        self.chains = chains
+        self.chunks = ChunkFiles(self, chunk_blocks) if chunk_blocks > 0 and chains is not None else None
+        # files opened to read blocks (chunk and block files): a hit of n blocks should open about n / chunk
+        self.counters = Counters(("opens",))
 
     def file_name(self, key: bytes) -> str:
         """The block file's name under the file path's root."""
@@ -536,13 +544,68 @@ class SharedTier(KVTier):
         status, found = self.guard.run(self._present, list(keys), what="a lookup")
         return [bool(f) for f in found] if status == OK else [False] * len(keys)
 
+    def _split(self, keys: Sequence[bytes]) -> tuple[list[Entry], list[int]]:
+        """The keys whose chain is known, as entries for the chunk files (none without them), and the indices of
+        the others (block files)."""
+        if self.chunks is None or self.chains is None:
+            return [], list(range(len(keys)))
+        entries: list[Entry] = []
+        plain: list[int] = []
+        for i, k in enumerate(keys):
+            at = self.chains.locate(k)
+            if at is None:
+                plain.append(i)
+            else:
+                entries.append((i, at[0], at[1]))
+        return entries, plain
+
     def _present(self, keys: list[bytes]) -> list[bool]:
+        out = [False] * len(keys)
+        entries, plain = self._split(keys)
+        if entries:
+            assert self.chunks is not None
+            for (i, _c, _p), found in zip(entries, self.chunks.present(entries), strict=True):
+                out[i] = found
+        # block files: keys without a chain, and those no chunk holds (files of the per-block format)
+        rest = sorted(plain + [i for i, _c, _p in entries if not out[i]])
+        for i, found in zip(rest, self._present_files([keys[i] for i in rest]), strict=True):
+            out[i] = found
+        return out
+
+    def _present_files(self, keys: list[bytes]) -> list[bool]:
         modes = self._stat_many(keys, leading=False)
         if modes is None:
             return [self._contains(k) for k in keys]
         return [m >= 0 and stat.S_ISREG(m) for m in modes]
 
+    def _regular(self, names: list[str]) -> list[bool]:
+        """Whether a regular file is at each name (relative to the tier's directory)."""
+        many = _stat_many
+        if many is not None and len(names) >= 2:
+            try:
+                modes = [int(m) for m in many(self._dir(), names, _O_PATH, False)]
+            except OSError:  # the directory itself is not there (nothing written yet)
+                return [False] * len(names)
+            if not any(m == -errno.ENOSYS for m in modes):
+                return [m >= 0 and stat.S_ISREG(m) for m in modes]
+            _no_open_many()
+        out = []
+        for name in names:
+            try:
+                fd = self._open(name, _O_PATH)
+            except OSError:
+                out.append(False)
+                continue
+            try:
+                out.append(stat.S_ISREG(os.fstat(fd).st_mode))
+            finally:
+                os.close(fd)
+        return out
+
     def _leading_present(self, keys: list[bytes]) -> int:
+        if self.chunks is not None:  # a chunk's runs are looked up together: the prefix follows from presence
+            found = self._present(keys)
+            return found.index(False) if False in found else len(found)
         modes = self._stat_many(keys, leading=True)
         if modes is not None:
             return sum(1 for m in modes if m >= 0 and stat.S_ISREG(m))  # (the list stops after the first miss)
@@ -602,6 +665,7 @@ class SharedTier(KVTier):
                 out[i] = (status, 0)
                 if status == "corrupt" and st is not None:
                     drops.append((i, st))
+            self.counters.add(opens=len(opened))
             results = self._submit_files([fd for _i, fd, _st in opened], [views[i] for i, _fd, _st in opened])
             read: list[tuple[int, int, os.stat_result, tuple[int, SumKind] | None, memoryview]] = []
             for (i, fd, st), got in zip(opened, results, strict=True):
@@ -920,11 +984,12 @@ class SharedTier(KVTier):
         except OSError:
             self.budget.errors += 1  # accounting is advisory: the write goes on (gc recounts from the files)
 
-    def _published(self) -> None:
-        """Count a block file just published, and keep the namespace within its budget (best effort: the
-        block is published whatever the accounting meets; the next scan recounts)."""
+    def _published(self, nbytes: int | None = None) -> None:
+        """Count a file just published (a block file, or ``nbytes`` of a chunk file), and keep the namespace
+        within its budget (best effort: the file is published whatever the accounting meets; the next scan
+        recounts)."""
         try:
-            self.budget.added_bytes(HEADER + self.geom.block_bytes)
+            self.budget.added_bytes(HEADER + self.geom.block_bytes if nbytes is None else nbytes)
             self.budget.enforce()
         except OSError:
             self.budget.errors += 1
@@ -990,6 +1055,7 @@ class SharedTier(KVTier):
             fd = self._open(f"{sub}/{base}", _READ_FLAGS)
         except OSError as exc:
             return ("missing" if exc.errno == errno.ENOENT else "unreadable"), ""
+        self.counters.add(opens=1)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -1064,8 +1130,13 @@ class SharedTier(KVTier):
         """Remove the keys' files (beneath the directory); how many block files were removed (none past the
         deadline or while quarantined). A directory at a name is left alone."""
         removed = 0
-        for key in keys:
+        located = {i: (c, p) for i, c, p in self._split(keys)[0]}
+        for i, key in enumerate(keys):
             status, gone = self.guard.run(self._remove, key, what="a removal")
+            at = located.get(i)
+            if at is not None and self.chunks is not None:
+                c_status, c_gone = self.guard.run(self.chunks.remove, at[0], at[1], what="a removal")
+                gone = bool(gone) or (c_status == OK and bool(c_gone))
             removed += status == OK and bool(gone)
         return removed
 
@@ -1079,6 +1150,25 @@ class SharedTier(KVTier):
         the caller's host memory through scratch buffers, GPU buffers on the device path's route; many files
         are read as one batch (``_SHARED_WAVE`` at a time, each under one deadline)."""
         ks = list(keys)
+        entries, _plain = self._split(ks)
+        if entries:
+            answered = self._read_chunks(entries, dests)
+            if answered:  # the blocks no chunk holds are looked for in block files (the per-block format)
+                rest = [i for i in range(len(ks)) if i not in answered]
+                part = dests.pick(rest)
+                got = self._read_files([ks[i] for i in rest], part) if rest else []
+                dests.take_checksums(rest, part)
+                full: list[ReadStatus] = ["missing"] * len(ks)
+                for i, st in answered.items():
+                    full[i] = st
+                for i, st in zip(rest, got, strict=True):
+                    full[i] = st
+                return full
+        return self._read_files(ks, dests)
+
+    def _read_files(self, ks: list[bytes], dests: KVBatch) -> list[ReadStatus]:
+        """Read block files (the per-block format) into host memory, slots, or GPU buffers (on the device path's
+        route)."""
         out: list[ReadStatus] = []
         if dests.kind == "device":
             for k, d in zip(ks, dests.items, strict=True):
@@ -1098,11 +1188,69 @@ class SharedTier(KVTier):
             out += [read_status(g) for g in got]
         return out
 
-    def write(self, keys: Sequence[bytes], srcs: KVBatch) -> list[WriteStatus]:
-        """Publish each block (its xxh3-64 taken from ``srcs.checksums`` where known, else computed here)."""
+    def _read_chunks(self, entries: list[Entry], dests: KVBatch) -> dict[int, ReadStatus]:
+        """Read the blocks of ``entries`` from chunk files into ``dests`` (slots: straight in, held by further
+        leases while the read may go on; host memory: through scratch buffers, copied on this thread once
+        verified and in time). The status of each key a chunk file answered (hits, and failures of a file);
+        keys no chunk holds are left out."""
+        assert self.chunks is not None
         n = self.geom.block_bytes
-        out: list[WriteStatus] = []
-        for i, k in enumerate(keys):
+        out: dict[int, ReadStatus] = {}
+        for start in range(0, len(entries), _SHARED_WAVE):
+            wave = entries[start:start + _SHARED_WAVE]
+            if dests.kind == "slots":
+                leases = [dests.items[i] for i, _c, _p in wave]
+                targets = [lease.slot.data(n) for lease in leases]
+                status, got = self._run_holding(lease_again(leases), self.chunks.read, wave, targets,
+                                                what=f"a read of {len(wave)} blocks")
+                answers = [str(g) for g in got] if status == OK else [status] * len(wave)
+            else:
+                bufs = [self._scratch.acquire() for _ in wave]
+                views = [memoryview(b)[:n] for b in bufs]
+
+                def release(views: list[memoryview] = views, bufs: list[Any] = bufs) -> None:
+                    for v in views:
+                        v.release()
+                    release_all(bufs)
+
+                try:
+                    status, got = self.guard.run(self.chunks.read, wave, views, on_late=release,
+                                                 what=f"a read of {len(wave)} blocks")
+                except BaseException:
+                    release()
+                    raise
+                answers = [str(g) for g in got] if status == OK else [status] * len(wave)
+                if status != TIMEOUT:
+                    try:
+                        hits = 0
+                        for (i, _c, _p), v, a in zip(wave, views, answers, strict=True):
+                            if a != "hit":
+                                continue
+                            if dests.kind == "device":  # chunk files are read in host memory, then copied up
+                                dests.device.runtime.from_host(dests.items[i], 0, v)
+                                hits += 1
+                            else:
+                                dests.items[i][:n] = v
+                        if hits:
+                            dests.device.counters.add_for("kvcache.shared", bytes_staged=n * hits)
+                    finally:
+                        release()
+            for (i, _c, _p), a in zip(wave, answers, strict=True):
+                if a != "missing":
+                    out[i] = read_status(a)
+        return out
+
+    def write(self, keys: Sequence[bytes], srcs: KVBatch) -> list[WriteStatus]:
+        """Publish each block: runs of blocks whose chain is known as chunk files (see
+        :mod:`~sfstore.kvcache.shared_chunks`; GPU blocks as block files, on the device path's route), the others
+        as block files (their xxh3-64 taken from ``srcs.checksums`` where known, else computed here)."""
+        n = self.geom.block_bytes
+        out: list[WriteStatus] = ["dropped"] * len(keys)
+        entries, plain = self._split(keys) if srcs.kind != "device" else ([], list(range(len(keys))))
+        if entries:
+            plain = sorted(plain + self._write_chunks(entries, srcs, out))
+        for i in plain:
+            k = keys[i]
             item = srcs.items[i]
             if srcs.kind == "slots":
                 slot = item.slot
@@ -1113,8 +1261,30 @@ class SharedTier(KVTier):
                 done = self.write_view(k, item, known if known is not None else xxh3_64(item))
             else:
                 done = self.write_device(k, item, srcs.device)
-            out.append("dropped" if done is None else "written" if done else "exists")
+            out[i] = "dropped" if done is None else "written" if done else "exists"
         return out
+
+    def _write_chunks(self, entries: list[Entry], srcs: KVBatch, out: list[WriteStatus]) -> list[int]:
+        """Publish the runs ``entries`` make (each built in a registered buffer on this thread, so a write past
+        its deadline never reads the caller's memory). Returns the indices of the blocks no run takes (their
+        chunk's first blocks are not in the batch): the caller stores them as block files."""
+        assert self.chunks is not None
+        n = self.geom.block_bytes
+        runs, skipped = self.chunks.plan(entries)
+        for run, js in runs:
+            idx = [entries[j][0] for j in js]
+            views = [srcs.items[i].slot.data(n) if srcs.kind == "slots" else srcs.items[i] for i in idx]
+            buf = self.chunks.build(run, views)
+            try:
+                status, done = self.guard.run(self.chunks.write, run, buf, on_late=buf.release, what="a write")
+            except BaseException:
+                buf.release()
+                raise
+            if status != TIMEOUT:
+                buf.release()
+            for i in idx:
+                out[i] = "dropped" if status != OK else "written" if done else "exists"
+        return [entries[j][0] for j in skipped]
 
     def describe_route(self, device: Any) -> dict[str, str]:
         """How GPU blocks move to and from the files on ``device``'s routes, and why."""
@@ -1150,7 +1320,13 @@ class SharedTier(KVTier):
                 except OSError:
                     continue
                 try:  # hidden names (temporary files, blocks being evicted) are not blocks
-                    n += sum(1 for f in os.listdir(fd) if f.endswith(".kvb") and not f.startswith("."))
+                    for f in os.listdir(fd):
+                        if f.startswith("."):
+                            continue
+                        if f.endswith(".kvb"):
+                            n += 1
+                        elif f.endswith(CHUNK_SUFFIX):
+                            n += parse_name(f) or 0
                 finally:
                     os.close(fd)
         finally:
@@ -1171,6 +1347,8 @@ class SharedTier(KVTier):
             os.close(fd)
         self._scratch.close()
         self._headers.close()
+        if self.chunks is not None:
+            self.chunks.close()
 
 
 # shared files read as one batch, in flight together under one deadline: bounds the descriptors open at once and

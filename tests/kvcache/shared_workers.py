@@ -92,10 +92,15 @@ def killed_evictor(shared: str, budget: int, first: int, count: int) -> None:
     os._exit(3)  # never evicted: the test fails on the exit code
 
 
+def key_in_name(name: str) -> bytes:
+    """The key a block file's name holds, or a chunk file's of one block (these tests' prompts are one block)."""
+    return bytes.fromhex(name.split(".")[0])
+
+
 def files_in(root: Path) -> list[Path]:
-    """The block files of the default namespace's root (what any lookup can find)."""
+    """The block and chunk files of the default namespace's root (what any lookup can find)."""
     return [f for sub in root.iterdir() if sub.is_dir() and len(sub.name) == 2
-            for f in sub.iterdir() if f.name.endswith(".kvb") and not f.name.startswith(".")]
+            for f in sub.iterdir() if f.name.endswith((".kvb", ".kvc")) and not f.name.startswith(".")]
 
 
 def leftovers(root: Path) -> list[Path]:

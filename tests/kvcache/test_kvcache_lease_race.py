@@ -94,6 +94,8 @@ def test_promotion_never_reads_a_slot_reused_while_leased(block_store: BlockStor
     others = [bytes([0xEE]) * 8 + k[8:] for k in keys]  # blocks the putter cycles through the pinned tier
     want = {k: _content(k, n) for k in keys + others}
     kv = _wide_store(geom, block_store, shared_dir, slots=4)
+    # this store makes the prompt's keys too, so it finds the blocks in the writer's chunk files
+    assert kv.keys_for(list(range(24 * geom.block_tokens))) == keys
     wrong: list[str] = []
     errors: list[BaseException] = []
     start = threading.Barrier(6)

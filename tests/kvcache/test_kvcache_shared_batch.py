@@ -3,7 +3,8 @@ be, under one deadline for the batch.
 
 Files are made hit, missing, corrupt (a flipped byte), truncated, of another cache namespace, and not a block at
 all (a FIFO) on a real directory; a stalled file is an open that waits in the kernel on a FIFO no one writes
-(the technique of ``test_kvcache_deadlines``).
+(the technique of ``test_kvcache_deadlines``). The stores here keep a file per block (``chunk_tokens=0``): the
+format blocks whose chain the store does not know are kept in (chunk files: ``test_kvcache_chunks``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ PINNED = 16 * (w.GEOM.block_bytes + HEADER)
 
 
 def _open(shared: Path, *, pinned: int, namespace: str = "", **kwargs: Any) -> KVCacheStore:
+    kwargs.setdefault("chunk_tokens", 0)
     return KVCacheStore(w.GEOM, model_id=MODEL, pinned_bytes=pinned, shared_dir=shared, cache_namespace=namespace,
                         **kwargs)
 

@@ -47,7 +47,7 @@ def every_block_whole(root: Path) -> int:
         dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
         found = files_in(root)
         for f in found:
-            k = bytes.fromhex(f.stem)
+            k = w.key_in_name(f.name)
             assert kv.get_into([k], [dest]) == ["shared"], f
             assert np.array_equal(dest, w.block(index[k]))
         return len(found)
@@ -113,7 +113,7 @@ def test_sigkill_of_writers_and_of_an_evictor_leaves_what_gc_repairs(tmp_path: P
     kv = w.open_store(str(shared), 0)
     try:
         dest = np.full(w.GEOM.block_bytes, 7, dtype=np.uint8)
-        assert kv.get_into([bytes.fromhex(victim[:-4])], [dest]) == [None] and (dest == 7).all()
+        assert kv.get_into([w.key_in_name(victim)], [dest]) == [None] and (dest == 7).all()
         assert kv.stats()["resident"]["shared"] == len(files_in(shared))
     finally:
         kv.close()
@@ -203,7 +203,8 @@ def test_recently_read_blocks_stay(tmp_path: Path) -> None:
         kv.put([keys[i]], [w.block(i)])
     assert kv.shared is not None
     kv.shared.close()
-    kv.shared = Tier(w.GEOM, shared, budget_bytes=10 * FILE, budget_options=tier_opts)
+    kv.shared = Tier(w.GEOM, shared, budget_bytes=10 * FILE, budget_options=tier_opts, chunk_blocks=16,
+                     chains=kv.chains)
     dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
     time.sleep(0.01)
     for i in range(5):  # read: their access times are newer than every other block's

@@ -15,6 +15,7 @@ import pytest
 from sfstore import errors
 from sfstore.blocks import BlockStore
 from sfstore.kvcache import KVCacheStore, KVGeometry
+from sfstore.kvcache.shared_chunks import chunk_header_bytes
 from sfstore.kvcache.tiers import SharedTier
 
 torch = pytest.importorskip("torch")
@@ -187,10 +188,10 @@ def test_two_processes_share_the_shared_tier(shared_dir: Path, geom: KVGeometry)
         reader.close()
 
 
-def _endless_writer(shared: str) -> None:
+def _endless_writer(shared: str, chunk_tokens: int) -> None:
     from tests.kvcache.conftest import GEOM
 
-    kv = KVCacheStore(GEOM, model_id="tiny", pinned_bytes=1 << 20, shared_dir=shared)
+    kv = KVCacheStore(GEOM, model_id="tiny", pinned_bytes=1 << 20, shared_dir=shared, chunk_tokens=chunk_tokens)
     i = 0
     while True:
         tokens = list(range(i * 16, i * 16 + 64))
@@ -198,27 +199,42 @@ def _endless_writer(shared: str) -> None:
         i += 1
 
 
-def test_killed_writer_leaves_no_visible_partial_block(shared_dir: Path, geom: KVGeometry) -> None:
+@pytest.mark.parametrize("chunk_tokens", [0, 64], ids=["block-files", "chunk-files"])
+def test_killed_writer_leaves_no_visible_partial_block(shared_dir: Path, geom: KVGeometry, chunk_tokens: int) -> None:
     ctx = multiprocessing.get_context("spawn")
     for trial in range(5):
-        p = ctx.Process(target=_endless_writer, args=(str(shared_dir),))
+        p = ctx.Process(target=_endless_writer, args=(str(shared_dir), chunk_tokens))
         p.start()
         deadline = time.time() + 60
-        while time.time() < deadline and not any(shared_dir.rglob("*.kvb")):
+        while time.time() < deadline and not any(shared_dir.rglob("*.kv[bc]")):
             time.sleep(0.01)
         time.sleep(0.05 * trial)
         assert p.pid is not None
         os.kill(p.pid, signal.SIGKILL)
         p.join()
     tier = SharedTier(geom, shared_dir)
-    files = [f for f in shared_dir.rglob("*.kvb") if not tier.fp.is_temporary(f.name)]
+    files = [f for f in shared_dir.rglob("*.kv[bc]") if not tier.fp.is_temporary(f.name)]
     assert files
-    for f in files:
-        assert f.stat().st_size == 4096 + geom.block_bytes
-    reader = KVCacheStore(geom, model_id="tiny", pinned_bytes=1 << 20, shared_dir=shared_dir)
+    reader = KVCacheStore(geom, model_id="tiny", pinned_bytes=1 << 20, shared_dir=shared_dir,
+                          chunk_tokens=chunk_tokens)
     try:
-        keys = [bytes.fromhex(f.stem) for f in files]
-        assert None not in reader.get_into(keys, empty(geom, len(keys)))  # every visible block verifies
+        if chunk_tokens == 0:
+            for f in files:
+                assert f.stat().st_size == 4096 + geom.block_bytes
+            keys = [bytes.fromhex(f.stem) for f in files]
+            assert None not in reader.get_into(keys, empty(geom, len(keys)))  # every visible block verifies
+        else:  # a chunk file holds one prompt's 4 blocks: every prompt is whole or absent, and verifies
+            assert all(f.stat().st_size == chunk_header_bytes(geom, 4) + 4 * geom.block_bytes for f in files)
+            found = 0
+            for i in range(5 * 400):
+                keys = reader.keys_for(list(range(i * 16, i * 16 + 64)))
+                dst = empty(geom, 4)
+                got = reader.get_into(keys, dst)
+                assert got in (["shared"] * 4, [None] * 4), got
+                if got[0] is not None:
+                    found += 1
+                    assert all(torch.equal(a, b) for a, b in zip(dst, blocks_for(geom, 4, seed=i), strict=True))
+            assert found == len(files)
     finally:
         reader.close()
 
@@ -228,7 +244,7 @@ def test_corrupt_shared_file_is_a_miss_never_returned(kv: KVCacheStore, geom: KV
     kv.put(keys, blocks_for(geom, 1))
     kv.wait_for_puts()
     kv.evict(keys, tiers=("pinned", "block"))
-    f = next(shared_dir.rglob("*.kvb"))
+    f = next(shared_dir.rglob("*.kv[bc]"))  # a block file, or a chunk file of one block: byte 5000 is its block's
     data = bytearray(f.read_bytes())
     data[5000] ^= 1
     f.write_bytes(bytes(data))
@@ -271,7 +287,8 @@ def test_block_store_too_small_for_a_block_is_a_config_error(tmp_path: Path, geo
 def test_without_a_pinned_tier_blocks_move_straight_from_and_to_the_callers_memory(
     block_store: BlockStore, shared_dir: Path, geom: KVGeometry
 ) -> None:
-    kv = KVCacheStore(geom, model_id="direct", pinned_bytes=0, block_store=block_store, shared_dir=shared_dir)
+    kv = KVCacheStore(geom, model_id="direct", pinned_bytes=0, block_store=block_store, shared_dir=shared_dir,
+                      chunk_tokens=0)  # (it damages the block file of one key)
     try:
         keys = kv.keys_for(range(16 * 3))
         src = blocks_for(geom, 3, seed=5)

@@ -154,8 +154,9 @@ def make_store(
             bs = BlockStore({"kind": "image", "path": str(tmp_path / "hot.img"), "size": 8 << 20},
                             size_classes=(GEOM.block_bytes,))
             made.append(bs)
+        # a file per block: the damage is made at one block's file (chunk files: tests/kvcache/test_kvcache_chunks)
         kv = KVCacheStore(GEOM, model_id="contract", pinned_bytes=(16 * (GEOM.block_bytes + 4096)) if pinned else 0,
-                          block_store=bs, shared_dir=tmp_path / "shared")
+                          block_store=bs, shared_dir=tmp_path / "shared", chunk_tokens=0)
         made.insert(0, kv)
         return kv
 

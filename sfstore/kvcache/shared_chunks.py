@@ -1,0 +1,529 @@
+"""The shared tier's chunk files: runs of consecutive blocks of one prompt in one file, laid out layer-major.
+
+On NFS every open and close is a round trip to the server, so a file per block makes a long prompt's hit pay
+for tens of them. The shared tier therefore stores the blocks whose chain it knows (:mod:`sfstore.kvcache.chains`)
+in chunks of ``B = kvcache_chunk_tokens / block_tokens`` blocks: the chunk ``c`` of a prompt holds its blocks
+``[cB, cB + B)``, and a run of its first ``m`` blocks is the file::
+
+    <xx>/<key of the run's last block, hex>.<B>.<m>.kvc
+
+(``xx``: that key's first byte, as block files'). The last key names everything before it (keys are chained
+prefix hashes), so a name is exact: another prompt that shares the chunk's first blocks and then differs has
+other last keys. A hit of ``n`` blocks opens ``ceil(n / B)`` files; a lookup asks for each chunk's longest run
+first, and only at the chunk where the prompt's stored prefix ends for the shorter ones.
+
+A file is a header of whole 4096-byte pages (magic, checksum kind, ``B``, geometry fingerprint, ``m``, layers,
+the position of its first block, a layer's bytes per block, the ``m`` keys, an xxh3-64 per block per layer, and
+the header's own xxh3-64), then the body, layer-major: layer ``l`` of the run is one contiguous range, block by
+block, so a layer of every block of a chunk is one read and each block's slice of it is verified on its own.
+
+A prompt's last, partial chunk is stored as a shorter run (``m < B``); when the prompt grows, the longer run is
+written and the shorter one removed. So that a prompt which shares only the first blocks of a stored chunk (a
+shorter prompt, or one that differs after them) still finds them, the first run written from a chunk's first
+block is pointed to by a symbolic link named after that block's key::
+
+    <xx>/<key of the chunk's first block, hex>.<B>.first  ->  <the run's file name>
+
+A reader whose own runs of a chunk are not there reads the link (a name, never followed), verifies the run's
+header, and takes the blocks its keys share with that run: one more open at most, at the chunk where its stored
+prefix ends. The link moves to a longer run of the same prompt; a dangling one is replaced.
+
+A run is written only from its chunk's first block: the blocks of a put that start inside a chunk whose first
+blocks the caller does not give (nor the pinned tier, see :class:`~sfstore.kvcache.store.KVCacheStore`) are
+stored as block files, which reads look for where no run holds a block.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sfstore.buffers import RegisteredBufferPool
+from sfstore.checksums import SHARED_FILE_SUMS, SumKind, xxh3_64, xxh3_64_many
+from sfstore.kvcache.deadline import late
+from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
+from sfstore.paths.base import Range
+from sfstore.paths.file import set_blocking
+from sfstore.temp_names import temp_name
+
+if TYPE_CHECKING:
+    from sfstore.kvcache.tiers import SharedTier
+
+__all__ = ["ChunkRun", "ChunkFiles", "chunk_header_bytes", "CHUNK_SUFFIX"]
+
+CHUNK_SUFFIX = ".kvc"
+_MAGIC = b"SFKVCHK1"
+# magic, checksum kind's code, reserved, blocks per chunk, fingerprint, blocks in the file, layers, first block's
+# position, a layer's bytes per block
+_HDR = struct.Struct("<8sHHI16sIIQQ")
+_SUM = struct.Struct("<Q")
+_PAGE = 4096
+
+Entry = tuple[int, tuple[bytes, ...], int]  # (index in the caller's batch, chain, position in it)
+
+
+def chunk_header_bytes(geom: KVGeometry, m: int) -> int:
+    """Bytes of a run's header (whole pages) for ``m`` blocks."""
+    raw = _HDR.size + m * KEY_BYTES + m * geom.num_layers * _SUM.size + _SUM.size
+    return -(-raw // _PAGE) * _PAGE
+
+
+@dataclass(frozen=True)
+class ChunkRun:
+    """The first ``m`` blocks of the chunk that starts at position ``start`` of ``chain``; or, with ``last``, a run
+    a chunk's link points to, whose keys after the chunk's first one are known only once its header is read."""
+
+    chain: tuple[bytes, ...]
+    start: int
+    m: int
+    per_chunk: int
+    last: bytes | None = None
+
+    @property
+    def pointed(self) -> bool:
+        return self.last is not None
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        return self.chain[self.start:self.start + self.m]
+
+    @property
+    def rel(self) -> str:
+        """The file's name under the tier's directory."""
+        h = (self.last if self.last is not None else self.chain[self.start + self.m - 1]).hex()
+        return f"{h[:2]}/{h}.{self.per_chunk}.{self.m}{CHUNK_SUFFIX}"
+
+    @property
+    def link(self) -> str:
+        """The name of its chunk's link."""
+        h = self.chain[self.start].hex()
+        return f"{h[:2]}/{h}.{self.per_chunk}.first"
+
+
+def parse_name(name: str) -> int | None:
+    """The blocks a chunk file's name says it holds (``None``: not a chunk file's name)."""
+    parts = name.split(".")
+    if len(parts) != 4 or "." + parts[3] != CHUNK_SUFFIX or len(parts[0]) != 2 * KEY_BYTES or name.startswith("."):
+        return None
+    try:
+        m = int(parts[2])
+        return m if m > 0 and int(parts[1]) >= m else None
+    except ValueError:
+        return None
+
+
+def encode_header(geom: KVGeometry, run: ChunkRun, sums: Sequence[int]) -> bytes:
+    body = _HDR.pack(_MAGIC, SHARED_FILE_SUMS.code(SumKind.XXH3), 0, run.per_chunk, geom.fingerprint(), run.m,
+                     geom.num_layers, run.start, geom.layer_bytes)
+    body += b"".join(run.keys) + b"".join(_SUM.pack(s) for s in sums)
+    return body + _SUM.pack(xxh3_64(body))
+
+
+def decode_header(view: memoryview, geom: KVGeometry, run: ChunkRun) -> tuple[list[int], int] | None:
+    """``(per-slice checksums ([layer][block]), blocks the caller may take)`` when the header is intact and
+    describes ``run``: all ``m`` of an exact run; of a pointed run, those whose keys the caller's chain shares
+    (its last key must be the one its name says)."""
+    m, layers = run.m, geom.num_layers
+    end = _HDR.size + m * KEY_BYTES + m * layers * _SUM.size
+    if len(view) < end + _SUM.size or view[:8] != _MAGIC or _SUM.unpack_from(view, end)[0] != xxh3_64(view[:end]):
+        return None
+    _mg, code, _r, per, fp, mm, ll, start, lb = _HDR.unpack_from(view)
+    if (SHARED_FILE_SUMS.kind(code) is not SumKind.XXH3 or per != run.per_chunk or fp != geom.fingerprint()
+            or mm != m or ll != layers or start != run.start or lb != geom.layer_bytes):
+        return None
+    at = _HDR.size
+    keys = [bytes(view[at + i * KEY_BYTES:at + (i + 1) * KEY_BYTES]) for i in range(m)]
+    if run.last is None:
+        if keys != list(run.keys):
+            return None
+        shared = m
+    else:
+        if keys[-1] != run.last or keys[0] != run.chain[run.start]:
+            return None
+        mine = run.chain[run.start:run.start + m]
+        shared = next((i for i, (a, b) in enumerate(zip(keys, mine, strict=False)) if a != b), min(m, len(mine)))
+    at += m * KEY_BYTES
+    return [_SUM.unpack_from(view, at + i * _SUM.size)[0] for i in range(m * layers)], shared
+
+
+@dataclass
+class _Open:
+    run: ChunkRun
+    fd: int
+    st: os.stat_result
+    entries: list[int] = field(default_factory=list)  # indices into the caller's entries
+
+
+class ChunkFiles:
+    """The chunk files of one shared tier (see the module): presence, reads, writes, removal.
+
+    Runs on the tier's worker threads (the tier's guard is the caller's); uses the tier's directory descriptor,
+    its file path (reads as one batch of ranges, atomic writes) and its budget.
+    """
+
+    def __init__(self, tier: SharedTier, per_chunk: int) -> None:
+        self.tier = tier
+        self.geom = tier.geom
+        self.per_chunk = per_chunk
+        self.header_bytes = chunk_header_bytes(self.geom, per_chunk)
+        self._headers = RegisteredBufferPool(self.header_bytes)
+        self._bufs = RegisteredBufferPool(self.header_bytes + per_chunk * self.geom.block_bytes)
+
+    def close(self) -> None:
+        self._headers.close()
+        self._bufs.close()
+
+    # -- which run holds a block ------------------------------------------------------------------------------
+    def _runs_for(self, chain: tuple[bytes, ...], pos: int) -> list[ChunkRun]:
+        """The runs that hold the block at ``pos``, longest first (each ends at or after it)."""
+        start = pos - pos % self.per_chunk
+        last = min(start + self.per_chunk, len(chain)) - 1
+        return [ChunkRun(chain, start, e - start + 1, self.per_chunk) for e in range(last, pos - 1, -1)]
+
+    def resolve(self, entries: Sequence[Entry]) -> list[ChunkRun | None]:
+        """For each entry the longest run on disk that holds its block (``None``: none does). Each chunk's longest
+        possible run is looked up first, in one batch for all chunks; only chunks where it is missing have their
+        shorter runs looked up, in a second batch."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for j, (_i, chain, pos) in enumerate(entries):
+            groups.setdefault((id(chain), pos // self.per_chunk), []).append(j)
+        out: list[ChunkRun | None] = [None] * len(entries)
+        cands = {g: self._runs_for(entries[js[0]][1], min(entries[j][2] for j in js)) for g, js in groups.items()}
+        first = list(groups)
+        found = self.tier._regular([cands[g][0].rel for g in first])
+        second = [g for g, f in zip(first, found, strict=True) if not f and len(cands[g]) > 1]
+        chosen: dict[tuple[int, int], ChunkRun] = {g: cands[g][0] for g, f in zip(first, found, strict=True) if f}
+        if second:
+            names = [r.rel for g in second for r in cands[g][1:]]
+            more = iter(self.tier._regular(names))
+            for g in second:
+                for r in cands[g][1:]:
+                    if next(more) and g not in chosen:
+                        chosen[g] = r
+        for g in first:  # the chunk's link: a run of another prompt (or a longer one) that starts as this one
+            if g not in chosen:
+                run = self._pointed(cands[g][0])
+                if run is not None:
+                    chosen[g] = run
+        for g, js in groups.items():
+            run = chosen.get(g)
+            if run is None:
+                continue
+            for j in js:
+                if entries[j][2] < run.start + run.m:
+                    out[j] = run
+        return out
+
+    def shared_blocks(self, run: ChunkRun) -> int:
+        """How many of a pointed run's blocks the caller's chain shares (0 when its header does not verify):
+        its header is read (an open of the file)."""
+        hb = chunk_header_bytes(self.geom, run.m)
+        try:
+            fd = self.tier._open(run.rel, _READ_FLAGS)
+        except OSError:
+            return 0
+        self.tier.counters.add(opens=1)
+        try:
+            head = os.pread(fd, hb, 0)
+        except OSError:
+            return 0
+        finally:
+            os.close(fd)
+        decoded = decode_header(memoryview(head), self.geom, run)
+        return decoded[1] if decoded is not None else 0
+
+    def present(self, entries: Sequence[Entry]) -> list[bool]:
+        """Whether a run on disk holds each entry's block (a pointed run's header is read to tell)."""
+        runs = self.resolve(entries)
+        shared: dict[str, int] = {}
+        out = []
+        for (_i, _c, pos), run in zip(entries, runs, strict=True):
+            if run is None:
+                out.append(False)
+                continue
+            if run.pointed:
+                if run.rel not in shared:
+                    shared[run.rel] = self.shared_blocks(run)
+                out.append(pos - run.start < shared[run.rel])
+            else:
+                out.append(True)
+        return out
+
+    def _pointed(self, mine: ChunkRun) -> ChunkRun | None:
+        """The run the link of ``mine``'s chunk names (``None``: no link, or not a chunk file's name)."""
+        sub, base = mine.link.split("/")
+        try:
+            pfd = self.tier._open(sub, _O_PATH | os.O_DIRECTORY)
+        except OSError:
+            return None
+        try:
+            target = os.readlink(base, dir_fd=pfd)
+        except OSError:
+            return None
+        finally:
+            os.close(pfd)
+        m = parse_name(target)
+        if m is None or "/" in target or not target.startswith(sub) or m > self.per_chunk:
+            return None
+        try:
+            last = bytes.fromhex(target.split(".")[0])
+        except ValueError:
+            return None
+        return ChunkRun(mine.chain, mine.start, m, self.per_chunk, last=last)
+
+    # -- reads ------------------------------------------------------------------------------------------------
+    def read(self, entries: Sequence[Entry], targets: Sequence[memoryview]) -> list[str]:
+        """Read each entry's block into its target (a block-sized view) from the run that holds it: every file
+        opened first, then all their ranges (the header and each wanted block's slice of each layer) in one
+        batch of the file path, then each verified. A status per entry (``"missing"`` where no run holds it;
+        ``"corrupt"`` for each entry of a file that fails verification: it is removed)."""
+        out = ["missing"] * len(entries)
+        runs = self.resolve(entries)
+        files: dict[str, _Open] = {}
+        lost: list[tuple[ChunkRun, os.stat_result]] = []
+        heads: list[Any] = []
+        try:
+            for j, run in enumerate(runs):
+                if run is None:
+                    continue
+                f = files.get(run.rel)
+                if f is None:
+                    status, opened, st = self._open(run)
+                    if opened is None:
+                        out[j] = status
+                        if status == "corrupt" and st is not None:
+                            lost.append((run, st))
+                        continue
+                    f = files[run.rel] = opened
+                f.entries.append(j)
+            ranges: list[Range] = []
+            owners: list[_Open | None] = []
+            lb, layers = self.geom.layer_bytes, self.geom.num_layers
+            for f in files.values():
+                head = self._headers.acquire()
+                heads.append(head)
+                hb = chunk_header_bytes(self.geom, f.run.m)
+                ranges.append(Range.read(0, hb, head, 0, f.fd))
+                owners.append(f)
+                for j in f.entries:
+                    k = entries[j][2] - f.run.start
+                    for layer in range(layers):
+                        ranges.append(Range.read(hb + (layer * f.run.m + k) * lb, lb, targets[j], layer * lb, f.fd))
+                        owners.append(None)
+            results = self._submit(ranges)
+            failed: set[int] = set()
+            owner: _Open | None = None
+            for fo, r, got in zip(owners, ranges, results, strict=True):
+                if fo is not None:
+                    owner = fo
+                if owner is not None and (got is None or got != r.length):
+                    failed.add(id(owner))
+            for f, head in zip(files.values(), heads, strict=True):
+                if id(f) in failed:
+                    self.tier.fp.counters.add(errors=1)
+                    for j in f.entries:
+                        out[j] = "unreadable"
+                    continue
+                with memoryview(head) as hv:
+                    decoded = decode_header(hv[:chunk_header_bytes(self.geom, f.run.m)], self.geom, f.run)
+                good = decoded is not None
+                if decoded is not None:
+                    sums, shared = decoded
+                    foreign = [j for j in f.entries if entries[j][2] - f.run.start >= shared]
+                    for j in foreign:  # another prompt's blocks there: this one's are not stored
+                        out[j] = "missing"
+                    f.entries = [j for j in f.entries if entries[j][2] - f.run.start < shared]
+                    views = [targets[j][layer * lb:(layer + 1) * lb] for j in f.entries for layer in range(layers)]
+                    want = [sums[layer * f.run.m + entries[j][2] - f.run.start]
+                            for j in f.entries for layer in range(layers)]
+                    good = xxh3_64_many(views) == want
+                    for v in views:
+                        v.release()
+                self.tier.fp.counters.add(files=1)
+                if not good:
+                    lost.append((f.run, f.st))
+                    for j in f.entries:
+                        out[j] = "corrupt"
+                    continue
+                self.tier.budget.touch(f.fd, f.st)
+                for j in f.entries:
+                    out[j] = "hit"
+        finally:
+            for f in files.values():
+                os.close(f.fd)
+            for h in heads:
+                h.release()
+        for run, st in lost:  # (after the close: NFS renames a file still open where it is unlinked)
+            self._drop(run, st)
+        if late():
+            return [s if s != "hit" else "timeout" for s in out]
+        return out
+
+    def _open(self, run: ChunkRun) -> tuple[str, _Open | None, os.stat_result | None]:
+        """Open a run's file for reading: ``("open", file, status)`` for a regular file of the run's size (made
+        blocking, O_DIRECT where the file path uses it); else a miss's status, and the status of a regular file
+        of another size (corrupt: to remove)."""
+        try:
+            fd = self.tier._open(run.rel, _READ_FLAGS)
+        except OSError as exc:
+            return ("missing" if exc.errno == errno.ENOENT else "unreadable"), None, None
+        self.tier.counters.add(opens=1)
+        try:
+            st = os.fstat(fd)
+            want = chunk_header_bytes(self.geom, run.m) + run.m * self.geom.block_bytes
+            if not stat.S_ISREG(st.st_mode) or st.st_size != want:
+                os.close(fd)
+                regular = stat.S_ISREG(st.st_mode)
+                return ("corrupt" if regular else "unreadable"), None, (st if regular else None)
+            set_blocking(fd, direct=self.tier.fp.direct)
+        except OSError:
+            os.close(fd)
+            self.tier.fp.counters.add(errors=1)
+            return "unreadable", None, None
+        return "open", _Open(run, fd, st), st
+
+    def _submit(self, ranges: list[Range]) -> list[int | None]:
+        if not ranges:
+            return []
+        try:
+            return [r if r >= 0 else None for r in
+                    self.tier.fp.submit(ranges, data_class="kvcache.shared").results()]
+        except OSError:
+            return [None] * len(ranges)
+
+    def _drop(self, run: ChunkRun, st: os.stat_result) -> None:
+        sub, base = run.rel.split("/")
+        gone = self.tier._unlink_if(sub, base, lambda now: (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino))
+        if gone is not None and stat.S_ISREG(gone.st_mode):
+            self.tier.budget.removed_bytes(gone.st_size)
+
+    # -- writes -----------------------------------------------------------------------------------------------
+    def plan(self, entries: Sequence[Entry]) -> tuple[list[tuple[ChunkRun, list[int]]], list[int]]:
+        """The runs a batch of blocks makes: for each chunk whose blocks in the batch start at its first block and
+        follow each other, ``(run, the entries in its order)``; and the entries of the other chunks (skipped)."""
+        groups: dict[tuple[int, int], dict[int, int]] = {}
+        for j, (_i, chain, pos) in enumerate(entries):
+            groups.setdefault((id(chain), pos // self.per_chunk), {})[pos] = j
+        runs: list[tuple[ChunkRun, list[int]]] = []
+        skipped: list[int] = []
+        for (_cid, c), by_pos in groups.items():
+            chain = entries[next(iter(by_pos.values()))][1]
+            start = c * self.per_chunk
+            m = 0
+            while start + m in by_pos and m < self.per_chunk:
+                m += 1
+            if m == 0:
+                skipped += list(by_pos.values())
+                continue
+            run = ChunkRun(chain, start, m, self.per_chunk)
+            runs.append((run, [by_pos[start + k] for k in range(m)]))
+            skipped += [j for p, j in by_pos.items() if p >= start + m]
+        return runs, skipped
+
+    def build(self, run: ChunkRun, sources: Sequence[memoryview]) -> Any:
+        """The file of ``run`` in a registered buffer (the caller releases it): its blocks (``sources``, in order)
+        copied layer-major after the header, each slice's xxh3-64 in the header."""
+        lb, layers = self.geom.layer_bytes, self.geom.num_layers
+        hb = chunk_header_bytes(self.geom, run.m)
+        buf = self._bufs.acquire()
+        try:
+            with memoryview(buf) as v:
+                for layer in range(layers):
+                    for k, src in enumerate(sources):
+                        at = hb + (layer * run.m + k) * lb
+                        v[at:at + lb] = src[layer * lb:(layer + 1) * lb]
+                body = [v[hb + i * lb:hb + (i + 1) * lb] for i in range(layers * run.m)]
+                sums = xxh3_64_many(body)
+                for b in body:
+                    b.release()
+                hdr = encode_header(self.geom, run, sums)
+                v[:len(hdr)] = hdr
+                v[len(hdr):hb] = bytes(hb - len(hdr))
+        except BaseException:
+            buf.release()
+            raise
+        return buf
+
+    def write(self, run: ChunkRun, buf: Any) -> bool:
+        """Publish ``run`` from ``buf`` (made by :meth:`build`); ``False`` when it, or a longer run of its chunk,
+        is there already. Shorter runs of the chunk are removed once it is published."""
+        longer = self._runs_for(run.chain, run.start + run.m - 1)  # runs ending at or after this one's last block
+        if any(self.tier._regular([r.rel for r in longer])):
+            return False
+        size = chunk_header_bytes(self.geom, run.m) + run.m * self.geom.block_bytes
+        self.tier._register()
+        with memoryview(buf) as v, self.tier.fp.open_writer(self.tier.prefix + run.rel, fsync=self.tier.fsync) as w:
+            w.write(v[:size])
+            if late():
+                raise _LateWrite
+        self.tier._published(size)
+        self._point(run)
+        shorter = [ChunkRun(run.chain, run.start, m, self.per_chunk) for m in range(1, run.m)]
+        for r, there in zip(shorter, self.tier._regular([r.rel for r in shorter]), strict=True):
+            if there:
+                self._remove_run(r)
+        return True
+
+    def _point(self, run: ChunkRun) -> None:
+        """Make the chunk's link name ``run`` when there is none, it dangles, or it names a shorter run of the same
+        prompt (best effort: a link is an aid to other prompts' lookups, never needed for this one's)."""
+        sub, base = run.link.split("/")
+        target = run.rel.split("/")[1]
+        try:
+            pfd = self.tier._open(sub, _O_PATH | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            try:
+                now = os.readlink(base, dir_fd=pfd)
+            except FileNotFoundError:
+                now = None
+            except OSError:
+                return  # something else at the name: left alone
+            if now is not None:
+                m = parse_name(now)
+                keep = m is not None and (
+                    m >= run.m or now.split(".")[0] != run.chain[run.start + m - 1].hex())
+                if keep and self.tier._regular([f"{sub}/{now}"])[0]:
+                    return
+            tmp = temp_name(base, "tmp")  # a writer killed before the rename leaves what gc removes
+            os.symlink(target, tmp, dir_fd=pfd)
+            try:
+                os.rename(tmp, base, src_dir_fd=pfd, dst_dir_fd=pfd)
+            except OSError:
+                os.unlink(tmp, dir_fd=pfd)
+        except OSError:
+            pass
+        finally:
+            os.close(pfd)
+
+    # -- removal ----------------------------------------------------------------------------------------------
+    def _remove_run(self, run: ChunkRun) -> bool:
+        sub, base = run.rel.split("/")
+        gone = self.tier._unlink_if(sub, base, lambda st: not stat.S_ISDIR(st.st_mode))
+        if gone is not None and stat.S_ISREG(gone.st_mode):
+            self.tier.budget.removed_bytes(gone.st_size)
+            return True
+        return False
+
+    def remove(self, chain: tuple[bytes, ...], pos: int) -> bool:
+        """Remove every run that holds the block at ``pos`` (its chunk's other blocks go with it)."""
+        runs = self._runs_for(chain, pos)
+        removed = False
+        for r, there in zip(runs, self.tier._regular([r.rel for r in runs]), strict=True):
+            if there:
+                removed |= self._remove_run(r)
+        return removed
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
+_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
+
+
+class _LateWrite(Exception):
+    """A write whose caller gave up on it (its deadline passed): discarded, not published."""
