@@ -22,7 +22,7 @@ written and the shorter one removed. So that a prompt which shares only the firs
 shorter prompt, or one that differs after them) still finds them, the first run written from a chunk's first
 block is pointed to by a symbolic link named after that block's key::
 
-    <xx>/<key of the chunk's first block, hex>.<B>.first  ->  <the run's file name>
+    <xx>/<key of the chunk's first block, hex>.<B>.first  ->  <yy>/<the run's file name>
 
 A reader whose own runs of a chunk are not there reads the link (a name, never followed), verifies the run's
 header, and takes the blocks its keys share with that run: one more open at most, at the chunk where its stored
@@ -35,6 +35,7 @@ stored as block files, which reads look for where no run holds a block.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -267,11 +268,12 @@ class ChunkFiles:
             return None
         finally:
             os.close(pfd)
-        m = parse_name(target)
-        if m is None or "/" in target or not target.startswith(sub) or m > self.per_chunk:
+        where, _, name = target.partition("/")
+        m = parse_name(name)
+        if m is None or m > self.per_chunk or where != name[:2]:
             return None
         try:
-            last = bytes.fromhex(target.split(".")[0])
+            last = bytes.fromhex(name.split(".")[0])
         except ValueError:
             return None
         return ChunkRun(mine.chain, mine.start, m, self.per_chunk, last=last)
@@ -473,9 +475,14 @@ class ChunkFiles:
         """Make the chunk's link name ``run`` when there is none, it dangles, or it names a shorter run of the same
         prompt (best effort: a link is an aid to other prompts' lookups, never needed for this one's)."""
         sub, base = run.link.split("/")
-        target = run.rel.split("/")[1]
+        target = run.rel  # read as a name (the run's, under the tier's directory), never followed
         try:
-            pfd = self.tier._open(sub, _O_PATH | os.O_DIRECTORY)
+            try:
+                pfd = self.tier._open(sub, _O_PATH | os.O_DIRECTORY)
+            except FileNotFoundError:  # the first key's subdirectory (the run is in its last key's)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(sub, 0o777, dir_fd=self.tier._dir())
+                pfd = self.tier._open(sub, _O_PATH | os.O_DIRECTORY)
         except OSError:
             return
         try:
@@ -486,10 +493,11 @@ class ChunkFiles:
             except OSError:
                 return  # something else at the name: left alone
             if now is not None:
-                m = parse_name(now)
+                name = now.partition("/")[2]
+                m = parse_name(name)
                 keep = m is not None and (
-                    m >= run.m or now.split(".")[0] != run.chain[run.start + m - 1].hex())
-                if keep and self.tier._regular([f"{sub}/{now}"])[0]:
+                    m >= run.m or name.split(".")[0] != run.chain[run.start + m - 1].hex())
+                if keep and self.tier._regular([now])[0]:
                     return
             tmp = temp_name(base, "tmp")  # a writer killed before the rename leaves what gc removes
             os.symlink(target, tmp, dir_fd=pfd)

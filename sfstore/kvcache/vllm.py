@@ -96,6 +96,9 @@ through a staging tensor, and False, or pages that cannot be viewed as one tenso
 ``quarantine_ms``
     First back-off of a tier that missed its deadline (answered at once, without I/O, then probed; doubling with
     each miss in a row). Default: the ``kvcache_quarantine_ms`` setting.
+``chunk_tokens``
+    Tokens per file of the shared tier (a multiple of vLLM's block size; 0: a file per block). Default: the
+    ``kvcache_chunk_tokens`` setting (256).
 ``kv_layout``
     How a vLLM block maps to the store's ``[kv][token][head][dim]`` layer slice: ``"auto"`` (default: ``"cpu"``
     on vLLM's CPU platform, ``"split"`` elsewhere), ``"split"`` (each cell of the ``[B, H, N, C]`` page is K then V,
@@ -226,6 +229,7 @@ _STORE_OPTIONS = {
     "cache_namespace": "kvcache_namespace",
     "io_timeout_ms": "kvcache_io_timeout_ms",
     "quarantine_ms": "kvcache_quarantine_ms",
+    "chunk_tokens": "kvcache_chunk_tokens",
 }
 _EXTRA_CONFIG_KEYS = frozenset({
     "sfstore_config", "shared_dir", "model_id", "kv_load_failure_policy", "fsync_shared", "kv_layout",

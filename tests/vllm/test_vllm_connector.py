@@ -571,7 +571,7 @@ def test_bad_kv_layout_is_a_config_error(model_dir: Path) -> None:
 def test_store_settings_in_the_extra_config_reach_the_store(model_dir: Path, tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     extra = {"pinned_bytes": "4MiB", "shared_dir": str(shared), "shared_bytes": "64MiB", "cache_namespace": "team-a",
-             "io_timeout_ms": 30000, "quarantine_ms": "7", "model_id": "tiny-namespaced"}
+             "io_timeout_ms": 30000, "quarantine_ms": "7", "model_id": "tiny-namespaced", "chunk_tokens": 64}
     prompt = [(i * 29 + 5) % 1000 for i in range(100)]  # 6 full blocks and 4 tokens
     with engine(model_dir, extra) as a:
         store = a.connector.store
@@ -582,7 +582,9 @@ def test_store_settings_in_the_extra_config_reach_the_store(model_dir: Path, tmp
         a.add(make_request("a1", prompt))
         a.run()
         store.wait_for_puts()
-        assert len(list(shared.glob("ns/team-a/*/*.kvb"))) == 6 and not list(shared.glob("??/*.kvb"))
+        assert store.chunk_tokens == 64  # 6 full blocks of 16: chunks of 4 and 2 blocks
+        assert sorted(int(f.name.split(".")[2]) for f in shared.glob("ns/team-a/*/*.kvc")) == [2, 4]
+        assert not list(shared.glob("??/*.kv?"))
     found = {}
     for ns in ("team-b", "team-a"):  # another namespace of the same directory sees none of team-a's blocks
         with engine(model_dir, {**extra, "cache_namespace": ns}) as b:

@@ -263,7 +263,9 @@ def test_a_block_gone_before_the_reads_is_a_load_error_and_the_others_land(model
     """A block missing when the step prefetches its blocks is reported; the others, read from the shared tier's
     files by several prefetches at once, each land in their own page, staged or straight into a CPU cache; each
     read is counted once, by the tier it came from."""
-    with worker(model_dir, layout=layout, kv_layout=kv_layout, shared_dir=tmp_path / "shared") as (conn, caches):
+    # a chunk of one block: evicting block 2 from the shared tier evicts it alone (a chunk goes as a whole)
+    with worker(model_dir, layout=layout, kv_layout=kv_layout, shared_dir=tmp_path / "shared",
+                options={"chunk_tokens": BLOCK}) as (conn, caches):
         conn.stage_copies = staged
         conn.prefetch_chunks, conn.blocks_per_prefetch = 3, 1  # three prefetches at once
         store = conn.store
