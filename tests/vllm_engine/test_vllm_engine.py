@@ -56,6 +56,9 @@ BLOCK = 32
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 64
 BLOCK_BYTES = LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 4  # float32
 FILE_BYTES = 4096 + BLOCK_BYTES  # a shared block file: header, then the block
+# these runs keep a file per block (the damage is made to chosen blocks' files); chunk files in a real engine:
+# test_vllm_engine_chunks.py
+PER_BLOCK = {"chunk_tokens": 0}
 TIMEOUT = 300
 
 rng = random.Random(1)
@@ -122,15 +125,16 @@ def shared(work: Path) -> Path:
 @pytest.fixture(scope="module")
 def first(work: Path, model: Path, shared: Path) -> dict[str, Any]:
     """The saving run: chunked prefill (64 tokens a step), then the same prompts again (pinned hits)."""
-    return run_engine(work, "first", {"model": str(model), "kv": {"shared_dir": str(shared)},
+    return run_engine(work, "first", {"model": str(model), "kv": {**PER_BLOCK, "shared_dir": str(shared)},
                                       "max_num_batched_tokens": 64, "rounds": [[A, B], [A, B]]})
 
 
 @pytest.fixture(scope="module")
 def second(work: Path, model: Path, shared: Path, first: dict[str, Any]) -> dict[str, Any]:
     """A new process on the same shared directory, the model named by a relative path, all prompts in one step."""
-    return run_engine(work, "second", {"model": os.path.relpath(model, work), "kv": {"shared_dir": str(shared)},
-                                       "rounds": [[A, B, C]]}, cwd=work)
+    return run_engine(work, "second", {"model": os.path.relpath(model, work),
+                                       "kv": {**PER_BLOCK, "shared_dir": str(shared)}, "rounds": [[A, B, C]]},
+                      cwd=work)
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +149,8 @@ def damaged(work: Path, model: Path, shared: Path, first: dict[str, Any], second
         f.write(bytes([byte[0] ^ 0xFF]))
     os.truncate(block_file(shared, keys_b[3]), FILE_BYTES // 2)
     block_file(shared, keys_a[12]).unlink()
-    return run_engine(work, "damaged", {"model": str(model), "kv": {"shared_dir": str(shared)}, "rounds": [[A, B]],
-                                        "kv_events": True, "stats": True})
+    return run_engine(work, "damaged", {"model": str(model), "kv": {**PER_BLOCK, "shared_dir": str(shared)},
+                                        "rounds": [[A, B]], "kv_events": True, "stats": True})
 
 
 def test_damaged_blocks_show_in_kv_events_and_vllm_metrics(first: dict[str, Any], damaged: dict[str, Any]) -> None:
@@ -170,7 +174,7 @@ def test_damaged_blocks_show_in_kv_events_and_vllm_metrics(first: dict[str, Any]
 @pytest.fixture(scope="module")
 def after_damage(work: Path, model: Path, shared: Path, damaged: dict[str, Any]) -> dict[str, Any]:
     """The next process, with a pinned tier of 4 blocks (smaller than its 15 + 9 loads)."""
-    return run_engine(work, "after_damage", {"model": str(model), "kv": {"shared_dir": str(shared),
+    return run_engine(work, "after_damage", {"model": str(model), "kv": {**PER_BLOCK, "shared_dir": str(shared),
                                                                            "pinned_bytes": 4 * BLOCK_BYTES},
                                              "rounds": [[A, B]]})
 
@@ -264,7 +268,7 @@ def test_fail_policy_fails_one_request_then_the_block_is_gone(baseline: dict[str
         byte = f.read(1)
         f.seek(4096 + 17)
         f.write(bytes([byte[0] ^ 0x55]))
-    out = run_engine(work, "fail-policy", {"model": str(model), "kv": {"shared_dir": str(shared),
+    out = run_engine(work, "fail-policy", {"model": str(model), "kv": {**PER_BLOCK, "shared_dir": str(shared),
                                                                          "kv_load_failure_policy": "fail"},
                                            "rounds": [[A], [A], [A]]})
     assert "kv_load_failure_policy is 'fail'" in out["log"]
