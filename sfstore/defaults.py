@@ -325,6 +325,10 @@ _SETTINGS_LIST = [
             "one chunk file of this many tokens (a multiple of the geometry's `block_tokens`), laid out "
             "layer-major, so a hit of n tokens opens about n / this files (on NFS each open and close is a round "
             "trip to the server). 0: one file per block.", minimum=0, maximum=1 << 20),
+    Setting("kvcache_load_or_recompute", "bool", True,
+            "Whether a `KVCacheStore`'s engine connector reports a hit from a lower tier only where loading it is "
+            "expected to be faster than recomputing it: each tier's load rate and the engine's prefill rate are "
+            "measured from the store's own loads and the engine's own misses (off: every hit is loaded)."),
     Setting("kvcache_io_timeout_ms", "int", 500,
             "Deadline of every operation of a `KVCacheStore`'s block-store and shared tiers, in milliseconds (0: "
             "none: a stalled mount then holds the caller until it returns). Past it a get is a miss and a put is "

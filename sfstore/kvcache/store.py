@@ -30,6 +30,7 @@ from sfstore.kvcache.chains import KeyChains
 from sfstore.kvcache.deadline import TierGuard
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
 from sfstore.kvcache.held import HeldBlocks
+from sfstore.kvcache.load_or_recompute import LoadOrRecompute
 from sfstore.kvcache.shared_budget import check_namespace
 from sfstore.kvcache.tier import KVBatch, KVTier, ReadStatus
 from sfstore.kvcache.tiers import Lease, PinnedTier, SharedTier, Slot, release_all
@@ -45,7 +46,7 @@ TIERS = ("pinned", "block", "shared")
 _COUNTERS = (
     "puts", "gets", "misses", "hits_pinned", "hits_block", "hits_shared", "promotions", "evictions",
     "bytes_put", "bytes_got", "bytes_device_staged", "corrupt_dropped", "unreadable", "lower_tier_errors",
-    "puts_dropped",
+    "puts_dropped", "loads_declined",
 )
 _LATENCY_SAMPLES = 4096
 
@@ -185,6 +186,8 @@ class KVCacheStore:
         self.block: BlockStore | None = block_store
         self.cache_namespace = cache_ns
         self.chunk_tokens = chunk
+        # the rates an engine's connector weighs a hit by: each tier's, measured by _load; the prefill's, by it
+        self.load_or_recompute = LoadOrRecompute(enabled=bool(defaults.get("kvcache_load_or_recompute")))
         # the chains keys_for made: the shared tier finds the chunk file of a block from its key through them
         self.chains = KeyChains()
         self.shared = (SharedTier(geometry, shared_dir, fsync=fsync_shared, on=shared_on, namespace=cache_ns,
@@ -792,6 +795,7 @@ class KVCacheStore:
             if not need:
                 continue
             dests = dests_for(need)
+            t0 = time.perf_counter()
             try:
                 answers = tier.read_into([keys[i] for i in need], dests)
             except BaseException:
@@ -799,6 +803,8 @@ class KVCacheStore:
                     finish(need, dests, None)
                 raise
             hits = [j for j, a in enumerate(answers) if a == "hit"]
+            self.load_or_recompute.note_load(tier.name, len(hits) * self.geometry.block_bytes,
+                                             time.perf_counter() - t0)
             for j in hits:
                 tiers[need[j]] = tier.name
             corrupt += answers.count("corrupt")
@@ -838,6 +844,19 @@ class KVCacheStore:
         finally:
             if release:
                 release_all(srcs.items)
+
+    # -- load or recompute, for engines ---------------------------------------------------------------------------
+    def lower_tier_bytes(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """The bytes of ``keys``' blocks a load would read from each lower tier (no I/O: a block the pinned tier
+        lacks is counted in the block store's when its index holds it, else in the shared tier's)."""
+        out: dict[str, int] = {}
+        n = self.geometry.block_bytes
+        for k in keys:
+            if k in self.pinned:
+                continue
+            tier = "block" if self.block is not None and self.block.contains(k) else "shared"
+            out[tier] = out.get(tier, 0) + n
+        return out
 
     # -- the pinned tier, for engines ----------------------------------------------------------------------------
     @property
@@ -1096,6 +1115,8 @@ class KVCacheStore:
         # about n / chunk_tokens of them
         out["shared_opens"] = self.shared.counters.snapshot()["opens"] if self.shared is not None else 0
         out["chunk_tokens"] = self.chunk_tokens
+        # the connector's load-or-recompute figures: each tier's load rate, the engine's prefill rate, decisions
+        out["load_or_recompute"] = self.load_or_recompute.describe()
         # deadlines: operations past theirs (gets were misses, puts dropped), and each tier's quarantine
         guards = self._guards()
         out["deadline_misses"] = sum(g.counters.snapshot()["deadline_misses"] for g in guards.values())

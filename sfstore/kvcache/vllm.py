@@ -96,6 +96,11 @@ through a staging tensor, and False, or pages that cannot be viewed as one tenso
 ``quarantine_ms``
     First back-off of a tier that missed its deadline (answered at once, without I/O, then probed; doubling with
     each miss in a row). Default: the ``kvcache_quarantine_ms`` setting.
+``load_or_recompute``
+    Report a hit from a lower tier only where loading it is expected to be faster than recomputing it, from each
+    tier's load rate (the store's own loads) and the engine's prefill rate (its own steps that computed prompt
+    blocks); blocks in the pinned tier are always loaded. The figures and decisions are in ``stats()`` and in
+    vLLM's connector metrics (``blocks_declined``). Default: the ``kvcache_load_or_recompute`` setting (on).
 ``chunk_tokens``
     Tokens per file of the shared tier (a multiple of vLLM's block size; 0: a file per block). Default: the
     ``kvcache_chunk_tokens`` setting (256).
@@ -200,6 +205,8 @@ class BlockTransfer:
 class SfstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[BlockTransfer] = dataclasses.field(default_factory=list)
     saves: list[BlockTransfer] = dataclasses.field(default_factory=list)
+    # tokens the step computes (all requests): with the step's time, the engine's prefill rate
+    computed_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -233,7 +240,7 @@ _STORE_OPTIONS = {
 }
 _EXTRA_CONFIG_KEYS = frozenset({
     "sfstore_config", "shared_dir", "model_id", "kv_load_failure_policy", "fsync_shared", "kv_layout",
-    "save_decode_tokens", "wait_for_lower_tiers", "pinned_preallocate", *_STORE_OPTIONS,
+    "save_decode_tokens", "wait_for_lower_tiers", "pinned_preallocate", "load_or_recompute", *_STORE_OPTIONS,
 })
 
 
@@ -479,6 +486,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.wait_for_lower_tiers = _flag(extra, "wait_for_lower_tiers", False)
         self.pinned_preallocate = _flag(extra, "pinned_preallocate", True)
         self.store, key = _acquire_store(self.layout, self.model_id, extra)
+        if extra.get("load_or_recompute") is not None:
+            self.store.load_or_recompute.enabled = _flag(extra, "load_or_recompute", True)
         self._store_key: tuple[Any, ...] | None = key
         self._ahead = _loads_ahead(key)
         self._counted_worker = False
@@ -504,6 +513,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_errors: set[int] = set()
         self._saved_keys: set[bytes] = set()
         self._dropped_before = 0
+        self._first_save_at: tuple[float, int, int] | None = None  # this step's first save: time, layer, tokens
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         self._events: list[Any] = []  # worker: KV events since the last get_kv_connector_kv_cache_events
         self._announced: set[bytes] = set()  # worker: blocks a BlockStored said are in the pinned tier, still there
@@ -572,7 +582,29 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         full = min(len(tokens), request.num_tokens) // self.block_tokens * self.block_tokens
         found = self.store.lookup(list(tokens[:max(full, limit)]), self._extra(request))
         self._lookups[request.request_id] = (num_computed_tokens, found // self.block_tokens)
-        return max(0, min(found, limit) - num_computed_tokens), False
+        hit = max(0, min(found, limit) - num_computed_tokens)
+        if hit > 0 and self.store.load_or_recompute.enabled:
+            hit = self._worth_loading(request, tokens, num_computed_tokens, hit)
+        return hit, False
+
+    def _worth_loading(self, request: Request, tokens: Sequence[int], computed: int, hit: int) -> int:
+        """The part of a hit worth loading: the blocks in the pinned tier at its start always; the rest only where
+        the store's load-or-recompute figures expect loading them to be faster than computing them."""
+        bt = self.block_tokens
+        first, last = computed // bt, (computed + hit) // bt
+        keys = self.store.keys_for(list(tokens[:last * bt]), self._extra(request))[first:]
+        lead = 0
+        while lead < len(keys) and self.store.in_pinned(keys[lead]):
+            lead += 1
+        rest = keys[lead:]
+        if not rest:
+            return hit
+        decision = self.store.load_or_recompute.decide(self.store.lower_tier_bytes(rest), len(rest) * bt)
+        if decision.choice == "load":
+            return hit
+        self.store.counters.add(loads_declined=len(rest))
+        self.store.load_or_recompute.declined_blocks += len(rest)
+        return lead * bt
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tokens = self._cacheable_tokens(request)
@@ -649,6 +681,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 meta.saves.append(save)
         self._pending_loads.clear()
         self._host_hits.clear()
+        meta.computed_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         return meta
 
     def _recomputing(self, tracker: _Tracker, computed: int) -> None:
@@ -1061,6 +1094,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         saves = [t for t in meta.saves if t.keys and t.req_id not in self._failed_reqs]
         if not saves:
             return
+        if self._first_save_at is None:
+            self._first_save_at = (time.perf_counter(), layer, meta.computed_tokens)
         try:
             self._save_layer(kv_layer, layer, saves)
         except Exception:  # a cache: a failed save is a later miss, not a failed step
@@ -1130,6 +1165,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for here: the device ordered them before the attention that reads them."""
         if self._saver is not None:
             self._saver.wait()
+        self._note_prefill()
         if self._saved_keys:
             # Every layer of this step has been through save_kv_layer: a block still partial was abandoned
             # (the step ended early); it must not linger in the pinned tier.
@@ -1150,6 +1186,18 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._issued, self._load_ordered, self._dst_index, self._step_start = {}, set(), {}, {}
         for pool in self._pools.values():
             pool.reclaim()
+
+    def _note_prefill(self) -> None:
+        """A step that computed prompt blocks (it saved them) without loading any: the engine's prefill rate, from
+        the time between its first layer's save and the step's end, scaled to every layer."""
+        first, self._first_save_at = self._first_save_at, None
+        if first is None or self._load_req:
+            return
+        t0, layer, tokens = first
+        layers = max(1, self.layout.geometry.num_layers)
+        seen = layers - layer - 1  # layers computed after the first save was taken
+        if seen > 0 and tokens > 0:
+            self.store.load_or_recompute.note_prefill(tokens, (time.perf_counter() - t0) * layers / seen)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None

@@ -49,11 +49,12 @@ class TestBlockTierOnNvmeofNamespace(KVTierTests):
     @pytest.fixture
     def tier(self, nvmeof_namespace: Any) -> Iterator[KVTier]:
         store = BlockStore(nvmeof_namespace.device, size_classes=(GEOM.block_bytes,), capacity=8 << 20, format=True)
-        assert store.path.transport == "rdma"
-        t = BlockKVTier(store, GEOM, timeout_s=30.0)
-        yield t
-        t.close()
-        store.close()
+        try:
+            t = BlockKVTier(store, GEOM, timeout_s=30.0)
+            yield t
+            t.close()
+        finally:
+            store.close()
 
     def damage(self, tier: KVTier, key: bytes) -> None:
         assert isinstance(tier, BlockKVTier)

@@ -76,13 +76,27 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         sub.start()
     if spec.get("stats"):
         kwargs["disable_log_stats"] = False
+    if spec.get("slow_shared_read_s"):
+        # the shared tier slowed on purpose (a congested server, as no disk of this machine is): every read of
+        # it first waits this long, inside the store's own call (its deadline and rates see the wait)
+        from sfstore.kvcache.tiers import SharedTier
+
+        real_read, pause = SharedTier.read_into, float(spec["slow_shared_read_s"])
+
+        def slowed_on_purpose(self: Any, keys: Any, dests: Any) -> Any:
+            time.sleep(pause)
+            return real_read(self, keys, dests)
+
+        SharedTier.read_into = slowed_on_purpose  # type: ignore[method-assign]
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), detokenize=False)
     rounds = []
     for prompts in spec["rounds"]:
+        t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        took = time.perf_counter() - t0
         rounds.append([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
-                        "finish": o.outputs[0].finish_reason} for o in outs])
+                        "finish": o.outputs[0].finish_reason, "seconds": took} for o in outs])
     if spec.get("stats"):
         llm.llm_engine.do_log_stats()  # vLLM's stat logger prints the connector's stats ("KV Transfer metrics")
     if sub is not None:
