@@ -315,6 +315,7 @@ if sys.argv[1] == "-c":  # the suite building its model: python -c SCRIPT DIR CO
 spec = json.load(open(sys.argv[2]))
 conn, extra = spec["connector"], spec.get("extra", {})
 cold = os.path.basename(sys.argv[2]).endswith("-cold.spec.json")
+asked = 0
 print("@@ready " + json.dumps({"vllm": "fake", "sfstore_from": "/fake/sfstore", "kv": spec["kv_cache_bytes"]}),
       flush=True)
 for line in sys.stdin:
@@ -323,6 +324,7 @@ for line in sys.stdin:
         break
     p = cmd["prompt"]
     n = int(cmd.get("repeat", 1))
+    asked += 1
     if conn == "sfstore" and cmd.get("wait_puts") and not cold:  # the save: 8 KiB per full block but the last
         shared = extra["shared_dir"]
         os.makedirs(os.path.join(shared, ".sfkv", "writers"), exist_ok=True)
@@ -343,6 +345,8 @@ for line in sys.stdin:
     out = {"ttft_s": times[:n], "cached": cached[:n]}
     if cmd.get("floor") and conn == "sfstore":
         out["floor_s"] = 0.010
+    if conn == "sfstore":
+        out["deadline_misses"] = asked - 1 if cold else 0  # so far: one more at each prompt after the first
     print("@@reply " + json.dumps(out), flush=True)
 '''
 
@@ -359,7 +363,8 @@ def _run_args(tmp_path: Path, bench_dir: Path, **over: Any) -> argparse.Namespac
     return argparse.Namespace(**{**args, **over})
 
 
-def test_suite_run_with_fake_engines_reads_each_prompts_files_with_fio(tmp_path: Path, disk_dir: Path) -> None:
+def test_suite_run_with_fake_engines_reads_each_prompts_files_with_fio(tmp_path: Path, disk_dir: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """The whole suite with engine processes that stand in for vLLM (no vLLM here: they answer the suite's protocol
     with fixed times and write one file per block into the shared tier) and a real fio: both models, each prompt's
     new shared-tier files read cold by fio, the bound per prompt, every goal judged."""
@@ -378,6 +383,8 @@ def test_suite_run_with_fake_engines_reads_each_prompts_files_with_fio(tmp_path:
         assert fio["files"] == [47, 47] and fio["files_saved"] == [48, 48]
         assert fio["bytes"] == [47 * 8192] * 2 and fio["unread_bytes"] == [0, 0]
         assert sides["bound"]["samples_s"] == [max(0.010, f) for f in fio["samples_s"]]
+        assert sides["sfstore-shared-cold"]["deadline_misses"] == [0, 1]  # per prompt, from the process's count
+    assert "warning: sfstore-shared-cold: sfstore operations past their deadline on wide" in capsys.readouterr().out
     model = entry["params"]["model"]
     assert json.loads((disk_dir / "vllm" / "wide" / "wide-llama" / "config.json").read_text())["head_dim"] == 128
     assert doc["params"]["models"]["wide"]["block_bytes"] == 1 << 20 and model == "wide"
@@ -428,9 +435,9 @@ def test_hit_files_leave_out_the_block_the_hit_does_not_load(tmp_path: Path) -> 
         os.utime(f, ns=(10**18 + i, 10**18 + i))
         files.append(f)
     listed = sorted(files)
-    assert suite.hit_files(listed, 1504) == files[:47]  # 47 blocks: the file written last is left out
-    assert suite.hit_files(listed, 0) == files  # no hit: every file
-    assert suite.hit_files(files[:6], 1504) == files[:6]  # fewer files than blocks (several blocks per file)
+    assert suite.hit_files(listed, 47) == files[:47]  # 47 blocks: the file written last is left out
+    assert suite.hit_files(listed, 48) == files and suite.hit_files(listed, 0) == files
+    assert suite.hit_files(files[:6], 47) == files[:6]  # fewer files than blocks (several blocks per file)
     files[3].write_bytes(b"k" * 4096)  # files of several sizes: not one file per block
     os.utime(files[3], ns=(10**18 + 3, 10**18 + 3))
-    assert suite.hit_files(listed, 1504) == files
+    assert suite.hit_files(listed, 47) == files

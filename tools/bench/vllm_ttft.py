@@ -13,8 +13,9 @@ of load on the machine hits every side alike): each line on stdin is a JSON comm
 ``wait_puts`` waits after each pass until sfstore's blocks reached the shared tier (outside the timings),
 ``floor`` (sfstore only) times the prompt once more with the connector's loads cut out (``floor_s``: vLLM's own time
 for the hit, the least any connector could reach). The answer is one line ``@@reply {"ttft_s": [...], "cached":
-[...]}`` (``cached``: vLLM's ``num_cached_tokens`` of each pass), or ``@@error {"error": ...}``; ``{"quit": true}``
-ends the process. Lines without the ``@@`` prefix are vLLM's own output.
+[...]}`` (``cached``: vLLM's ``num_cached_tokens`` of each pass; with sfstore also ``deadline_misses``, its
+operations past their deadline in this process so far), or ``@@error {"error": ...}``; ``{"quit": true}`` ends the
+process. Lines without the ``@@`` prefix are vLLM's own output.
 """
 
 from __future__ import annotations
@@ -87,6 +88,17 @@ def _wait_puts(spec: dict[str, Any]) -> None:
         entry[0].wait_for_puts()
 
 
+def _deadline_misses() -> int | None:
+    """sfstore's tier operations past their deadline in this process so far (a load past it is a miss: the hit
+    is cut short there), or None where its stats do not say."""
+    from sfstore.kvcache import vllm as sfvllm
+
+    try:
+        return sum(int(entry[0].stats()["deadline_misses"]) for entry in list(sfvllm._stores.values()))
+    except (KeyError, TypeError, ValueError, AttributeError, OSError):
+        return None
+
+
 def serve(spec: dict[str, Any]) -> None:
     """Build the engine, then answer commands from stdin until ``quit`` or end of input."""
     try:
@@ -118,6 +130,8 @@ def serve(spec: dict[str, Any]) -> None:
                 out["floor_s"] = _floor_pass(llm, params, tokens_prompt(prompt_token_ids=cmd["prompt"]))
                 if cmd.get("wait_puts"):
                     _wait_puts(spec)
+            if spec["connector"] == "sfstore":
+                out["deadline_misses"] = _deadline_misses()
         except Exception as exc:
             _say("error", {"error": f"{type(exc).__name__}: {exc}"})
             continue

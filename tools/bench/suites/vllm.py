@@ -219,20 +219,20 @@ def _data_files(directory: Path) -> set[Path]:
             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)}
 
 
-def hit_files(saved: list[Path], cached_tokens: int) -> list[Path]:
-    """The files of ``saved`` (a prompt's files in the shared tier) that a hit of ``cached_tokens`` tokens reads.
+def hit_files(saved: list[Path], blocks: int) -> list[Path]:
+    """The files of ``saved`` (a prompt's files in the shared tier) that a full hit of ``blocks`` blocks reads.
 
     A prompt of a multiple of 32 tokens is saved whole, but a hit of it loads one block less (vLLM computes the
     last token), so where the tier holds one file per block and more files than the hit's blocks, the files written
     last are left out (the blocks' files all have one size: the same bytes whichever are left out). Where it holds
-    fewer (several blocks per file), or the hit is empty, every file.
+    fewer (several blocks per file), every file.
 
     Parameters
     ----------
     saved : list of Path
         The prompt's files.
-    cached_tokens : int
-        vLLM's ``num_cached_tokens`` of the hit.
+    blocks : int
+        The blocks a full hit of the prompt loads: ``(tokens - 1) // 32``.
 
     Returns
     -------
@@ -240,7 +240,6 @@ def hit_files(saved: list[Path], cached_tokens: int) -> list[Path]:
         The files, in the order they were written (modification time).
     """
     ordered = sorted(saved, key=lambda f: (f.stat().st_mtime_ns, str(f)))
-    blocks = cached_tokens // BLOCK_TOKENS
     if 0 < blocks < len(ordered) and len({f.stat().st_size for f in ordered}) == 1:
         return ordered[:blocks]
     return ordered
@@ -287,6 +286,7 @@ def _run_model(python: str, work: Path, model: BenchModel, lengths: list[int], r
                 engines_info.setdefault(model.name, engines[name].info)
         # Interleaved: every side times prompt i before any side times prompt i + 1 (BENCHMARKING.md, rule 4)
         order = [li * repeat + r for r in range(repeat) for li in range(len(lengths))]
+        cold_misses = 0  # the cold process's deadline misses so far
         for i in order:
             p = prompts[i]
             last = i == order[-1]
@@ -303,8 +303,11 @@ def _run_model(python: str, work: Path, model: BenchModel, lengths: list[int], r
             # background; that write is not left to overlap fio and the sides after
             cold = engines["sfstore-cold"].ask(p, wait_puts=True)
             note("sfstore-shared-cold", cold, i)
+            if i in results["sfstore-shared-cold"] and isinstance(cold.get("deadline_misses"), int):
+                results["sfstore-shared-cold"][i]["deadline_misses"] = cold["deadline_misses"] - cold_misses
+                cold_misses = cold["deadline_misses"]
             if fio is not None:
-                hit = hit_files(added, (cold.get("cached") or [0])[0])
+                hit = hit_files(added, (len(p) - 1) // BLOCK_TOKENS)
                 if not hit:
                     errors.setdefault("fio", "the save added no files to the shared tier")
                 else:
@@ -338,9 +341,15 @@ def _run_model(python: str, work: Path, model: BenchModel, lengths: list[int], r
                 summary.update({k: [g[k] for g in passes] for k in ("bytes", "files", "files_saved", "unread_bytes")})
             else:
                 summary["cached_tokens"] = [g["cached"] for g in passes]
-                if side in HIT_SIDES and not all(summary["cached_tokens"]):
-                    print(f"warning: {side} missed on some {model.name} {n}-token prompts (cached tokens "
-                          f"{summary['cached_tokens']}): its TTFT is not a hit's", flush=True)
+                full = (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS  # every full block but the last token's
+                if side in HIT_SIDES and any(c < full for c in summary["cached_tokens"]):
+                    print(f"warning: {side} did not hit all of some {model.name} {n}-token prompts (cached tokens "
+                          f"{summary['cached_tokens']}, a full hit {full}): its TTFT is not a full hit's", flush=True)
+            if all("deadline_misses" in g for g in passes):
+                summary["deadline_misses"] = [g["deadline_misses"] for g in passes]
+                if any(summary["deadline_misses"]):
+                    print(f"warning: {side}: sfstore operations past their deadline on {model.name} {n}-token "
+                          f"prompts: {summary['deadline_misses']}", flush=True)
             entry["sides"][side] = summary
         entry["sides"]["bound"] = physical_bound(entry["sides"]["floor"], entry["sides"]["fio"])
         ttft.append(entry)
