@@ -12,13 +12,15 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tools.bench.common import BenchSetupError
+from tools.bench.common import BenchSetupError, drop_cache
 from tools.bench.measure import RunResult
 
-__all__ = ["FioJob", "find_fio", "fio_version", "fio_command", "run_fio", "PEAK_RSS_NOTE"]
+__all__ = ["FioJob", "find_fio", "fio_version", "fio_command", "run_fio", "PEAK_RSS_NOTE", "request_size",
+           "whole_file_jobs", "read_files_cold"]
 
 INSTALL_HINT = "install it with `apt-get install fio` (Debian/Ubuntu) or `dnf install fio`"
 #: A fio side's ``peak_rss_note`` in the JSON: why its peak RSS is not reported.
@@ -51,6 +53,11 @@ class FioJob:
         ``--randseed``.
     offset : int
         Start of the region (``--offset``; 0 = the start of the file).
+    more_files : tuple of str
+        Further files the job moves bytes of, beside ``filename`` (fio splits ``size`` evenly between them all:
+        give files of one size, ``size`` their total).
+    directory : str
+        The directory relative file names are in (``--directory``; "" = fio's working directory).
     """
 
     name: str
@@ -62,6 +69,8 @@ class FioJob:
     iodepth: int
     seed: int = 1234
     offset: int = 0
+    more_files: tuple[str, ...] = ()
+    directory: str = ""
 
     @property
     def writes(self) -> bool:
@@ -119,7 +128,7 @@ def fio_version(exe: str) -> str:
 
 def fio_command(exe: str, job: FioJob) -> list[str]:
     """The command line that runs ``job`` with the fio executable ``exe``, ready for :func:`subprocess.run`."""
-    filename = job.filename.replace(":", "\\:")  # fio separates several files with ':'
+    filename = ":".join(f.replace(":", "\\:") for f in (job.filename, *job.more_files))  # fio's separator
     cmd = [
         exe, f"--name={job.name}", f"--filename={filename}", f"--size={job.size}", f"--io_size={job.io_size}",
         f"--rw={job.rw}", f"--bs={job.bs}", f"--iodepth={job.iodepth}", "--ioengine=io_uring", "--direct=1",
@@ -128,6 +137,8 @@ def fio_command(exe: str, job: FioJob) -> list[str]:
     ]
     if job.offset:
         cmd.insert(3, f"--offset={job.offset}")
+    if job.directory:
+        cmd.insert(2, "--directory=" + job.directory.replace(":", "\\:"))
     if job.writes:
         cmd.append("--end_fsync=1")
     return cmd
@@ -210,3 +221,146 @@ def run_fio(exe: str, job: FioJob) -> RunResult:
             "clat_p99_ms": None if p99 is None else float(p99) / 1e6,
         },
     )
+
+
+#: The largest request of a whole-file read: a bigger file is read in equal requests of at most this size
+MAX_REQUEST = 16 << 20
+_PAGE = 4096
+
+
+def request_size(size: int, cap: int = MAX_REQUEST) -> int:
+    """The O_DIRECT request size that reads a file of ``size`` bytes whole: the file in one request when it is at
+    most ``cap``, else the largest multiple of 4 KiB that divides it and is at most ``cap``.
+
+    Parameters
+    ----------
+    size : int
+        The file's size. Only its first ``size - size % 4096`` bytes can be read with O_DIRECT.
+    cap : int
+        The largest request (a multiple of 4 KiB).
+
+    Returns
+    -------
+    int
+        The request size; 0 for a file under 4 KiB (O_DIRECT reads none of it).
+    """
+    aligned = size - size % _PAGE
+    if aligned <= cap:
+        return aligned
+    pages = aligned // _PAGE
+    k = -(-aligned // cap)
+    while pages % k:  # ends at k == pages at the latest (4 KiB requests)
+        k += 1
+    return aligned // k
+
+
+#: The longest value fio takes for an option (its parser refuses longer ones): a job's list of file names
+FIO_MAX_VALUE = 4096
+
+
+def whole_file_jobs(name: str, files: Sequence[tuple[str, int]], iodepth: int = 32,
+                    directory: str = "") -> list[FioJob]:
+    """fio jobs that read each of ``files`` whole, sequentially, with O_DIRECT: one job per file size (fio splits
+    a job's bytes evenly between its files), in increasing size, each file's requests as in :func:`request_size`
+    (a file's last bytes beyond a multiple of 4 KiB are left: O_DIRECT cannot read them). Files of one size whose
+    names do not fit in one fio option (:data:`FIO_MAX_VALUE`) are split between several jobs.
+
+    Parameters
+    ----------
+    name : str
+        The jobs' name (each gets ``-<size>`` appended, and ``-<n>`` after the first of one size).
+    files : sequence of (str, int)
+        Each file's name (relative to ``directory`` when it is given) and size.
+    iodepth : int
+        Queue depth of every job.
+    directory : str
+        Every job's ``--directory``.
+
+    Returns
+    -------
+    list of FioJob
+        The jobs; files under 4 KiB have none (O_DIRECT reads none of them).
+
+    Raises
+    ------
+    ValueError
+        When one file's name alone is too long for fio.
+    """
+    by_size: dict[int, list[str]] = {}
+    for path, size in files:
+        by_size.setdefault(size - size % _PAGE, []).append(path)  # what O_DIRECT can read of it
+    jobs = []
+    for size in sorted(by_size):
+        bs = request_size(size)
+        if bs == 0:
+            continue
+        batches: list[list[str]] = []
+        length = FIO_MAX_VALUE
+        for path in by_size[size]:
+            more = len(path.replace(":", "\\:")) + 1  # the name and fio's separator
+            if more > FIO_MAX_VALUE:
+                raise ValueError(f"a file name of {more - 1} characters is too long for fio: {path[:80]}...")
+            if length + more > FIO_MAX_VALUE:
+                batches.append([])
+                length = 0
+            batches[-1].append(path)
+            length += more
+        for n, batch in enumerate(batches):
+            total = size * len(batch)
+            jobs.append(FioJob(f"{name}-{size}" + (f"-{n}" if n else ""), batch[0], total, total, "read", bs,
+                               iodepth, more_files=tuple(batch[1:]), directory=directory))
+    return jobs
+
+
+def read_files_cold(exe: str, paths: Sequence[str], name: str, iodepth: int = 32) -> RunResult:
+    """Read ``paths`` whole with fio, cold: each file fsynced and dropped from the page cache first, then read with
+    O_DIRECT and io_uring at queue depth ``iodepth`` (:func:`whole_file_jobs`, one fio run per file size, one
+    after the other). fio opens them through symbolic links with short names in a temporary directory, so that
+    a job names hundreds of files within fio's limit on an option's length.
+
+    Parameters
+    ----------
+    exe : str
+        The fio executable.
+    paths : sequence of str
+        The files.
+    name : str
+        fio's job name.
+    iodepth : int
+        Queue depth.
+
+    Returns
+    -------
+    RunResult
+        The runs added up: ``bytes``, ``ops``, ``seconds`` (fio's runtimes, each at least 0.5 ms: fio counts whole
+        milliseconds), ``cpu_s``; ``extra``: ``files``, ``file_bytes`` (their sizes added up), ``unread_bytes``
+        (the 4 KiB-unaligned tails O_DIRECT cannot read, files under 4 KiB included) and ``runs`` (each run's
+        files, request size, bytes and seconds).
+
+    Raises
+    ------
+    BenchSetupError
+        When fio fails, or ``paths`` is empty.
+    """
+    if not paths:
+        raise BenchSetupError(f"{name}: no files to read")
+    sizes = [os.stat(p).st_size for p in paths]
+    for p in paths:
+        drop_cache(p)
+    total = RunResult(bytes=0, ops=0, seconds=0.0, cpu_s=0.0)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="sfstore-bench-fio-") as links:
+        for i, p in enumerate(paths):
+            os.symlink(os.path.abspath(p), os.path.join(links, str(i)))
+        for job in whole_file_jobs(name, [(str(i), s) for i, s in enumerate(sizes)], iodepth, directory=links):
+            res = run_fio(exe, job)
+            total.bytes += res.bytes
+            total.ops += res.ops
+            total.seconds += res.seconds
+            total.cpu_s += res.cpu_s
+            runs.append({"files": 1 + len(job.more_files), "bs": job.bs, "bytes": res.bytes,
+                         "seconds": res.seconds})
+    file_bytes = sum(sizes)
+    total.extra = {"files": len(paths), "file_bytes": file_bytes, "unread_bytes": file_bytes - total.bytes,
+                   "runs": runs}
+    return total

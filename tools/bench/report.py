@@ -267,7 +267,7 @@ def _verdict_md(verdict: str) -> str:
 
 
 def _goal_cell(goals: Sequence[Goal]) -> str:
-    return "; ".join(f"≥ {g.target:g}x {_verdict_md(g.verdict)}" for g in goals if g.target is not None) or "—"
+    return "; ".join(f"≥ {g.target:.3g}x {_verdict_md(g.verdict)}" for g in goals if g.target is not None) or "—"
 
 
 def _case_rows(doc: Mapping[str, Any], with_suite: bool) -> list[str]:
@@ -314,9 +314,9 @@ def _ttft_lines(doc: Mapping[str, Any]) -> list[str]:
     sides: list[str] = []
     for e in entries:
         sides += [s for s in e.get("sides", {}) if s not in sides]
-    lines = ["Time to first token, median (min" + _DASH + "max) of the prompts of each length. Each side ran every "
-             "prompt in its own engine process, one side after the other (not interleaved); a case's ratio above is "
-             "the other side's TTFT over sfstore's, the median of the per-prompt ratios.", "",
+    lines = ["Time to first token, median (min" + _DASH + "max) of the prompts of each model and length. Each side "
+             "ran in its own engine process, the sides interleaved prompt by prompt; a case's ratio above is the other "
+             "side's TTFT over sfstore's, the median of the per-prompt ratios.", "",
              "| prompt | " + " | ".join(f"`{s}`" for s in sides) + " |", "|---" * (len(sides) + 1) + "|"]
     for e in entries:
         cells = [_ttft_md(e.get("sides", {}).get(s)) for s in sides]

@@ -2,18 +2,20 @@
 
 ``python vllm_ttft.py SPEC.json``. ``SPEC``: ``model``, ``connector`` (``none``, ``sfstore`` or ``example``: vLLM's
 ExampleConnector, which stores each request's KV as safetensors files in a directory), ``extra`` (the connector's
-extra config) and ``eager`` (vLLM's ``enforce_eager``; default off: the model compiled, as vLLM runs it by default).
+extra config), ``eager`` (vLLM's ``enforce_eager``; default off: the model compiled, as vLLM runs it by default) and
+``kv_cache_bytes`` (vLLM's ``kv_cache_memory_bytes``, default 256 MiB).
 
-The process builds its engine, runs a warm-up prompt, prints ``@@ready {}`` and then serves the suite, which keeps
-every side's process alive and interleaves them prompt by prompt (so a change of load on the machine hits every side
-alike): each line on stdin is a JSON command, ``{"prompt": [token ids], "repeat": 1 or 2, "wait_puts": bool,
-"floor": bool}``; each prompt is one ``LLM.generate`` with ``max_tokens=1`` (its wall time is the time to first
-token), ``repeat`` 2 times it again at once (a hit from the pinned tier), ``wait_puts`` waits after the first pass
-until sfstore's blocks reached the shared tier (outside the timings), ``floor`` (sfstore only) times the prompt once
-more with the connector's loads cut out (``floor_s``: vLLM's own time for the hit, the least any connector could
-reach). The answer is one line ``@@reply {"ttft_s": [...], "cached": [...]}`` (``cached``: vLLM's
-``num_cached_tokens`` of each pass), or ``@@error {"error": ...}``; ``{"quit": true}`` ends the process. Lines
-without the ``@@`` prefix are vLLM's own output.
+The process builds its engine, runs a warm-up prompt, prints ``@@ready {"vllm": version, "sfstore_from": path}``
+and then serves the suite, which keeps every side's process alive and interleaves them prompt by prompt (so a change
+of load on the machine hits every side alike): each line on stdin is a JSON command, ``{"prompt": [token ids],
+"repeat": 1 or 2, "wait_puts": bool, "floor": bool}``; each prompt is one ``LLM.generate`` with ``max_tokens=1``
+(its wall time is the time to first token), ``repeat`` 2 times it again at once (a hit from the pinned tier),
+``wait_puts`` waits after each pass until sfstore's blocks reached the shared tier (outside the timings),
+``floor`` (sfstore only) times the prompt once more with the connector's loads cut out (``floor_s``: vLLM's own time
+for the hit, the least any connector could reach). The answer is one line ``@@reply {"ttft_s": [...], "cached":
+[...]}`` (``cached``: vLLM's ``num_cached_tokens`` of each pass; with sfstore also ``deadline_misses``, its
+operations past their deadline in this process so far), or ``@@error {"error": ...}``; ``{"quit": true}`` ends the
+process. Lines without the ``@@`` prefix are vLLM's own output.
 """
 
 from __future__ import annotations
@@ -75,6 +77,28 @@ def _floor_pass(llm: Any, params: Any, prompt: Any) -> float:
         C.start_load_kv, C.wait_for_layer_load = real  # type: ignore[method-assign]
 
 
+def _wait_puts(spec: dict[str, Any]) -> None:
+    """Wait until sfstore's puts of this process reached the shared tier: its files are complete, and no write of
+    this process runs in the background, before anything else is timed."""
+    if spec["connector"] != "sfstore":
+        return
+    from sfstore.kvcache import vllm as sfvllm
+
+    for entry in list(sfvllm._stores.values()):
+        entry[0].wait_for_puts()
+
+
+def _deadline_misses() -> int | None:
+    """sfstore's tier operations past their deadline in this process so far (a load past it is a miss: the hit
+    is cut short there), or None where its stats do not say."""
+    from sfstore.kvcache import vllm as sfvllm
+
+    try:
+        return sum(int(entry[0].stats()["deadline_misses"]) for entry in list(sfvllm._stores.values()))
+    except (KeyError, TypeError, ValueError, AttributeError, OSError):
+        return None
+
+
 def serve(spec: dict[str, Any]) -> None:
     """Build the engine, then answer commands from stdin until ``quit`` or end of input."""
     try:
@@ -82,7 +106,11 @@ def serve(spec: dict[str, Any]) -> None:
     except Exception as exc:  # the bench reports why a side could not run
         _say("error", {"error": f"{type(exc).__name__}: {exc}"})
         return
-    _say("ready", {})
+    import vllm
+
+    import sfstore
+
+    _say("ready", {"vllm": vllm.__version__, "sfstore_from": sfstore.__path__[0]})
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -91,18 +119,19 @@ def serve(spec: dict[str, Any]) -> None:
             return
         try:
             out: dict[str, Any] = {"ttft_s": [], "cached": []}
-            for i in range(int(cmd.get("repeat", 1))):
+            for _ in range(int(cmd.get("repeat", 1))):
                 t0 = time.perf_counter()
                 res = llm.generate([tokens_prompt(prompt_token_ids=cmd["prompt"])], params, use_tqdm=False)
                 out["ttft_s"].append(time.perf_counter() - t0)
                 out["cached"].append(res[0].num_cached_tokens)
-                if i == 0 and cmd.get("wait_puts") and spec["connector"] == "sfstore":
-                    from sfstore.kvcache import vllm as sfvllm
-
-                    for entry in list(sfvllm._stores.values()):
-                        entry[0].wait_for_puts()  # the shared files are complete before anything times them
+                if cmd.get("wait_puts"):
+                    _wait_puts(spec)
             if cmd.get("floor") and spec["connector"] == "sfstore":
                 out["floor_s"] = _floor_pass(llm, params, tokens_prompt(prompt_token_ids=cmd["prompt"]))
+                if cmd.get("wait_puts"):
+                    _wait_puts(spec)
+            if spec["connector"] == "sfstore":
+                out["deadline_misses"] = _deadline_misses()
         except Exception as exc:
             _say("error", {"error": f"{type(exc).__name__}: {exc}"})
             continue

@@ -1,12 +1,18 @@
-"""Suite ``vllm``: time to first token of a real vLLM engine with sfstore's connector, against no connector and
-against vLLM's own filesystem connector (``ExampleConnector``), in one run.
+"""Suite ``vllm``: time to first token of a real vLLM engine with sfstore's connector, against no connector, against
+vLLM's own filesystem connector (``ExampleConnector``) and against the physical bound of a hit, in one run.
 
-Runs vLLM 0.32.0's CPU build from ``.venv-vllm-engine`` (``tools/vllm-engine-env.sh``; ``--engine-python``) on a
-tiny random Llama (4 layers, hidden 256, 2 KV heads, float32) built in the bench directory, ``--repeat`` distinct
-prompts per length (``--lengths``, default 512, 1536 and 4096 tokens). Each side has its own engine process
-(``tools/bench/vllm_ttft.py``), all started first and kept alive, then interleaved: every side times prompt ``i``
-before any times prompt ``i + 1``, so a change of load on the machine falls on every side alike. TTFT is the wall
-time of ``LLM.generate(max_tokens=1)`` for one prompt (after a warm-up prompt at start-up). Sides:
+Runs vLLM 0.32.0's CPU build from ``.venv-vllm-engine`` (``tools/vllm-engine-env.sh``; ``--engine-python``) on
+random Llamas built in the bench directory (``--models``, default both, one after the other; float32):
+
+* ``tiny``: 4 layers, hidden 256, 2 KV heads of 64: 128 KiB of KV per 32-token block (a sfstore file of 132 KiB);
+* ``wide``: 4 layers, hidden 256, 8 KV heads of 128 (``head_dim`` set in the config): 1 MiB per block, the size of
+  a real model's blocks, with a forward pass still cheap on a CPU.
+
+``--repeat`` distinct prompts per length (``--lengths``, default 512, 1536 and 4096 tokens). For each model, each
+side has its own engine process (``tools/bench/vllm_ttft.py``), all started first and kept alive, then interleaved:
+every side times prompt ``i`` before any times prompt ``i + 1``, so a change of load on the machine falls on every
+side alike. TTFT is the wall time of ``LLM.generate(max_tokens=1)`` for one prompt (after a warm-up prompt at
+start-up). Sides:
 
 * ``none``: no connector (vLLM's prefix cache is off everywhere, so every hit is the connector's);
 * ``sfstore-pinned``: the same prompt again in the process that just saved it (hits from the pinned tier);
@@ -19,21 +25,28 @@ time of ``LLM.generate(max_tokens=1)`` for one prompt (after a warm-up prompt at
 * ``sfstore-miss``: the process that saved the blocks, timing the first pass (a miss that saves every block), for
   what saving costs;
 * ``floor``: that process once more with the connector's loads cut out (vLLM still skips the hit tokens, nothing is
-  copied, the output is meaningless): vLLM's own time for a hit, the least any connector could reach. Each goal
-  against another side also reports ``bound``, that side's TTFT over the floor's: the ratio a connector with free
-  loads would get.
+  copied, the output is meaningless): vLLM's own time for a hit;
+* ``fio``: fio's cold read of the files ``sfstore-shared-cold`` reads: those the prompt's save added to the shared
+  tier (``shared_dir``'s files that are not hidden), headers included, less the last block's file where the hit
+  does not load it (:func:`hit_files`), right after ``sfstore-shared-cold``: each file fsynced and dropped from the
+  page cache, then read whole with O_DIRECT, io_uring, queue depth 32 (``tools.bench.fio.read_files_cold``): the
+  disk's time for those bytes;
+* ``bound``: the physical bound of the hit, per prompt the larger of ``floor`` and ``fio``: the least TTFT a
+  connector could reach, with free loads and files read at the disk's speed.
 
-Both connectors load the same tokens (every full block but the last token's) and the same KV bytes: sfstore as one
-file per block (a 4 KiB header, then the block, verified with its xxh3-64 on the way in), ``ExampleConnector`` as
-one safetensors file per layer and prompt (not verified); ``params`` records each side's files, bytes, and the
-bytes still in the page cache after the eviction (``fincore``).
+Both connectors load the same tokens (every full block but the last token's) and the same KV bytes: sfstore as
+files in its shared tier (verified with their checksums on the way in), ``ExampleConnector`` as one safetensors
+file per layer and prompt (not verified); ``params`` records each side's files, bytes, and the bytes still in the
+page cache after the eviction (``fincore``).
 
-The document has ``ttft`` (per prompt length, each side's TTFT: median, min-max, samples, cached tokens) and, in
-the common shape, one case per pair (``sfstore``: our side, ``reference``: the other; ``ratio``: the other's TTFT
-over ours, the median of the per-prompt ratios, so > 1 means sfstore is faster) with the goals (issue 16, on a
-1536-token prompt) in ``acceptance``: ``sfstore-shared-cold`` <= 0.5 x ``none``'s TTFT (ratio >= 2),
-``sfstore-pinned`` <= 0.2 x (ratio >= 5), and hits >= 1.5 x faster than the peer's in the same case:
-``sfstore-shared-cold`` than ``example-cold``, ``sfstore-pinned`` than ``example-warm``.
+The document has ``ttft`` (per model and prompt length, each side's TTFT: median, min-max, samples, cached tokens)
+and, in the common shape, one case per pair (``sfstore``: our side, ``reference``: the other; ``ratio``: the other's
+TTFT over ours, the median of the per-prompt ratios, so > 1 means sfstore is faster), with the goals
+(:data:`tools.bench.vllm_cases.GOALS`) in ``acceptance``. Issue 27, at 1536 and 4096 tokens: wide model,
+``sfstore-shared-cold`` within 1.3x of the bound and >= 2.5x faster than ``example-cold``; tiny model,
+``sfstore-shared-cold`` >= 1.3x faster than ``example-cold`` and ``sfstore-pinned`` at least as fast as
+``example-warm``. Issue 16, tiny model at 1536 tokens: ``sfstore-shared-cold`` <= 0.5x ``none``'s TTFT,
+``sfstore-pinned`` <= 0.2x.
 """
 
 from __future__ import annotations
@@ -59,26 +72,31 @@ from tools.bench.common import (
     resident_bytes,
     utc_now,
 )
+from tools.bench.fio import find_fio, fio_version, read_files_cold
+from tools.bench.options import add_fio
 from tools.bench.registry import Suite, register
+from tools.bench.vllm_cases import (
+    BLOCK_TOKENS,
+    MODELS,
+    BenchModel,
+    bound_line,
+    pair_cases,
+    parse_models,
+    physical_bound,
+)
 from tools.bench.vllm_ttft import PREFIX
 
 ROOT = Path(__file__).resolve().parents[3]
 CHILD = Path(__file__).resolve().parents[1] / "vllm_ttft.py"
-#: (our side, the other, the goal on our TTFT / theirs at GOAL_TOKENS, or None)
-PAIRS = (("sfstore-shared-cold", "none", 0.5), ("sfstore-pinned", "none", 0.2),
-         ("sfstore-shared-cold", "example-cold", 1 / 1.5), ("sfstore-pinned", "example-warm", 1 / 1.5),
-         ("sfstore-miss", "none", None))
-GOAL_TOKENS = 1536
-SIDES = ("none", "sfstore-pinned", "sfstore-shared-cold", "example-cold", "example-warm", "sfstore-miss", "floor")
+SIDES = ("none", "sfstore-pinned", "sfstore-shared-cold", "example-cold", "example-warm", "sfstore-miss", "floor",
+         "fio")
 HIT_SIDES = ("sfstore-pinned", "sfstore-shared-cold", "example-cold", "example-warm")
-REFERENCE_TOOLS = {"none": "vLLM, no connector", "example-cold": "vLLM ExampleConnector",
-                   "example-warm": "vLLM ExampleConnector"}
+FIO_IODEPTH = 32
 EAGER = [False]  # --eager, for every engine process of the run
 MODEL_SCRIPT = """
-import sys, torch, transformers
+import json, sys, torch, transformers
 torch.manual_seed(0)
-cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, initializer_range=0.1)
+cfg = transformers.LlamaConfig(**json.loads(sys.argv[2]))
 transformers.LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])
 """
 
@@ -98,6 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="vLLM's enforce_eager (no torch.compile: shorter start-up, slower forward passes)")
     g.add_argument("--lengths", default="512,1536,4096", metavar="N,N",
                    help="prompt lengths in tokens (default 512,1536,4096; --quick: 1536)")
+    g.add_argument("--models", type=parse_models, default=list(MODELS.values()), metavar="NAME,NAME",
+                   help=f"models, one after the other (default {','.join(MODELS)}): tiny (128 KiB per 32-token "
+                        "block), wide (1 MiB per block)")
+    add_fio(g)
 
 
 class _Engine:
@@ -106,6 +128,7 @@ class _Engine:
     def __init__(self, python: str, work: Path, name: str, spec: dict[str, Any]) -> None:
         self.name = name
         self.error: str | None = None
+        self.info: dict[str, Any] = {}  # what the process said when ready (where its vllm and sfstore come from)
         spec_file = work / f"{name}.spec.json"
         spec_file.write_text(json.dumps({**spec, "eager": EAGER[0]}))
         env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", TOKENIZERS_PARALLELISM="false")
@@ -113,7 +136,9 @@ class _Engine:
         self._proc = subprocess.Popen([python, str(CHILD), str(spec_file)], cwd=work, env=env, text=True,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
         kind, body = self._read()
-        if kind != "ready":
+        if kind == "ready":
+            self.info = body
+        else:
             self.error = str(body.get("error") or f"engine process {name} did not start")
             self.close()
 
@@ -166,11 +191,16 @@ def _evict(directory: Path, check: bool = False) -> dict[str, Any]:
     """Evict every file under ``directory`` from the page cache; its files, bytes and (``check``) what stayed
     resident (``fincore``; None where it cannot tell)."""
     files = [p for p in directory.rglob("*") if p.is_file()] if directory.is_dir() else []
+    kept = []
     for path in files:
-        drop_cache(path)
-    out: dict[str, Any] = {"files": len(files), "bytes": sum(p.stat().st_size for p in files)}
+        try:
+            drop_cache(path)
+            kept.append((path, path.stat().st_size))
+        except FileNotFoundError:  # a temporary file renamed into place, or a block file evicted, meanwhile
+            continue
+    out: dict[str, Any] = {"files": len(kept), "bytes": sum(size for _, size in kept)}
     if check:
-        resident = [resident_bytes(p) for p in files]
+        resident = [resident_bytes(p) for p, _ in kept]
         out["resident_bytes_after_evict"] = None if None in resident else sum(r or 0 for r in resident)
     return out
 
@@ -180,70 +210,150 @@ def _summary(samples: list[float]) -> dict[str, Any]:
             "samples_s": samples}
 
 
-def _short(side: str) -> str:
-    return side.removeprefix("sfstore-").removesuffix("-cold") if side != "sfstore-shared-cold" else "shared-cold"
+def _data_files(directory: Path) -> set[Path]:
+    """The files under ``directory`` that are not hidden (no part of the path below it starts with a dot): a shared
+    tier's KV files, without its records (``.sfkv/``) and files on their way out (``.evicting-*``)."""
+    if not directory.is_dir():
+        return set()
+    return {p for p in directory.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)}
 
 
-def pair_cases(ttft: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The common-shape cases (one per pair of sides and prompt length) and the goals, from the ``ttft`` entries.
+def hit_files(saved: list[Path], blocks: int) -> list[Path]:
+    """The files of ``saved`` (a prompt's files in the shared tier) that a full hit of ``blocks`` blocks reads.
+
+    A prompt of a multiple of 32 tokens is saved whole, but a hit of it loads one block less (vLLM computes the
+    last token), so where the tier holds one file per block and more files than the hit's blocks, the files written
+    last are left out (the blocks' files all have one size: the same bytes whichever are left out). Where it holds
+    fewer (several blocks per file), every file.
 
     Parameters
     ----------
-    ttft : list of dict
-        Per prompt length: ``name``, ``params`` (``prompt_tokens``) and ``sides`` (side name -> its summary, with
-        ``samples_s`` in prompt order, or ``error``).
+    saved : list of Path
+        The prompt's files.
+    blocks : int
+        The blocks a full hit of the prompt loads: ``(tokens - 1) // 32``.
 
     Returns
     -------
-    tuple
-        ``(cases, acceptance)``. A case's ``ratio`` is the other side's TTFT over ours, the median of the per-prompt
-        ratios (``ratio_min``, ``ratio_max``); ``ttft_ratio`` is ours over theirs, medians. ``acceptance`` holds one
-        entry per goal (``goal``, ``case``, ``target`` on ``ratio``, ``status``, ``met``, ``line``).
+    list of Path
+        The files, in the order they were written (modification time).
     """
-    cases: list[dict[str, Any]] = []
-    acceptance: list[dict[str, Any]] = []
-    for entry in ttft:
-        n = int(entry["params"]["prompt_tokens"])
-        for ours, other, limit in PAIRS:
-            a, b = entry["sides"].get(ours), entry["sides"].get(other)
-            if a is None or b is None:
+    ordered = sorted(saved, key=lambda f: (f.stat().st_mtime_ns, str(f)))
+    if 0 < blocks < len(ordered) and len({f.stat().st_size for f in ordered}) == 1:
+        return ordered[:blocks]
+    return ordered
+
+
+def _run_model(python: str, work: Path, model: BenchModel, lengths: list[int], repeat: int, seed: int,
+               fio: str | None, fio_error: str | None, files: dict[str, Any],
+               engines_info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Build ``model`` in ``work``, run every side on its prompts; its ``ttft`` entries, one per length."""
+    work.mkdir(parents=True)
+    path = work / f"{model.name}-llama"
+    made = subprocess.run([python, "-c", MODEL_SCRIPT, str(path), json.dumps(model.config())],
+                          capture_output=True, text=True, timeout=600)
+    if made.returncode:
+        raise BenchSetupError(f"building the {model.name} model failed: {made.stderr[-400:]}")
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(model.vocab) for _ in range(n)] for n in lengths for _ in range(repeat)]
+    shared, example = work / "shared", work / "example"
+    m, kv = str(path), model.kv_cache_bytes()
+    ours, theirs = {"shared_dir": str(shared)}, {"shared_storage_path": str(example)}
+    specs: dict[str, dict[str, Any]] = {
+        "none": {"model": m, "connector": "none", "kv_cache_bytes": kv},
+        "sfstore-save": {"model": m, "connector": "sfstore", "extra": ours, "kv_cache_bytes": kv},
+        "sfstore-cold": {"model": m, "connector": "sfstore", "extra": ours, "kv_cache_bytes": kv},
+        "example-save": {"model": m, "connector": "example", "extra": theirs, "kv_cache_bytes": kv},
+        "example-cold": {"model": m, "connector": "example", "extra": theirs, "kv_cache_bytes": kv},
+    }
+    engines: dict[str, _Engine] = {}
+    results: dict[str, dict[int, dict[str, Any]]] = {s: {} for s in SIDES}  # side -> prompt index -> its pass
+    errors: dict[str, str] = {}
+    if fio is None:
+        errors["fio"] = fio_error or "no fio"
+
+    def note(side: str, got: dict[str, Any], i: int, index: int = 0) -> None:
+        if got.get("error"):
+            errors.setdefault(side, str(got["error"]))
+            return
+        results[side][i] = {"ttft_s": got["ttft_s"][index], "cached": got["cached"][index]}
+
+    try:
+        for name, spec in specs.items():  # one after the other: each start compiles the model
+            engines[name] = _Engine(python, work, name, spec)
+            if engines[name].info:
+                engines_info.setdefault(model.name, engines[name].info)
+        # Interleaved: every side times prompt i before any side times prompt i + 1 (BENCHMARKING.md, rule 4)
+        order = [li * repeat + r for r in range(repeat) for li in range(len(lengths))]
+        cold_misses = 0  # the cold process's deadline misses so far
+        for i in order:
+            p = prompts[i]
+            last = i == order[-1]
+            note("none", engines["none"].ask(p), i)
+            before = _data_files(shared)
+            saved = engines["sfstore-save"].ask(p, repeat=2, wait_puts=True, floor=True)
+            added = sorted(_data_files(shared) - before)  # this prompt's files in the shared tier
+            note("sfstore-miss", saved, i, 0)
+            note("sfstore-pinned", saved, i, 1)
+            if "floor_s" in saved:
+                note("floor", {"ttft_s": [saved["floor_s"]], "cached": [saved["cached"][1]]}, i)
+            files[f"{model.name} sfstore-shared"] = _evict(shared, check=last)
+            # wait_puts: a block this process had to recompute (a load that failed) is saved again in the
+            # background; that write is not left to overlap fio and the sides after
+            cold = engines["sfstore-cold"].ask(p, wait_puts=True)
+            note("sfstore-shared-cold", cold, i)
+            if i in results["sfstore-shared-cold"] and isinstance(cold.get("deadline_misses"), int):
+                results["sfstore-shared-cold"][i]["deadline_misses"] = cold["deadline_misses"] - cold_misses
+                cold_misses = cold["deadline_misses"]
+            if fio is not None:
+                hit = hit_files(added, (len(p) - 1) // BLOCK_TOKENS)
+                if not hit:
+                    errors.setdefault("fio", "the save added no files to the shared tier")
+                else:
+                    try:
+                        read = read_files_cold(fio, [str(f) for f in hit], f"{model.name}-{len(p)}", FIO_IODEPTH)
+                    except BenchSetupError as exc:
+                        errors.setdefault("fio", str(exc))
+                    else:
+                        results["fio"][i] = {"ttft_s": read.seconds, "bytes": read.bytes, "files": len(hit),
+                                             "files_saved": len(added), "unread_bytes": read.extra["unread_bytes"]}
+            note("example-warm", engines["example-save"].ask(p, repeat=2), i, 1)
+            files[f"{model.name} example"] = _evict(example, check=last)
+            note("example-cold", engines["example-cold"].ask(p), i)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    ttft = []
+    for li, n in enumerate(lengths):
+        idx = range(li * repeat, (li + 1) * repeat)
+        entry: dict[str, Any] = {"name": f"{model.name}-ttft-{n}",
+                                 "params": {"model": model.name, "prompt_tokens": n,
+                                            "block_bytes": model.block_bytes()}, "sides": {}}
+        for side in SIDES:
+            got = [results[side].get(i) for i in idx]
+            if side in errors or any(g is None for g in got):
+                entry["sides"][side] = {"error": errors.get(side) or "no samples"}
                 continue
-            name = f"ttft-{n}-{_short(ours)}-vs-{_short(other)}"
-            case: dict[str, Any] = {"name": name, "params": {"prompt_tokens": n, "side": ours, "versus": other},
-                                    "sfstore": a, "reference_tool": REFERENCE_TOOLS.get(other, other), "reference": b,
-                                    "ratio": None, "ratio_min": None, "ratio_max": None}
-            if "median_s" in a and "median_s" in b:
-                per = [y / x for x, y in zip(a["samples_s"], b["samples_s"], strict=False) if x > 0]
-                case.update(ratio=statistics.median(per), ratio_min=min(per), ratio_max=max(per),
-                            ttft_ratio=a["median_s"] / b["median_s"])
-            cases.append(case)
-            if limit is None or n != GOAL_TOKENS:
-                continue
-            target = 1 / limit
-            goal = (f"{n}-token TTFT, {ours} <= {limit:.2g}x {other}" if other == "none" else
-                    f"{n}-token TTFT, {ours} >= {target:.2g}x faster than {other}")
-            item: dict[str, Any] = {"goal": goal, "case": name, "target": target}
-            if case["ratio"] is None:
-                why = a.get("error") or b.get("error") or "no samples"
-                item.update(status="n/a", met=None, reason=why, line=f"goal: {goal}: n/a ({why})")
+            passes = [g for g in got if g is not None]
+            summary = _summary([g["ttft_s"] for g in passes])
+            if side == "fio":
+                summary.update({k: [g[k] for g in passes] for k in ("bytes", "files", "files_saved", "unread_bytes")})
             else:
-                r = float(case["ratio"])
-                met = r >= target
-                line = f"goal: {goal}: {'PASS' if met else 'MISS'}, TTFT {1 / r:.2f}x ({r:.2f}x faster)"
-                floor = entry["sides"].get("floor") or {}
-                if floor.get("median_s"):
-                    item["bound"] = float(b["median_s"]) / float(floor["median_s"])
-                    line += f"; a connector with free loads: {item['bound']:.2f}x"
-                pinned = entry["sides"].get("sfstore-pinned") or {}
-                if ours == "sfstore-shared-cold" and other != "none" and pinned.get("median_s"):
-                    # sfstore's pinned hit is the same hit with nothing read from disk: no cold read can beat it
-                    item["bound_no_disk"] = float(b["median_s"]) / float(pinned["median_s"])
-                    line += f"; a cold read costing no more than a pinned hit: {item['bound_no_disk']:.2f}x"
-                item.update(ratio=r, status="met" if met else "missed", met=met, line=line)
-                if not met:
-                    item["missed_by"] = target - r
-            acceptance.append(item)
-    return cases, acceptance
+                summary["cached_tokens"] = [g["cached"] for g in passes]
+                full = (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS  # every full block but the last token's
+                if side in HIT_SIDES and any(c < full for c in summary["cached_tokens"]):
+                    print(f"warning: {side} did not hit all of some {model.name} {n}-token prompts (cached tokens "
+                          f"{summary['cached_tokens']}, a full hit {full}): its TTFT is not a full hit's", flush=True)
+            if all("deadline_misses" in g for g in passes):
+                summary["deadline_misses"] = [g["deadline_misses"] for g in passes]
+                if any(summary["deadline_misses"]):
+                    print(f"warning: {side}: sfstore operations past their deadline on {model.name} {n}-token "
+                          f"prompts: {summary['deadline_misses']}", flush=True)
+            entry["sides"][side] = summary
+        entry["sides"]["bound"] = physical_bound(entry["sides"]["floor"], entry["sides"]["fio"])
+        ttft.append(entry)
+    return ttft
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -252,87 +362,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not os.access(python, os.X_OK):
         raise BenchSetupError(f"no engine venv at {python}: tools/vllm-engine-env.sh makes .venv-vllm-engine")
     EAGER[0] = bool(args.eager)
+    models: list[BenchModel] = list(args.models)
+    fio: str | None = None
+    fio_error: str | None = None
+    try:
+        fio = find_fio(getattr(args, "fio", None))
+    except BenchSetupError as exc:  # the bound is then n/a; every TTFT is still measured
+        fio_error = str(exc)
+        print(f"warning: {exc}: no physical bound", flush=True)
     base = Path(args.dir or default_bench_dir())
     check_bench_dir(base)
     work = base / "vllm"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    model = work / "tiny-llama"
-    made = subprocess.run([python, "-c", MODEL_SCRIPT, str(model)], capture_output=True, text=True, timeout=600)
-    if made.returncode:
-        raise BenchSetupError(f"building the tiny model failed: {made.stderr[-400:]}")
     lengths = [1536] if args.quick else [int(x) for x in str(args.lengths).split(",") if x]
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(8192) for _ in range(n)] for n in lengths for _ in range(args.repeat)]
-    shared, example = work / "shared", work / "example"
-    m = str(model)
-    ours, theirs = {"shared_dir": str(shared)}, {"shared_storage_path": str(example)}
-    specs: dict[str, dict[str, Any]] = {
-        "none": {"model": m, "connector": "none"},
-        "sfstore-save": {"model": m, "connector": "sfstore", "extra": ours},
-        "sfstore-cold": {"model": m, "connector": "sfstore", "extra": ours},
-        "example-save": {"model": m, "connector": "example", "extra": theirs},
-        "example-cold": {"model": m, "connector": "example", "extra": theirs},
-    }
-    engines: dict[str, _Engine] = {}
-    results: dict[str, dict[str, list[Any]]] = {s: {"ttft_s": [], "cached": []} for s in SIDES}
-    errors: dict[str, str] = {}
+    ttft: list[dict[str, Any]] = []
     files: dict[str, Any] = {}
-
-    def note(side: str, got: dict[str, Any], index: int = 0) -> None:
-        if got.get("error"):
-            errors.setdefault(side, str(got["error"]))
-            return
-        results[side]["ttft_s"].append(got["ttft_s"][index])
-        results[side]["cached"].append(got["cached"][index])
-
-    try:
-        for name, spec in specs.items():  # one after the other: each start compiles the model
-            engines[name] = _Engine(python, work, name, spec)
-        # Interleaved: every side times prompt i before any side times prompt i + 1 (BENCHMARKING.md, rule 4)
-        order = [li * args.repeat + r for r in range(args.repeat) for li in range(len(lengths))]
-        for i in order:
-            p = prompts[i]
-            note("none", engines["none"].ask(p))
-            saved = engines["sfstore-save"].ask(p, repeat=2, wait_puts=True, floor=True)
-            note("sfstore-miss", saved, 0)
-            note("sfstore-pinned", saved, 1)
-            if "floor_s" in saved:
-                note("floor", {"ttft_s": [saved["floor_s"]], "cached": [saved["cached"][1]]})
-            files["sfstore-shared"] = _evict(shared, check=i == order[-1])
-            note("sfstore-shared-cold", engines["sfstore-cold"].ask(p))
-            note("example-warm", engines["example-save"].ask(p, repeat=2), 1)
-            files["example"] = _evict(example, check=i == order[-1])
-            note("example-cold", engines["example-cold"].ask(p))
-    finally:
-        for engine in engines.values():
-            engine.close()
-    sides: dict[str, dict[str, Any]] = {}
-    for side in SIDES:
-        back = sorted(range(len(results[side]["ttft_s"])), key=lambda j: order[j])  # back in prompt order
-        sides[side] = {"ttft_s": [results[side]["ttft_s"][j] for j in back],
-                       "cached": [results[side]["cached"][j] for j in back], "error": errors.get(side)}
-    ttft = []
-    for li, n in enumerate(lengths):
-        rows = slice(li * args.repeat, (li + 1) * args.repeat)
-        entry: dict[str, Any] = {"name": f"ttft-{n}", "params": {"prompt_tokens": n}, "sides": {}}
-        for side, res in sides.items():
-            if res.get("error") or len(res.get("ttft_s") or []) != len(prompts):
-                entry["sides"][side] = {"error": res.get("error") or "no samples"}
-                continue
-            entry["sides"][side] = {**_summary(res["ttft_s"][rows]), "cached_tokens": res["cached"][rows]}
-            if side in HIT_SIDES and not all(res["cached"][rows]):
-                print(f"warning: {side} missed on some {n}-token prompts (cached tokens {res['cached'][rows]}): "
-                      "its TTFT is not a hit's", flush=True)
-        ttft.append(entry)
+    engines_info: dict[str, Any] = {}
+    for model in models:
+        ttft += _run_model(python, work / model.name, model, lengths, args.repeat, args.seed, fio, fio_error, files,
+                           engines_info)
     cases, acceptance = pair_cases(ttft)
     print(render_ttft_table(ttft), flush=True)
+    for entry in ttft:
+        print(bound_line(entry), flush=True)
     for item in acceptance:
         print(item["line"], flush=True)
     return {"bench": "vllm", "machine": machine_info(base), "date": utc_now(), "ttft": ttft, "cases": cases,
             "acceptance": acceptance,
-            "params": {"eager": bool(args.eager), "repeat": args.repeat, "lengths": lengths, "files": files}}
+            "params": {"eager": bool(args.eager), "repeat": args.repeat, "lengths": lengths, "files": files,
+                       "models": {m.name: {"config": m.config(), "block_bytes": m.block_bytes(),
+                                           "kv_cache_bytes": m.kv_cache_bytes()} for m in models},
+                       "engine": engines_info,
+                       "fio": {"exe": fio, "version": fio_version(fio) if fio else None, "iodepth": FIO_IODEPTH,
+                               "error": fio_error}}}
 
 
 register(Suite(name="vllm", help="time to first token in a real vLLM engine (CPU): sfstore's tiers vs no connector "
-                                 "vs vLLM's ExampleConnector", add_arguments=add_arguments, run=run))
+                                 "vs vLLM's ExampleConnector vs the physical bound (tiny and wide-KV models)",
+               add_arguments=add_arguments, run=run))
