@@ -172,11 +172,9 @@ class ChunkFiles:
         self.geom = tier.geom
         self.per_chunk = per_chunk
         self.header_bytes = chunk_header_bytes(self.geom, per_chunk)
-        self._headers = RegisteredBufferPool(self.header_bytes)
         self._bufs = RegisteredBufferPool(self.header_bytes + per_chunk * self.geom.block_bytes)
 
     def close(self) -> None:
-        self._headers.close()
         self._bufs.close()
 
     # -- which run holds a block ------------------------------------------------------------------------------
@@ -307,16 +305,13 @@ class ChunkFiles:
             owners: list[_Open | None] = []
             lb, layers = self.geom.layer_bytes, self.geom.num_layers
             for f in files.values():
-                head = self._headers.acquire()
-                heads.append(head)
-                hb = chunk_header_bytes(self.geom, f.run.m)
-                ranges.append(Range.read(0, hb, head, 0, f.fd))
+                # the whole file in one read (on NFS one round trip per rsize, not one per block and layer), its
+                # blocks' slices copied out once verified
+                whole = self._bufs.acquire()
+                heads.append(whole)
+                size = chunk_header_bytes(self.geom, f.run.m) + f.run.m * self.geom.block_bytes
+                ranges.append(Range.read(0, size, whole, 0, f.fd))
                 owners.append(f)
-                for j in f.entries:
-                    k = entries[j][2] - f.run.start
-                    for layer in range(layers):
-                        ranges.append(Range.read(hb + (layer * f.run.m + k) * lb, lb, targets[j], layer * lb, f.fd))
-                        owners.append(None)
             results = self._submit(ranges)
             failed: set[int] = set()
             owner: _Open | None = None
@@ -331,21 +326,26 @@ class ChunkFiles:
                     for j in f.entries:
                         out[j] = "unreadable"
                     continue
+                hb = chunk_header_bytes(self.geom, f.run.m)
                 with memoryview(head) as hv:
-                    decoded = decode_header(hv[:chunk_header_bytes(self.geom, f.run.m)], self.geom, f.run)
-                good = decoded is not None
-                if decoded is not None:
-                    sums, shared = decoded
-                    foreign = [j for j in f.entries if entries[j][2] - f.run.start >= shared]
-                    for j in foreign:  # another prompt's blocks there: this one's are not stored
-                        out[j] = "missing"
-                    f.entries = [j for j in f.entries if entries[j][2] - f.run.start < shared]
-                    views = [targets[j][layer * lb:(layer + 1) * lb] for j in f.entries for layer in range(layers)]
-                    want = [sums[layer * f.run.m + entries[j][2] - f.run.start]
-                            for j in f.entries for layer in range(layers)]
-                    good = xxh3_64_many(views) == want
-                    for v in views:
-                        v.release()
+                    decoded = decode_header(hv[:hb], self.geom, f.run)
+                    good = decoded is not None
+                    if decoded is not None:
+                        sums, shared = decoded
+                        foreign = [j for j in f.entries if entries[j][2] - f.run.start >= shared]
+                        for j in foreign:  # another prompt's blocks there: this one's are not stored
+                            out[j] = "missing"
+                        f.entries = [j for j in f.entries if entries[j][2] - f.run.start < shared]
+                        at = [(j, layer, hb + (layer * f.run.m + entries[j][2] - f.run.start) * lb)
+                              for j in f.entries for layer in range(layers)]
+                        views = [hv[o:o + lb] for _j, _layer, o in at]
+                        want = [sums[layer * f.run.m + entries[j][2] - f.run.start] for j, layer, _o in at]
+                        good = xxh3_64_many(views) == want
+                        if good and not late():  # only a read still awaited reaches the destinations
+                            for (j, layer, _o), v in zip(at, views, strict=True):
+                                targets[j][layer * lb:(layer + 1) * lb] = v
+                        for v in views:
+                            v.release()
                 self.tier.fp.counters.add(files=1)
                 if not good:
                     lost.append((f.run, f.st))

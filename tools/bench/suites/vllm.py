@@ -211,12 +211,14 @@ def _summary(samples: list[float]) -> dict[str, Any]:
 
 
 def _data_files(directory: Path) -> set[Path]:
-    """The files under ``directory`` that are not hidden (no part of the path below it starts with a dot): a shared
-    tier's KV files, without its records (``.sfkv/``) and files on their way out (``.evicting-*``)."""
+    """The files under ``directory`` that are not hidden (no part of the path below it starts with a dot) nor links: a
+    shared tier's KV files, without its records (``.sfkv/``), files on their way out (``.evicting-*``) and chunk
+    links."""
     if not directory.is_dir():
         return set()
-    return {p for p in directory.rglob("*")
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)}
+    return {p for p in directory.rglob("*")  # (a chunk's link names a file, it holds no bytes of its own)
+            if p.is_file() and not p.is_symlink()
+            and not any(part.startswith(".") for part in p.relative_to(directory).parts)}
 
 
 def hit_files(saved: list[Path], blocks: int) -> list[Path]:
