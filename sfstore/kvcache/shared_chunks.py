@@ -173,9 +173,14 @@ class ChunkFiles:
         self.per_chunk = per_chunk
         self.header_bytes = chunk_header_bytes(self.geom, per_chunk)
         self._bufs = RegisteredBufferPool(self.header_bytes + per_chunk * self.geom.block_bytes)
+        self._heads = RegisteredBufferPool(self.header_bytes)
+        # On NFS a file is read whole (one READ per rsize, not one per block and layer), then its slices copied
+        # out; on a local filesystem each wanted slice is read straight into its destination (no copy).
+        self.read_whole = tier.fp.mount.fstype.startswith("nfs")
 
     def close(self) -> None:
         self._bufs.close()
+        self._heads.close()
 
     # -- which run holds a block ------------------------------------------------------------------------------
     def _runs_for(self, chain: tuple[bytes, ...], pos: int) -> list[ChunkRun]:
@@ -305,13 +310,22 @@ class ChunkFiles:
             owners: list[_Open | None] = []
             lb, layers = self.geom.layer_bytes, self.geom.num_layers
             for f in files.values():
-                # the whole file in one read (on NFS one round trip per rsize, not one per block and layer), its
-                # blocks' slices copied out once verified
-                whole = self._bufs.acquire()
-                heads.append(whole)
-                size = chunk_header_bytes(self.geom, f.run.m) + f.run.m * self.geom.block_bytes
-                ranges.append(Range.read(0, size, whole, 0, f.fd))
+                hb = chunk_header_bytes(self.geom, f.run.m)
+                if self.read_whole:  # its blocks' slices are copied out once verified
+                    whole = self._bufs.acquire()
+                    heads.append(whole)
+                    ranges.append(Range.read(0, hb + f.run.m * self.geom.block_bytes, whole, 0, f.fd))
+                    owners.append(f)
+                    continue
+                head = self._heads.acquire()
+                heads.append(head)
+                ranges.append(Range.read(0, hb, head, 0, f.fd))
                 owners.append(f)
+                for j in f.entries:
+                    k = entries[j][2] - f.run.start
+                    for layer in range(layers):
+                        ranges.append(Range.read(hb + (layer * f.run.m + k) * lb, lb, targets[j], layer * lb, f.fd))
+                        owners.append(None)
             results = self._submit(ranges)
             failed: set[int] = set()
             owner: _Open | None = None
@@ -338,10 +352,13 @@ class ChunkFiles:
                         f.entries = [j for j in f.entries if entries[j][2] - f.run.start < shared]
                         at = [(j, layer, hb + (layer * f.run.m + entries[j][2] - f.run.start) * lb)
                               for j in f.entries for layer in range(layers)]
-                        views = [hv[o:o + lb] for _j, _layer, o in at]
+                        if self.read_whole:
+                            views = [hv[o:o + lb] for _j, _layer, o in at]
+                        else:  # read in place
+                            views = [targets[j][layer * lb:(layer + 1) * lb] for j, layer, _o in at]
                         want = [sums[layer * f.run.m + entries[j][2] - f.run.start] for j, layer, _o in at]
                         good = xxh3_64_many(views) == want
-                        if good and not late():  # only a read still awaited reaches the destinations
+                        if good and self.read_whole and not late():  # only a read still awaited copies out
                             for (j, layer, _o), v in zip(at, views, strict=True):
                                 targets[j][layer * lb:(layer + 1) * lb] = v
                         for v in views:
