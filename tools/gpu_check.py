@@ -162,7 +162,8 @@ def _drop_tree(root: str) -> bool:
     ok = True
     for d, _dirs, files in os.walk(root):
         for f in files:
-            ok = _drop_cache(os.path.join(d, f)) and ok
+            if not os.path.islink(os.path.join(d, f)):  # (a shared tier's chunk links hold no data)
+                ok = _drop_cache(os.path.join(d, f)) and ok
     return ok
 
 

@@ -22,7 +22,7 @@ written and the shorter one removed. So that a prompt which shares only the firs
 shorter prompt, or one that differs after them) still finds them, the first run written from a chunk's first
 block is pointed to by a symbolic link named after that block's key::
 
-    <xx>/<key of the chunk's first block, hex>.<B>.first  ->  <yy>/<the run's file name>
+    <xx>/<key of the chunk's first block, hex>.<B>.first  ->  ../<yy>/<the run's file name>
 
 A reader whose own runs of a chunk are not there reads the link (a name, never followed), verifies the run's
 header, and takes the blocks its keys share with that run: one more open at most, at the chunk where its stored
@@ -271,9 +271,9 @@ class ChunkFiles:
             return None
         finally:
             os.close(pfd)
-        where, _, name = target.partition("/")
+        up, where, name = [*target.split("/"), "", "", ""][:3]
         m = parse_name(name)
-        if m is None or m > self.per_chunk or where != name[:2]:
+        if up != ".." or m is None or m > self.per_chunk or where != name[:2] or target.count("/") != 2:
             return None
         try:
             last = bytes.fromhex(name.split(".")[0])
@@ -492,7 +492,7 @@ class ChunkFiles:
         """Make the chunk's link name ``run`` when there is none, it dangles, or it names a shorter run of the same
         prompt (best effort: a link is an aid to other prompts' lookups, never needed for this one's)."""
         sub, base = run.link.split("/")
-        target = run.rel  # read as a name (the run's, under the tier's directory), never followed
+        target = "../" + run.rel  # read as a name (never followed); as a path, the run's file beside the link's
         try:
             try:
                 pfd = self.tier._open(sub, _O_PATH | os.O_DIRECTORY)
@@ -510,11 +510,11 @@ class ChunkFiles:
             except OSError:
                 return  # something else at the name: left alone
             if now is not None:
-                name = now.partition("/")[2]
+                name = now.rpartition("/")[2]
                 m = parse_name(name)
                 keep = m is not None and (
                     m >= run.m or name.split(".")[0] != run.chain[run.start + m - 1].hex())
-                if keep and self.tier._regular([now])[0]:
+                if keep and self.tier._regular([now.removeprefix("../")])[0]:
                     return
             tmp = temp_name(base, "tmp")  # a writer killed before the rename leaves what gc removes
             os.symlink(target, tmp, dir_fd=pfd)

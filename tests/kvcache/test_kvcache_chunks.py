@@ -150,6 +150,8 @@ def test_a_prompt_sharing_a_chunks_first_blocks_finds_them(open_store: object, t
     writer = open_store()  # type: ignore[operator]
     long = tokens(16 * 8)
     put(writer, long)
+    links = list((tmp_path / "shared").rglob("*.first"))
+    assert len(links) == 2 and all(link.resolve() in files(tmp_path) for link in links)  # a valid path too
     # a shorter prompt (its runs are not there: the link of the chunk leads to the longer run)
     reader = open_store()  # type: ignore[operator]
     assert reader.lookup(long[:16 * 6]) == 16 * 6
