@@ -9,6 +9,7 @@ stored again), and threads.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,7 @@ from sfstore.kvcache.geometry import KVGeometry, chained_keys
 from sfstore.kvcache.tier import READ_STATUSES, WRITE_STATUSES, KVBatch, KVTier
 from sfstore.kvcache.tiers import PinnedTier
 
-__all__ = ["KVTierTests", "GEOM", "block_bytes"]
+__all__ = ["KVTierTests", "GEOM", "block_bytes", "flip_byte"]
 
 GEOM = KVGeometry(num_layers=2, block_tokens=16, num_kv_heads=2, head_dim=64, dtype="float16")  # 8 KiB blocks
 
@@ -30,6 +31,18 @@ GEOM = KVGeometry(num_layers=2, block_tokens=16, num_kv_heads=2, head_dim=64, dt
 def block_bytes(i: int, version: int = 0) -> bytes:
     """Reproducible bytes of block ``i`` (``version``: another value under the same key)."""
     return np.random.default_rng(1000 * version + i).integers(0, 256, GEOM.block_bytes, dtype=np.uint8).tobytes()
+
+
+def flip_byte(path: str | os.PathLike[str], offset: int) -> None:
+    """Change one byte of a file or block device in place, durably (an O_DIRECT reader sees it): damage for
+    :meth:`KVTierTests.damage`."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([b[0] ^ 0xFF]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def keys(n: int, salt: int = 0) -> list[bytes]:

@@ -16,19 +16,9 @@ from sfstore.blocks import BlockStore
 from sfstore.kvcache.block_tier import BlockKVTier
 from sfstore.kvcache.tier import KVTier
 from sfstore.kvcache.tiers import SharedTier
-from sfstore.testing.kv_tier import GEOM, KVTierTests
+from sfstore.testing.kv_tier import GEOM, KVTierTests, flip_byte
 
 from .endpoints import env
-
-
-def _flip(path: str, offset: int) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        b = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([b[0] ^ 0xFF]), offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class TestSharedTierOnNfsRdma(KVTierTests):
@@ -42,7 +32,7 @@ class TestSharedTierOnNfsRdma(KVTierTests):
 
     def damage(self, tier: KVTier, key: bytes) -> None:
         assert isinstance(tier, SharedTier)
-        _flip(os.path.join(tier.fp.root, tier.file_name(key)), 4096 + GEOM.block_bytes - 100)
+        flip_byte(os.path.join(tier.fp.root, tier.file_name(key)), 4096 + GEOM.block_bytes - 100)
 
 
 class TestBlockTierOnNvmeofNamespace(KVTierTests):
@@ -60,4 +50,4 @@ class TestBlockTierOnNvmeofNamespace(KVTierTests):
         assert isinstance(tier, BlockKVTier)
         where = tier.store.locate(key)
         assert where is not None
-        _flip(tier.store.path.device, where[0] + where[1] - 100)
+        flip_byte(tier.store.path.device, where[0] + where[1] - 100)

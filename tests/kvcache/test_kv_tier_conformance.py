@@ -14,18 +14,7 @@ from sfstore.blocks import BlockStore
 from sfstore.kvcache.block_tier import BlockKVTier
 from sfstore.kvcache.tier import KVTier
 from sfstore.kvcache.tiers import PinnedTier, SharedTier
-from sfstore.testing.kv_tier import GEOM, KVTierTests
-
-
-def flip(path: str | os.PathLike[str], offset: int) -> None:
-    """Change one byte of a file in place (durably, so an O_DIRECT reader sees it)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        b = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([b[0] ^ 0xFF]), offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from sfstore.testing.kv_tier import GEOM, KVTierTests, flip_byte
 
 
 class TestPinnedTier(KVTierTests):
@@ -53,7 +42,7 @@ class TestBlockTierOnImageFile(KVTierTests):
         where = tier.store.locate(key)
         assert where is not None
         offset, length = where
-        flip(tier.store.path.device, offset + length - 100)
+        flip_byte(tier.store.path.device, offset + length - 100)
 
 
 class TestSharedTierOnLocalDirectory(KVTierTests):
@@ -65,4 +54,4 @@ class TestSharedTierOnLocalDirectory(KVTierTests):
 
     def damage(self, tier: KVTier, key: bytes) -> None:
         assert isinstance(tier, SharedTier)
-        flip(os.path.join(tier.fp.root, tier.file_name(key)), 4096 + GEOM.block_bytes - 100)
+        flip_byte(os.path.join(tier.fp.root, tier.file_name(key)), 4096 + GEOM.block_bytes - 100)

@@ -99,8 +99,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("engine")
 
 
-@pytest.fixture(scope="module")
-def model(work: Path) -> Path:
+def tiny_llama(work: Path) -> Path:
     """The tiny random Llama, saved as a model directory vLLM loads (no tokenizer: prompts are token ids)."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
@@ -110,6 +109,11 @@ def model(work: Path) -> Path:
     path = work / "models" / "tiny-llama"
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def model(work: Path) -> Path:
+    return tiny_llama(work)
 
 
 @pytest.fixture(scope="module")

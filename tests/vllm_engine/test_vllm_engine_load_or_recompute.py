@@ -17,12 +17,9 @@ from typing import Any
 
 import pytest
 
-from tests.vllm_engine.test_vllm_engine import run_engine
+from tests.vllm_engine.test_vllm_engine import run_engine, tiny_llama
 
 pytestmark = pytest.mark.vllm_engine
-
-transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
 
 _rng = random.Random(7)
 SAVED = [[_rng.randrange(8192) for _ in range(481)] for _ in range(8)]  # 15 loadable blocks each
@@ -37,14 +34,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(work: Path) -> Path:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.1,
-    )
-    path = work / "models" / "tiny-llama"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+    return tiny_llama(work)
 
 
 @pytest.fixture(scope="module")
