@@ -444,7 +444,9 @@ def test_stalled_nfs_server_is_a_miss_within_the_deadline_and_the_tier_recovers(
     nic = env("SFSTORE_TEST_RDMA_NETDEV")
     with peer.step("nfs-stall", start_timeout=300):
         if peer.role == "prefill":
-            kv = store(shared, "stall")
+            # a file per block: each get of a block this node never read has to ask the server (a chunk file read
+            # once would hold the others)
+            kv = store(shared, "stall", chunk_tokens=0)
             try:
                 keys = kv.keys_for(tokens(50_000, n))
                 kv.put(keys, [block(500 + i) for i in range(n)])
@@ -457,7 +459,7 @@ def test_stalled_nfs_server_is_a_miss_within_the_deadline_and_the_tier_recovers(
             peer.tell("stalled")
             try:
                 # node A's own use of its server goes on: only node B's traffic is dropped
-                kv = store(shared, "stall", io_timeout_ms=DEADLINE_MS)
+                kv = store(shared, "stall", io_timeout_ms=DEADLINE_MS, chunk_tokens=0)
                 try:
                     dest = np.zeros(geometry().block_bytes, dtype=np.uint8)
                     assert kv.get_into([keys[-1]], [dest]) == ["shared"]
@@ -474,7 +476,7 @@ def test_stalled_nfs_server_is_a_miss_within_the_deadline_and_the_tier_recovers(
             peer.hear("recovered", timeout=400)
         else:
             peer.hear("put")
-            kv = store(shared, "stall", io_timeout_ms=DEADLINE_MS, quarantine_ms=QUARANTINE_MS)
+            kv = store(shared, "stall", io_timeout_ms=DEADLINE_MS, quarantine_ms=QUARANTINE_MS, chunk_tokens=0)
             try:
                 keys = kv.keys_for(tokens(50_000, n))
                 dest = np.zeros(geometry().block_bytes, dtype=np.uint8)
