@@ -87,14 +87,7 @@ class BlockKVTier(KVTier):
             release_slots()
             release_all(buffers)
 
-        try:
-            status, out = self.guard.run(fn, *args, on_late=release, what=f"a block-store {what}")
-        except BaseException:
-            release()
-            raise
-        if status != TIMEOUT:
-            release()
-        return status, out
+        return self.guard.run_holding(release, fn, *args, what=f"a block-store {what}")
 
     # -- reads ------------------------------------------------------------------------------------------------
     def read_into(self, keys: Sequence[bytes], dests: KVBatch) -> list[ReadStatus]:

@@ -488,6 +488,21 @@ class TierGuard:
             raise task.error
         return OK, task.result
 
+    def run_holding(self, release: Callable[[], None] | None, fn: Callable[..., Any], *args: Any,
+                    what: str = "an operation") -> tuple[str, Any]:
+        """:meth:`run` of an operation on memory the caller lends it (pinned slots, staging buffers): ``release``
+        gives that memory back once, when the operation is done with it: before this returns, or, past the
+        deadline, when the abandoned worker returns."""
+        try:
+            status, out = self.run(fn, *args, on_late=release, what=what)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if status != TIMEOUT and release is not None:
+            release()
+        return status, out
+
     def _ensure_worker(self) -> None:
         with self._lock:
             if self._closed or self._queue.qsize() <= self._idle or self._live >= self.workers:

@@ -838,7 +838,7 @@ class SharedTier(KVTier):
         """Read the block into ``slot`` (the tier's own memory); on a ``"hit"`` its checksum is set.
         ``release`` is called once this tier is done with the slot: before this returns, or, past the deadline
         (``"timeout"``), when the abandoned worker returns."""
-        status, got = self._run_holding(release, self._read_slot, key, slot, what="a read")
+        status, got = self.guard.run_holding(release, self._read_slot, key, slot, what="a read")
         return str(got) if status == OK else status
 
     def read_many_into(self, keys: Sequence[bytes], slots: Sequence[Slot],
@@ -858,7 +858,7 @@ class SharedTier(KVTier):
             if release is not None:
                 release()
             return []
-        status, got = self._run_holding(release, self._read_slots, list(keys), list(slots),
+        status, got = self.guard.run_holding(release, self._read_slots, list(keys), list(slots),
                                         what=f"a read of {len(keys)} blocks")
         return [str(g) for g in got] if status == OK else [status] * len(keys)
 
@@ -913,20 +913,6 @@ class SharedTier(KVTier):
             for v in views:
                 v.release()
 
-    def _run_holding(self, release: Callable[[], None] | None, fn: Callable[..., Any], *args: Any,
-                     what: str) -> tuple[str, Any]:
-        """``guard.run`` of an operation on memory the caller lends (a slot): ``release`` runs once, when the
-        operation is done with it."""
-        try:
-            status, out = self.guard.run(fn, *args, on_late=release, what=what)
-        except BaseException:
-            if release is not None:
-                release()
-            raise
-        if status != TIMEOUT and release is not None:
-            release()
-        return status, out
-
     def _read_slot(self, key: bytes, slot: Slot) -> str:
         status, checksum = self._read(key, _slot_views(slot, self.slot_bytes))
         if status == "hit" and not late():
@@ -943,7 +929,7 @@ class SharedTier(KVTier):
     def write_slot(self, key: bytes, slot: Slot, release: Callable[[], None] | None = None) -> bool | None:
         """Publish the block in ``slot`` (its header is filled here); ``False`` when it is already there, ``None``
         when dropped (past the deadline, or quarantined). ``release`` is as for :meth:`read_slot`."""
-        status, done = self._run_holding(release, self._write, key, slot, what="a write")
+        status, done = self.guard.run_holding(release, self._write, key, slot, what="a write")
         return bool(done) if status == OK else None
 
     def _write(self, key: bytes, slot: Slot) -> bool:
@@ -1201,7 +1187,7 @@ class SharedTier(KVTier):
             if dests.kind == "slots":
                 leases = [dests.items[i] for i, _c, _p in wave]
                 targets = [lease.slot.data(n) for lease in leases]
-                status, got = self._run_holding(lease_again(leases), self.chunks.read, wave, targets,
+                status, got = self.guard.run_holding(lease_again(leases), self.chunks.read, wave, targets,
                                                 what=f"a read of {len(wave)} blocks")
                 answers = [str(g) for g in got] if status == OK else [status] * len(wave)
             else:
@@ -1275,13 +1261,7 @@ class SharedTier(KVTier):
             idx = [entries[j][0] for j in js]
             views = [srcs.items[i].slot.data(n) if srcs.kind == "slots" else srcs.items[i] for i in idx]
             buf = self.chunks.build(run, views)
-            try:
-                status, done = self.guard.run(self.chunks.write, run, buf, on_late=buf.release, what="a write")
-            except BaseException:
-                buf.release()
-                raise
-            if status != TIMEOUT:
-                buf.release()
+            status, done = self.guard.run_holding(buf.release, self.chunks.write, run, buf, what="a write")
             for i in idx:
                 out[i] = "dropped" if status != OK else "written" if done else "exists"
         return [entries[j][0] for j in skipped]
