@@ -234,13 +234,13 @@ def race(
     *,
     set_walk: Callable[[bool], None],
     leaks: Callable[[Any], bool],
-    until_succeeded: bool = False,
 ) -> Tally:
     """Call ``op(scene)`` for ``seconds`` while the swapper runs, every other call with ``set_walk(True)``
     (openat2 switched off: the component walk); a result that ``leaks`` outside data, or a change outside, is an
-    escape; ``top`` is rebuilt after each call of an op that ``mutates``. ``until_succeeded``: an operation of
-    many resolutions succeeds rarely while the swap runs, so past the deadline it goes on (for at most 10 times
-    as long, and for 4 calls at least) until it has succeeded in both modes."""
+    escape; ``top`` is rebuilt after each call of an op that ``mutates``. A call succeeds only when no swap
+    lands during its resolutions, which on a loaded machine can take more than ``seconds``, so past the
+    deadline the race goes on (for at most 10 times as long, and for 4 calls at least) until it has succeeded
+    in both modes."""
     tally = Tally()
     swapper = start_swapper(scene.top)
     try:
@@ -249,8 +249,6 @@ def race(
 
         def more() -> bool:
             now = time.monotonic()
-            if not until_succeeded:
-                return now < deadline
             succeeded = tally.ok > tally.ok_walked > 0
             return now < deadline or tally.calls < 4 or (not succeeded and now < overtime)
 
