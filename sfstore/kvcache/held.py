@@ -1,16 +1,82 @@
 """HeldBlocks: blocks a :class:`~sfstore.kvcache.store.KVCacheStore` keeps in its pinned tier for one caller, who
-copies them out piece by piece (an engine's loads, one layer of every block at a time) until it releases them."""
+copies them out piece by piece (an engine's loads, one layer of every block at a time) until it releases them;
+and :class:`LayerLoad`, the background reads that fill held blocks layer by layer."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from sfstore import errors
+from sfstore.arguments import check_timeout
+from sfstore.futures import Future
 from sfstore.kvcache.geometry import KVGeometry
 from sfstore.kvcache.tiers import Lease, release_all
 
-__all__ = ["HeldBlocks"]
+__all__ = ["HeldBlocks", "LayerLoad"]
+
+
+class LayerLoad(Future[list[str | None]]):
+    """Reads from the lower tiers that fill some rows of a :class:`HeldBlocks` in the background.
+
+    A tier that reads layer by layer (chunk files in the shared tier) announces each layer of a row once it is
+    in and verified; a tier that reads whole blocks announces them whole. :meth:`wait_layer` waits until one
+    layer of every row is in (or its row's read has ended), :meth:`get` until every read has ended and gives the
+    tier each row came from (``None``: a miss, whose slot holds no block; an earlier layer of it may have been
+    announced before a later one failed verification).
+
+    Made by :meth:`KVCacheStore.hold_async <sfstore.kvcache.store.KVCacheStore.hold_async>`; every read ends,
+    within its tier's deadline, as a hit or a miss.
+    """
+
+    def __init__(self, layers: int, tiers: list[str | None], pending: Sequence[int]) -> None:
+        self.layers = layers
+        self._tiers = tiers
+        self._pending = set(pending)
+        self._in = [0 if i in self._pending else layers for i in range(len(tiers))]
+        self._cond = threading.Condition()
+
+    def layer_in(self, rows: Sequence[int], layer: int) -> None:
+        """Layers ``0..layer`` of ``rows`` are in their slots (called by the reads)."""
+        with self._cond:
+            for r in rows:
+                if r in self._pending and self._in[r] <= layer:
+                    self._in[r] = layer + 1
+            self._cond.notify_all()
+
+    def finish(self, rows: Sequence[int], tiers: Sequence[str | None]) -> None:
+        """The reads of ``rows`` have ended: each row's tier (``None``: a miss)."""
+        with self._cond:
+            for r, t in zip(rows, tiers, strict=True):
+                if r in self._pending:
+                    self._pending.discard(r)
+                    self._tiers[r] = t
+                    self._in[r] = self.layers
+            self._cond.notify_all()
+
+    def _layer_ready(self, layer: int) -> bool:
+        return all(self._in[r] > layer for r in self._pending)
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Wait until layer ``layer`` of every row is in, or its read has ended; return whether it is so."""
+        check_timeout(timeout, "wait_layer")
+        with self._cond:
+            return self._cond.wait_for(lambda: self._layer_ready(layer), timeout)
+
+    def done(self) -> bool:
+        with self._cond:
+            return not self._pending
+
+    def wait(self, timeout: float | None = None) -> bool:
+        check_timeout(timeout, "wait")
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending, timeout)
+
+    def get(self, timeout: float | None = None) -> list[str | None]:
+        if not self.wait(timeout):
+            raise self._timed_out(timeout, "loading held blocks")
+        return list(self._tiers)
 
 
 class HeldBlocks:
@@ -28,20 +94,34 @@ class HeldBlocks:
     the tier cannot give to another block.
     """
 
-    def __init__(self, geometry: KVGeometry, leases: Sequence[Lease | None], tiers: Sequence[str | None]) -> None:
+    def __init__(self, geometry: KVGeometry, leases: Sequence[Lease | None], tiers: Sequence[str | None],
+                 load: LayerLoad | None = None) -> None:
         self.geometry = geometry
-        self.tiers: list[str | None] = list(tiers)
+        self._tiers: list[str | None] = list(tiers)
         self.rows: list[int] = [i for i, lease in enumerate(leases) if lease is not None]
         self._leases: list[Lease] | None = [lease for lease in leases if lease is not None]
         self._buffers = [lease.slot.buffer for lease in self._leases]
+        #: the reads still filling rows (:meth:`KVCacheStore.hold_async
+        #: <sfstore.kvcache.store.KVCacheStore.hold_async>`); ``None``: every row was in when held
+        self.load = load
 
     def __len__(self) -> int:
         return len(self._leases or ())
 
     @property
+    def tiers(self) -> list[str | None]:
+        """Per key asked for, the tier its block came from (``None``: a miss); waits for :attr:`load`."""
+        return self.load.get() if self.load is not None else list(self._tiers)
+
+    @property
     def tiers_of_rows(self) -> list[str | None]:
-        """The tier each row was found in, in row order."""
-        return [self.tiers[i] for i in self.rows]
+        """The tier each row was found in, in row order (waits for :attr:`load`)."""
+        tiers = self.tiers
+        return [tiers[i] for i in self.rows]
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Wait until layer ``layer`` of every row is in its slot (see :class:`LayerLoad`); whether it is."""
+        return True if self.load is None else self.load.wait_layer(layer, timeout)
 
     def copy_layer_into(self, layer: int, out: Any, rows_at: Sequence[int] | None = None) -> None:
         """Copy layer ``layer`` of every row into ``out``.
@@ -77,6 +157,7 @@ class HeldBlocks:
             raise errors.InvalidRequestError(f"copy_layer_into: layer {layer!r} is not an int in [0, {g.num_layers})")
         if self._leases is None:
             raise errors.InvalidRequestError("copy_layer_into: the blocks were released")
+        self.wait_layer(layer)  # bounded: each read ends within its tier's deadline
         from sfstore import _native  # present: the slots are its buffers
 
         if rows_at is not None:

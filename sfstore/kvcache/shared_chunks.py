@@ -40,7 +40,7 @@ import errno
 import os
 import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -282,11 +282,16 @@ class ChunkFiles:
         return ChunkRun(mine.chain, mine.start, m, self.per_chunk, last=last)
 
     # -- reads ------------------------------------------------------------------------------------------------
-    def read(self, entries: Sequence[Entry], targets: Sequence[memoryview]) -> list[str]:
+    def read(self, entries: Sequence[Entry], targets: Sequence[memoryview],
+             on_layer: Callable[[list[int], int], None] | None = None) -> list[str]:
         """Read each entry's block into its target (a block-sized view) from the run that holds it: every file
-        opened first, then all their ranges (the header and each wanted block's slice of each layer) in one
-        batch of the file path, then each verified. A status per entry (``"missing"`` where no run holds it;
-        ``"corrupt"`` for each entry of a file that fails verification: it is removed)."""
+        opened first, then all their ranges (the header and each wanted block's slice of each layer) read and
+        each verified. A status per entry (``"missing"`` where no run holds it; ``"corrupt"`` for each entry of a
+        file that fails verification: it is removed).
+
+        ``on_layer(indices, layer)``: read layer by layer instead (one batch of headers, then one batch per
+        layer, all submitted at once), and call it once layer ``layer`` of the entries at ``indices`` is in their
+        targets and verified, while the later layers are still being read."""
         out = ["missing"] * len(entries)
         runs = self.resolve(entries)
         files: dict[str, _Open] = {}
@@ -306,72 +311,10 @@ class ChunkFiles:
                         continue
                     f = files[run.rel] = opened
                 f.entries.append(j)
-            ranges: list[Range] = []
-            owners: list[_Open | None] = []
-            lb, layers = self.geom.layer_bytes, self.geom.num_layers
-            for f in files.values():
-                hb = chunk_header_bytes(self.geom, f.run.m)
-                if self.read_whole:  # its blocks' slices are copied out once verified
-                    whole = self._bufs.acquire()
-                    heads.append(whole)
-                    ranges.append(Range.read(0, hb + f.run.m * self.geom.block_bytes, whole, 0, f.fd))
-                    owners.append(f)
-                    continue
-                head = self._heads.acquire()
-                heads.append(head)
-                ranges.append(Range.read(0, hb, head, 0, f.fd))
-                owners.append(f)
-                for j in f.entries:
-                    k = entries[j][2] - f.run.start
-                    for layer in range(layers):
-                        ranges.append(Range.read(hb + (layer * f.run.m + k) * lb, lb, targets[j], layer * lb, f.fd))
-                        owners.append(None)
-            results = self._submit(ranges)
-            failed: set[int] = set()
-            owner: _Open | None = None
-            for fo, r, got in zip(owners, ranges, results, strict=True):
-                if fo is not None:
-                    owner = fo
-                if owner is not None and (got is None or got != r.length):
-                    failed.add(id(owner))
-            for f, head in zip(files.values(), heads, strict=True):
-                if id(f) in failed:
-                    self.tier.fp.counters.add(errors=1)
-                    for j in f.entries:
-                        out[j] = "unreadable"
-                    continue
-                hb = chunk_header_bytes(self.geom, f.run.m)
-                with memoryview(head) as hv:
-                    decoded = decode_header(hv[:hb], self.geom, f.run)
-                    good = decoded is not None
-                    if decoded is not None:
-                        sums, shared = decoded
-                        foreign = [j for j in f.entries if entries[j][2] - f.run.start >= shared]
-                        for j in foreign:  # another prompt's blocks there: this one's are not stored
-                            out[j] = "missing"
-                        f.entries = [j for j in f.entries if entries[j][2] - f.run.start < shared]
-                        at = [(j, layer, hb + (layer * f.run.m + entries[j][2] - f.run.start) * lb)
-                              for j in f.entries for layer in range(layers)]
-                        if self.read_whole:
-                            views = [hv[o:o + lb] for _j, _layer, o in at]
-                        else:  # read in place
-                            views = [targets[j][layer * lb:(layer + 1) * lb] for j, layer, _o in at]
-                        want = [sums[layer * f.run.m + entries[j][2] - f.run.start] for j, layer, _o in at]
-                        good = xxh3_64_many(views) == want
-                        if good and self.read_whole and not late():  # only a read still awaited copies out
-                            for (j, layer, _o), v in zip(at, views, strict=True):
-                                targets[j][layer * lb:(layer + 1) * lb] = v
-                        for v in views:
-                            v.release()
-                self.tier.fp.counters.add(files=1)
-                if not good:
-                    lost.append((f.run, f.st))
-                    for j in f.entries:
-                        out[j] = "corrupt"
-                    continue
-                self.tier.budget.touch(f.fd, f.st)
-                for j in f.entries:
-                    out[j] = "hit"
+            if on_layer is not None:
+                self._read_by_layer(entries, targets, list(files.values()), out, lost, heads, on_layer)
+            else:
+                self._read_at_once(entries, targets, files, out, lost, heads)
         finally:
             for f in files.values():
                 os.close(f.fd)
@@ -382,6 +325,181 @@ class ChunkFiles:
         if late():
             return [s if s != "hit" else "timeout" for s in out]
         return out
+
+    def _read_at_once(self, entries: Sequence[Entry], targets: Sequence[memoryview], files: dict[str, _Open],
+                      out: list[str], lost: list[tuple[ChunkRun, os.stat_result]], heads: list[Any]) -> None:
+        """:meth:`read`'s ranges as one batch, verified once all are in."""
+        ranges: list[Range] = []
+        owners: list[_Open | None] = []
+        lb, layers = self.geom.layer_bytes, self.geom.num_layers
+        for f in files.values():
+            hb = chunk_header_bytes(self.geom, f.run.m)
+            if self.read_whole:  # its blocks' slices are copied out once verified
+                whole = self._bufs.acquire()
+                heads.append(whole)
+                ranges.append(Range.read(0, hb + f.run.m * self.geom.block_bytes, whole, 0, f.fd))
+                owners.append(f)
+                continue
+            head = self._heads.acquire()
+            heads.append(head)
+            ranges.append(Range.read(0, hb, head, 0, f.fd))
+            owners.append(f)
+            for j in f.entries:
+                k = entries[j][2] - f.run.start
+                for layer in range(layers):
+                    ranges.append(Range.read(hb + (layer * f.run.m + k) * lb, lb, targets[j], layer * lb, f.fd))
+                    owners.append(None)
+        results = self._submit(ranges)
+        failed: set[int] = set()
+        owner: _Open | None = None
+        for fo, r, got in zip(owners, ranges, results, strict=True):
+            if fo is not None:
+                owner = fo
+            if owner is not None and (got is None or got != r.length):
+                failed.add(id(owner))
+        for f, head in zip(files.values(), heads, strict=True):
+            if id(f) in failed:
+                self.tier.fp.counters.add(errors=1)
+                for j in f.entries:
+                    out[j] = "unreadable"
+                continue
+            hb = chunk_header_bytes(self.geom, f.run.m)
+            with memoryview(head) as hv:
+                sums = self._header(f, hv[:hb], entries, out)
+                good = sums is not None and self._verify(f, sums, range(layers), entries, targets, hv)
+            self.tier.fp.counters.add(files=1)
+            if not good:
+                lost.append((f.run, f.st))
+                for j in f.entries:
+                    out[j] = "corrupt"
+                continue
+            self.tier.budget.touch(f.fd, f.st)
+            for j in f.entries:
+                out[j] = "hit"
+
+    def _header(self, f: _Open, hv: memoryview, entries: Sequence[Entry], out: list[str]) -> list[int] | None:
+        """The checksums in run ``f``'s header (``hv``), with ``f.entries`` narrowed to the blocks the run shares
+        with the caller's prompt (the others are ``"missing"``); ``None``: the header fails verification."""
+        decoded = decode_header(hv, self.geom, f.run)
+        if decoded is None:
+            return None
+        sums, shared = decoded
+        for j in f.entries:
+            if entries[j][2] - f.run.start >= shared:  # another prompt's blocks there: this one's are not stored
+                out[j] = "missing"
+        f.entries = [j for j in f.entries if entries[j][2] - f.run.start < shared]
+        return sums
+
+    def _verify(self, f: _Open, sums: list[int], layers: range, entries: Sequence[Entry],
+                targets: Sequence[memoryview], hv: memoryview) -> bool:
+        """Whether each of ``f.entries``' slices of ``layers`` matches its checksum; read whole (``hv``: the file),
+        the verified slices are copied into their targets (by a read still awaited only)."""
+        lb, m, hb = self.geom.layer_bytes, f.run.m, chunk_header_bytes(self.geom, f.run.m)
+        at = [(j, layer, hb + (layer * m + entries[j][2] - f.run.start) * lb) for j in f.entries for layer in layers]
+        if self.read_whole:
+            views = [hv[o:o + lb] for _j, _layer, o in at]
+        else:  # read in place
+            views = [targets[j][layer * lb:(layer + 1) * lb] for j, layer, _o in at]
+        try:
+            want = [sums[layer * m + entries[j][2] - f.run.start] for j, layer, _o in at]
+            good = xxh3_64_many(views) == want
+            if good and self.read_whole and not late():  # only a read still awaited copies out
+                for (j, layer, _o), v in zip(at, views, strict=True):
+                    targets[j][layer * lb:(layer + 1) * lb] = v
+        finally:
+            for v in views:
+                v.release()
+        return good
+
+    def _read_by_layer(self, entries: Sequence[Entry], targets: Sequence[memoryview], files: list[_Open],
+                       out: list[str], lost: list[tuple[ChunkRun, os.stat_result]], heads: list[Any],
+                       on_layer: Callable[[list[int], int], None]) -> None:
+        """:meth:`read` layer by layer: the headers as one batch and each layer as one (a range per file read
+        whole, else one per wanted block), all submitted at once so the engine keeps every one in flight; each
+        layer verified, and announced, as soon as its batch is in."""
+        lb, layers = self.geom.layer_bytes, self.geom.num_layers
+        bufs: list[Any] = []
+        batches: list[tuple[list[Range], list[int]]] = [([], [])]  # (ranges, the file of each): headers first
+        for n, f in enumerate(files):
+            buf = self._bufs.acquire() if self.read_whole else self._heads.acquire()
+            heads.append(buf)
+            bufs.append(buf)
+            batches[0][0].append(Range.read(0, chunk_header_bytes(self.geom, f.run.m), buf, 0, f.fd))
+            batches[0][1].append(n)
+        for layer in range(layers):
+            ranges, owners = [], []
+            for n, f in enumerate(files):
+                hb, m = chunk_header_bytes(self.geom, f.run.m), f.run.m
+                if self.read_whole:
+                    ranges.append(Range.read(hb + layer * m * lb, m * lb, bufs[n], hb + layer * m * lb, f.fd))
+                    owners.append(n)
+                    continue
+                for j in f.entries:
+                    k = entries[j][2] - f.run.start
+                    ranges.append(Range.read(hb + (layer * m + k) * lb, lb, targets[j], layer * lb, f.fd))
+                    owners.append(n)
+            batches.append((ranges, owners))
+        pending = [self._start(ranges) for ranges, _owners in batches]
+        try:
+            sums_of: dict[int, list[int]] = {}
+            for step, ((ranges, owners), fut) in enumerate(zip(batches, pending, strict=True)):
+                pending[step] = None
+                results = self._finish(fut, len(ranges))
+                failed = {n for n, r, got in zip(owners, ranges, results, strict=True) if got != r.length}
+                ready: list[int] = []
+                for n, f in enumerate(files):
+                    if step and n not in sums_of:
+                        continue  # failed before this layer
+                    if n in failed:
+                        self.tier.fp.counters.add(errors=1)
+                        for j in f.entries:
+                            out[j] = "unreadable"
+                        sums_of.pop(n, None)
+                        continue
+                    with memoryview(bufs[n]) as hv:
+                        if step == 0:
+                            self.tier.fp.counters.add(files=1)
+                            sums = self._header(f, hv[:chunk_header_bytes(self.geom, f.run.m)], entries, out)
+                            if sums is not None:
+                                sums_of[n] = sums
+                                continue
+                        else:
+                            sums = sums_of[n]
+                            if self._verify(f, sums, range(step - 1, step), entries, targets, hv):
+                                ready.extend(f.entries)
+                                continue
+                    lost.append((f.run, f.st))
+                    for j in f.entries:
+                        out[j] = "corrupt"
+                    sums_of.pop(n, None)
+                if step and ready and not late():
+                    on_layer(ready, step - 1)
+            for n in sums_of:
+                self.tier.budget.touch(files[n].fd, files[n].st)
+                for j in files[n].entries:
+                    out[j] = "hit"
+        finally:
+            for fut in pending:  # (an error above: no read may still write once the files close)
+                if fut is not None:
+                    self._finish(fut, 0)
+
+    def _start(self, ranges: list[Range]) -> Any:
+        """Submit ``ranges`` as one batch of the file path; the future, or the error (an empty batch: ``None``)."""
+        if not ranges:
+            return None
+        try:
+            return self.tier.fp.submit(ranges, data_class="kvcache.shared")
+        except OSError as exc:
+            return exc
+
+    def _finish(self, fut: Any, n: int) -> list[int | None]:
+        """Each range's bytes moved (``None``: it failed) of a batch :meth:`_start` submitted."""
+        if fut is None or isinstance(fut, OSError):
+            return [None] * n
+        try:
+            return [r if r >= 0 else None for r in fut.results()]
+        except OSError:
+            return [None] * n
 
     def _open(self, run: ChunkRun) -> tuple[str, _Open | None, os.stat_result | None]:
         """Open a run's file for reading: ``("open", file, status)`` for a regular file of the run's size (made
@@ -407,13 +525,7 @@ class ChunkFiles:
         return "open", _Open(run, fd, st), st
 
     def _submit(self, ranges: list[Range]) -> list[int | None]:
-        if not ranges:
-            return []
-        try:
-            return [r if r >= 0 else None for r in
-                    self.tier.fp.submit(ranges, data_class="kvcache.shared").results()]
-        except OSError:
-            return [None] * len(ranges)
+        return self._finish(self._start(ranges), len(ranges))
 
     def _drop(self, run: ChunkRun, st: os.stat_result) -> None:
         sub, base = run.rel.split("/")

@@ -29,7 +29,7 @@ from sfstore.kvcache.block_tier import BlockKVTier
 from sfstore.kvcache.chains import KeyChains
 from sfstore.kvcache.deadline import TierGuard
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
-from sfstore.kvcache.held import HeldBlocks
+from sfstore.kvcache.held import HeldBlocks, LayerLoad
 from sfstore.kvcache.load_or_recompute import LoadOrRecompute
 from sfstore.kvcache.shared_budget import check_namespace
 from sfstore.kvcache.tier import KVBatch, KVTier, ReadStatus
@@ -938,6 +938,73 @@ class KVCacheStore:
         ks = self._check_keys(keys)
         leases, tiers = self._fetch(ks, count=bool(count))
         return HeldBlocks(self.geometry, leases, tiers)
+
+    def hold_async(self, keys: Sequence[bytes], *, parts: int = 1, count: bool = False) -> HeldBlocks:
+        """:meth:`hold` without waiting: the blocks of ``keys``, each in a pinned slot held for the caller, those
+        the pinned tier lacks being read from the lower tiers in the background (in ``parts`` batches at once).
+
+        Every key is a row (``rows`` is every index), and a row's slot holds its block once its read ended as a
+        hit. A tier that reads layer by layer (:attr:`KVTier.supports_layer_reads`: the shared tier's chunk
+        files) announces each layer as soon as it is in and verified, so the caller can copy layer ``i`` out
+        (:meth:`HeldBlocks.copy_layer_into <sfstore.kvcache.held.HeldBlocks.copy_layer_into>` waits for it) while
+        later layers are still being read: an engine's per-layer loads overlap the read. Once
+        :attr:`HeldBlocks.load` is done, :attr:`HeldBlocks.tiers` gives each block's tier (``None``: a miss: its
+        slot holds no block, and an earlier layer of it may have been copied out before a later one failed:
+        such a caller recomputes it). Hits join the pinned tier, and are promoted to the lower tiers above theirs,
+        as :meth:`get_into` does.
+
+        ``count``: count the blocks in ``gets`` / ``hits_*`` / ``misses`` once the reads end (else the caller
+        does, with :meth:`count_loads`).
+        """
+        self._check_open()
+        ks = self._check_keys(keys)
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise errors.InvalidRequestError(f"hold_async: parts must be an int >= 1, not {parts!r}")
+        leases: list[Lease | None] = [self.pinned.lease(k) for k in ks]
+        tiers: list[str | None] = ["pinned" if lease is not None else None for lease in leases]
+        missing = [i for i, lease in enumerate(leases) if lease is None]
+        try:
+            for i in missing:
+                leases[i] = self.pinned.take()
+        except BaseException:
+            release_all(leases)
+            raise
+        load = LayerLoad(self.geometry.num_layers, tiers, missing)
+        held = HeldBlocks(self.geometry, leases, tiers, load)
+        per = -(-len(missing) // parts) if missing else 1
+        for start in range(0, len(missing), per):
+            rows = missing[start:start + per]
+            own = [lease.another() for lease in (leases[i] for i in rows) if lease is not None]
+            try:
+                self._executor.submit(self._read_held, [ks[i] for i in rows], rows, own, load, bool(count))
+            except BaseException:  # (the executor shut down: close) a miss each
+                release_all(own)
+                load.finish(rows, [None] * len(rows))
+        if not missing and count:
+            self.count_loads(tiers)
+        return held
+
+    def _read_held(self, keys: list[bytes], rows: list[int], slots: list[Lease], load: LayerLoad,
+                   count: bool) -> None:
+        """:meth:`hold_async`'s background read of ``keys`` into the held ``slots`` (leases of its own, released
+        here), announcing their layers to ``load`` as tiers read them; every row ends as a hit or a miss."""
+        batch = KVBatch("slots", slots, on_layer=lambda at, layer: load.layer_in([rows[j] for j in at], layer))
+
+        def finish(indices: list[int], dests: KVBatch, answers: list[ReadStatus] | None) -> None:
+            for j, i in enumerate(indices):
+                if answers is not None and answers[j] == "hit":
+                    self.pinned.insert(keys[i], slots[i], dests.checksums[j] or 0)
+
+        tiers: list[str | None] = [None] * len(keys)
+        try:
+            tiers = self._load(keys, batch.pick, finish)
+        except Exception:  # a miss each: the caller recomputes them
+            self.counters.add(lower_tier_errors=1)
+        finally:
+            release_all(slots)
+            load.finish(rows, tiers)
+            if count:
+                self.count_loads(tiers)
 
     def prefetch(self, keys: Sequence[bytes], *, count: bool = False) -> SfFuture[list[str | None]]:
         """Bring the blocks into the pinned tier in the background; ``.get()`` gives the tier of each.

@@ -17,7 +17,7 @@ puts are written through to every tier below.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -59,6 +59,13 @@ class KVBatch:
     destination is left exactly as it was (``False``: it may hold the bytes that failed, for a caller that
     recomputes a miss anyway). ``checksums``: the xxh3-64 of each block's host bytes where known (a read fills
     them for its hits, a write uses them instead of hashing again).
+
+    ``on_layer(indices, layer)`` (reads into ``slots``): a tier that reads layer by layer
+    (:attr:`KVTier.supports_layer_reads`) calls it once layers ``0..layer`` of the items at ``indices`` are in
+    their slots and verified, while later layers are still being read, so a caller holding the slots can copy
+    those layers out early. A block's status still comes with the read's answer: a later layer can fail it, and
+    its earlier layers then hold bytes of a block that is not a hit (a caller of this kind recomputes it). Tiers
+    that read whole blocks never call it.
     """
 
     kind: BatchKind
@@ -66,6 +73,7 @@ class KVBatch:
     device: Any = None
     keep: bool = True
     checksums: list[int | None] = field(default_factory=list)
+    on_layer: Callable[[list[int], int], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.checksums:
@@ -77,8 +85,19 @@ class KVBatch:
     def pick(self, indices: Sequence[int]) -> KVBatch:
         """The batch of ``items[i]`` for ``i`` in ``indices`` (same kind, device and ``keep``); its checksums are
         its own list: copy them back with :meth:`take_checksums`."""
-        return KVBatch(self.kind, [self.items[i] for i in indices], self.device, self.keep,
-                       [self.checksums[i] for i in indices])
+        picked = list(indices)
+        parent = self.on_layer
+        on_layer = None
+        if parent is not None:
+            def on_layer(at: list[int], layer: int) -> None:
+                parent([picked[j] for j in at], layer)
+        return KVBatch(self.kind, [self.items[i] for i in picked], self.device, self.keep,
+                       [self.checksums[i] for i in picked], on_layer)
+
+    def layers_ready(self, indices: Sequence[int], layer: int) -> None:
+        """Tell the caller (``on_layer``, when set) that layers ``0..layer`` of the items at ``indices`` are in."""
+        if self.on_layer is not None and indices:
+            self.on_layer(list(indices), layer)
 
     def take_checksums(self, indices: Sequence[int], part: KVBatch) -> None:
         """Copy the checksums a tier filled in ``part`` (made by :meth:`pick` of ``indices``) back here."""
@@ -104,6 +123,12 @@ class KVTier(ABC):
     def supports_device_buffers(self) -> bool:
         """Whether GPU buffers move on a route of the tier's own (``device`` batches without a host copy
         where the route allows); otherwise they are staged through host memory."""
+        return False
+
+    @property
+    def supports_layer_reads(self) -> bool:
+        """Whether reads into slots can deliver a batch layer by layer (``KVBatch.on_layer``): the tier's storage
+        unit keeps each layer as its own range with its own checksum."""
         return False
 
     @abstractmethod

@@ -1131,6 +1131,11 @@ class SharedTier(KVTier):
     def supports_device_buffers(self) -> bool:
         return True
 
+    @property
+    def supports_layer_reads(self) -> bool:
+        """Chunk files keep each layer of a run as one range with a checksum per block (block files do not)."""
+        return self.chunks is not None
+
     def read_into(self, keys: Sequence[bytes], dests: KVBatch) -> list[ReadStatus]:
         """Leased slots are filled straight from the files (held by further leases while the read may go on),
         the caller's host memory through scratch buffers, GPU buffers on the device path's route; many files
@@ -1187,7 +1192,11 @@ class SharedTier(KVTier):
             if dests.kind == "slots":
                 leases = [dests.items[i] for i, _c, _p in wave]
                 targets = [lease.slot.data(n) for lease in leases]
-                status, got = self.guard.run_holding(lease_again(leases), self.chunks.read, wave, targets,
+                on_layer = None
+                if dests.on_layer is not None:  # wave positions -> the batch's indices
+                    def on_layer(at: list[int], layer: int, wave: list[Entry] = wave) -> None:
+                        dests.layers_ready([wave[a][0] for a in at], layer)
+                status, got = self.guard.run_holding(lease_again(leases), self.chunks.read, wave, targets, on_layer,
                                                 what=f"a read of {len(wave)} blocks")
                 answers = [str(g) for g in got] if status == OK else [status] * len(wave)
             else:
