@@ -166,6 +166,7 @@ from sfstore.kvcache.held import HeldBlocks  # noqa: E402
 from sfstore.kvcache.shared_budget import check_namespace  # noqa: E402
 from sfstore.kvcache.store import KVCacheStore  # noqa: E402
 from sfstore.kvcache.vllm_layout import KVLayout, block_layer_view, layout_for, pages_as_layers  # noqa: E402
+from sfstore.kvcache.vllm_loads import HeldLoad, StepLoads  # noqa: E402
 from sfstore.kvcache.vllm_metrics import (  # noqa: E402
     OWN_STATS,
     STORE_STATS,
@@ -324,23 +325,32 @@ class _LoadsAhead:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_req: dict[str, tuple[list[bytes], list[tuple[int, Any]]]] = {}
+        self._by_req: dict[str, tuple[list[bytes], HeldBlocks | None]] = {}
         self.workers = 0  # workers of this process that registered their caches with this store
 
-    def put(self, req_id: str, keys: list[bytes], futures: list[tuple[int, Any]]) -> None:
+    def put(self, req_id: str, keys: list[bytes], held: HeldBlocks | None) -> None:
         with self._lock:
-            self._by_req[req_id] = (keys, futures)
+            old = self._by_req.pop(req_id, None)
+            if held is not None:
+                self._by_req[req_id] = (keys, held)
+        if old is not None and old[1] is not None:
+            old[1].release()
 
-    def take(self, req_id: str, keys: list[bytes]) -> list[tuple[int, Any]] | None:
-        """The prefetch started for ``req_id`` if it is of exactly ``keys`` (else ``None``: the caller starts its
-        own); taken once."""
+    def take(self, req_id: str, keys: list[bytes]) -> HeldBlocks | None:
+        """The blocks held for ``req_id`` if they are exactly ``keys`` (else ``None``, and they are released: the
+        caller holds its own); taken once."""
         with self._lock:
             entry = self._by_req.pop(req_id, None)
-        return entry[1] if entry is not None and entry[0] == keys else None
+        if entry is None or entry[1] is None:
+            return None
+        if entry[0] != keys:
+            entry[1].release()
+            return None
+        return entry[1]
 
     def drop(self, req_id: str) -> None:
-        with self._lock:
-            self._by_req.pop(req_id, None)
+        """Release what was held for ``req_id`` (the request finished or was aborted before a worker took it)."""
+        self.put(req_id, [], None)
 
     def add_worker(self, n: int) -> None:
         with self._lock:
@@ -507,9 +517,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._asleep: dict[str, torch.Tensor] = {}  # the caches while vLLM sleeps (unregister_kv_caches)
         self._layer_index = self.layout.layer_index
         self._loads: list[BlockTransfer] = []
-        self._load_future: list[tuple[int, Any]] | None = None  # the step's prefetches: (blocks, future) each
-        self._load_ok: tuple[list[bytes], list[int]] = ([], [])
-        self._held: HeldBlocks | None = None  # this step's loaded blocks, pinned until the step's copies are done
+        self._step_loads: StepLoads | None = None  # this step's loads, held until the step's copies are done
         self._load_errors: set[int] = set()
         self._saved_keys: set[bytes] = set()
         self._dropped_before = 0
@@ -522,7 +530,6 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._stats_base: dict[str, int] = self.store.counters.snapshot()
         self._load_req: dict[int, str] = {}  # block id -> request, of this step's loads
         self._failed_reqs: set[str] = set()  # requests with a block not loaded this step
-        self._loads_chunk: tuple[list[bytes], list[int]] | None = None
         # None: stage through the host when the cache is not on the CPU; True/False force it (tests)
         self.stage_copies: bool | None = None
         # staged copies: per-device streams, the staging pools, the save thread, this step's issued loads
@@ -633,7 +640,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # where the blocks are now, before a prefetch promotes them (get_external_cache_hit_sources)
         self._host_hits[request.request_id] = self.store.pinned_count(keys)
         if self._ahead.workers and len(keys) <= self.store.pinned_capacity // 2:
-            self._ahead.put(request.request_id, keys, self._prefetch(keys))  # a worker in this process takes it
+            # a worker in this process takes it (its reads overlap the rest of the scheduler's step)
+            self._ahead.put(request.request_id, keys, self._hold(request.request_id, keys, []).held)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """Loaded tokens by where they are now: the pinned tier (host memory) or a lower tier (NVMe, NFS)."""
@@ -786,73 +794,76 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # save_kv_layer) on a step without loads; wait_for_save, which ends every step, resets them.
         self._release_held()
         self._loads = [t for t in meta.loads if t.keys]
-        self._load_future = None
         self._load_req = {b: t.req_id for t in self._loads for b in t.block_ids}
         self._failed_reqs = set()
         self._issued, self._load_ordered, self._dst_index = {}, set(), {}
         self.load_log = []
-        if self._loads:
-            # The loads go after what the engine enqueued so far (a previous step's kernels, vLLM zeroing the
-            # new blocks), not after the forward pass's work enqueued before the first wait_for_layer_load.
-            devices = {str(c.device): c.device for c in self._kv_caches.values() if self._load_staged(c)}
-            self._step_start = {key: staging.record(staging.current_stream(dev)) for key, dev in devices.items()}
-            keys = [k for t in self._loads for k in t.keys]
-            self._dropped_before = self._dropped()
-            if len(keys) > self.store.pinned_capacity // 2:
-                for t in self._loads:
-                    self._ahead.drop(t.req_id)
-                self._load_all_layers_now()
+        if not self._loads:
+            return
+        # The loads go after what the engine enqueued so far (a previous step's kernels, vLLM zeroing the
+        # new blocks), not after the forward pass's work enqueued before the first wait_for_layer_load.
+        devices = {str(c.device): c.device for c in self._kv_caches.values() if self._load_staged(c)}
+        self._step_start = {key: staging.record(staging.current_stream(dev)) for key, dev in devices.items()}
+        self._dropped_before = self._dropped()
+        if sum(len(t.keys) for t in self._loads) > self.store.pinned_capacity // 2:
+            for t in self._loads:
+                self._ahead.drop(t.req_id)
+            self._load_all_layers_now()
+            return
+        # Each request's reads started (by the scheduler of this process where it could, else now); the layers
+        # are copied out as they arrive, from the first wait_for_layer_load on.
+        parts: list[HeldLoad] = []
+        for t in self._loads:
+            started = self._ahead.take(t.req_id, t.keys)
+            if started is not None:
+                self._stats["blocks_prefetched_by_scheduler"] += len(t.keys)
+                parts.append(HeldLoad(t.req_id, t.keys, list(t.block_ids), started))
             else:
-                # Layer 0's copy is issued at the first wait_for_layer_load, not here: resolving the prefetch
-                # now would hold the engine's thread before it enqueued the forward pass's first kernels.
-                futures: list[tuple[int, Any]] = []
-                for t in self._loads:
-                    started = self._ahead.take(t.req_id, t.keys)  # by the scheduler of this process
-                    if started is not None:
-                        self._stats["blocks_prefetched_by_scheduler"] += len(t.keys)
-                    futures.extend(started if started is not None else self._prefetch(t.keys))
-                self._load_future = futures
+                parts.append(self._hold(t.req_id, t.keys, list(t.block_ids)))
+        self._step_loads = StepLoads(self.store, parts)
 
     def _dropped(self) -> int:
         c = self.store.counters.snapshot()
         return int(c.get("corrupt_dropped", 0)) + int(c.get("unreadable", 0))
 
+    def _hold(self, req_id: str, keys: list[bytes], block_ids: list[int]) -> HeldLoad:
+        """``store.hold_async`` of ``keys`` in up to ``prefetch_chunks`` parts (at least ``blocks_per_prefetch``
+        blocks each), read at once by the store's background threads."""
+        parts = min(max(1, self.prefetch_chunks), -(-len(keys) // max(1, self.blocks_per_prefetch)))
+        return StepLoads.hold(self.store, req_id, keys, block_ids, parts)
+
     def _load_all_layers_now(self) -> None:
         """The step's loads do not fit in the pinned tier beside each other: loading them layer by layer would
         fetch every block again for every layer. Load them chunk by chunk instead, every layer of a chunk while it
-        is pinned, before the forward pass (the loads are synchronous for the scheduler either way)."""
-        keys = [k for t in self._loads for k in t.keys]
-        block_ids = [b for t in self._loads for b in t.block_ids]
+        is held, before the forward pass (the loads are synchronous for the scheduler either way)."""
+        flat = [(t.req_id, k, b) for t in self._loads for k, b in zip(t.keys, t.block_ids, strict=True)]
         chunk = max(1, self.store.pinned_capacity // 2)
-        failed: set[int] = set()
         devices: dict[str, torch.device] = {}
-        for i in range(0, len(keys), chunk):
-            ks, bs = keys[i:i + chunk], block_ids[i:i + chunk]
-            self._load_future = self._prefetch(ks)
-            self._loads_chunk = (ks, bs)
-            ks, bs = self._resolve_loads()
-            for name in self.layout.layer_names:
-                cache = self._kv_caches.get(name)
-                layer = self._layer_of(name)
-                if cache is None or layer is None:
-                    continue
-                try:
-                    if self._load_staged(cache):
-                        tiers, _event = self._issue_load(cache, layer, bs)
-                        devices[str(cache.device)] = cache.device
-                    else:
-                        tiers = self._load_layer(cache, layer, ks, bs)
-                except Exception:  # recomputed instead (get_block_ids_with_load_errors)
-                    log.exception("SfstoreConnector: loading layer %s of %d blocks failed", name, len(ks))
-                    tiers = [None] * len(ks)
-                failed.update(b for b, tier in zip(bs, tiers, strict=True) if tier is None)
-            self._release_held()  # every layer of the chunk copied out of its slots
+        for i in range(0, len(flat), chunk):
+            part = flat[i:i + chunk]
+            loads = self._step_loads = StepLoads(self.store, [
+                self._hold(part[0][0], [k for _r, k, _b in part], [b for _r, _k, b in part])])
+            try:
+                for name in self.layout.layer_names:
+                    cache = self._kv_caches.get(name)
+                    layer = self._layer_of(name)
+                    if cache is None or layer is None:
+                        continue
+                    try:
+                        if self._load_staged(cache):
+                            self._issue_load(cache, layer, loads)
+                            devices[str(cache.device)] = cache.device
+                        else:
+                            self._load_layer(cache, layer, loads)
+                    except Exception:  # recomputed instead (get_block_ids_with_load_errors)
+                        log.exception("SfstoreConnector: loading layer %s of %d blocks failed", name, len(part))
+                        self._fail_all(loads)
+                self._settle_loads()
+            finally:
+                self._release_held()  # every layer of the chunk copied out of its slots
         for device in devices.values():  # the forward pass runs after every copy (on the device, no CPU wait)
             staging.wait_stream(staging.current_stream(device), self._stream("load", device))
-        for b in failed:
-            self._load_failed(b)
         self._loads = []  # done: wait_for_layer_load has nothing left to copy
-        self._loads_chunk = None
 
     def _load_failed(self, block_id: int) -> None:
         """Report a block not loaded; its request's saves stop for this step: the blocks it computes now attend
@@ -862,90 +873,81 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if req is not None:
             self._failed_reqs.add(req)
 
-    def _prefetch(self, keys: list[bytes]) -> list[tuple[int, Any]]:
-        """``store.prefetch`` of ``keys`` in up to ``prefetch_chunks`` parts (at least ``blocks_per_prefetch``
-        blocks each), run at once by the store's background threads. Uncounted: :meth:`_resolve_loads` counts each
-        block (``gets``, ``hits_*``) by the tier it came from, once the step uses it."""
-        per = max(self.blocks_per_prefetch, -(-len(keys) // max(1, self.prefetch_chunks)))
-        return [(len(keys[i:i + per]), self.store.prefetch(keys[i:i + per]))
-                for i in range(0, len(keys), per)]
+    def _fail_all(self, loads: StepLoads) -> None:
+        for b in loads.block_ids:
+            self._load_failed(b)
 
-    def _resolve_loads(self) -> tuple[list[bytes], list[int]]:
-        """Once per step: wait for the prefetch, drop what it could not find (reported as load errors)."""
-        if self._load_future is None:
-            return self._load_ok
-        if self._loads_chunk is not None:
-            keys, block_ids = self._loads_chunk
-        else:
-            keys = [k for t in self._loads for k in t.keys]
-            block_ids = [b for t in self._loads for b in t.block_ids]
-        tiers: list[str | None] = []
-        for count, fut in self._load_future:
-            try:
-                tiers.extend(fut.get())
-            except Exception:  # recomputed: vLLM hears of them through get_block_ids_with_load_errors
-                log.exception("SfstoreConnector: prefetching %d blocks failed", count)
-                tiers.extend([None] * count)
-        self._load_future = None
-        self.store.count_loads(tiers)  # here, not by the prefetch: one the scheduler started may never be taken
-        found = [i for i, tier in enumerate(tiers) if tier is not None]
-        # pinned for the step's copies: a block the prefetch brought in cannot leave the tier between layers
-        self._release_held()
-        held = self._held = self.store.hold([keys[i] for i in found])
-        kept = [found[j] for j in held.rows]  # (a block evicted since the prefetch and gone below is a miss now)
-        ok = set(kept)
-        for i, b in enumerate(block_ids):
-            if i not in ok:
-                self._load_failed(b)
-        ok_keys, ok_ids = [keys[i] for i in kept], [block_ids[i] for i in kept]
-        self._load_ok = (ok_keys, ok_ids)
-        failed = len(keys) - len(ok_keys)
-        self._record_failed_loads([k for i, k in enumerate(keys) if i not in ok])
-        if failed:
+    def _settle_loads(self) -> set[str]:
+        """Wait for the step's reads still going on, count them, report the blocks that missed (vLLM recomputes
+        them; their requests save nothing more this step). Idempotent; the requests that failed now."""
+        loads = self._step_loads
+        if loads is None:
+            return set()
+        failed_keys: list[bytes] = []
+        failed_reqs: set[str] = set()
+        total = 0
+        for part, missed in loads.settle():
+            total += len(part.keys)
+            for i in missed:
+                self._load_failed(part.block_ids[i])
+                failed_keys.append(part.keys[i])
+            if missed:
+                failed_reqs.add(part.req_id)
+        self._record_failed_loads(failed_keys)
+        if failed_keys:
             bad = self._dropped() - self._dropped_before
             # A block that failed verification was removed from its tier: the lookups that follow miss it and
             # the recomputed block is saved again, so it fails at most the loads already planned.
             log.warning(
                 "SfstoreConnector: %d of %d blocks to load are recomputed: %d failed verification or could not be "
                 "read in a lower tier (removed there, saved again once recomputed), %d were gone since the lookup",
-                failed, len(keys), min(bad, failed), max(0, failed - bad),
+                len(failed_keys), total, min(bad, len(failed_keys)), max(0, len(failed_keys) - bad),
             )
-        return self._load_ok
+        return failed_reqs
 
     def _release_held(self) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            held.release()
+        loads, self._step_loads = self._step_loads, None
+        if loads is not None:
+            loads.release()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before layer ``layer_name``'s attention: its loaded blocks are in the paged cache for the work the
-        engine enqueues next. A staged (GPU) cache's copy of this layer was issued one call earlier (or now, for
-        the first layer); this call issues the next layers' copies and makes the current stream wait for this
-        layer's on the device: the CPU does not wait for any copy."""
-        if not self._loads:
+        engine enqueues next. The call waits for this layer of the step's blocks only (read from chunk files,
+        the later layers are still being read). A staged (GPU) cache's copy of this layer was issued one call
+        earlier where it had been read by then (or now); this call issues the next layers' copies of those read
+        already and makes the current stream wait for this layer's on the device: the CPU does not wait for any
+        copy. At the step's last
+        layer the loads are settled: the blocks that missed are known before that layer is saved."""
+        loads = self._step_loads
+        if not self._loads or loads is None:
             return
         layer = self._layer_of(layer_name)
         if layer is None:
-            return
-        keys, block_ids = self._resolve_loads()
-        if not keys:
             return
         cache = self._kv_caches.get(layer_name)
         if cache is None:
             raise errors.InvalidRequestError(f"layer {layer_name} has no registered KV cache (register_kv_caches)")
         if not self._load_staged(cache):
             try:
-                tiers = self._load_layer(cache, layer, keys, block_ids)
+                self._load_layer(cache, layer, loads)
             except Exception:  # recomputed instead (get_block_ids_with_load_errors)
-                log.exception("SfstoreConnector: loading layer %s of %d blocks failed", layer_name, len(keys))
-                tiers = [None] * len(keys)
-            self._note_failed(block_ids, tiers)
-            return
-        event = self._ensure_issued(layer, cache, block_ids)
-        for ahead in self._layers_after(layer):
-            self._ensure_issued(ahead, self._kv_caches[self.layout.layer_names[ahead]], block_ids)
-        self.load_log.append(("wait", layer))
-        staging.wait_event(staging.current_stream(cache.device), event)
+                log.exception("SfstoreConnector: loading layer %s of %d blocks failed", layer_name, len(loads))
+                self._fail_all(loads)
+        else:
+            event = self._ensure_issued(layer, cache, loads)
+            for ahead in self._layers_after(layer):
+                if not loads.layer_in(ahead):  # still being read: issued by its own call, not waited for here
+                    break
+                self._ensure_issued(ahead, self._kv_caches[self.layout.layer_names[ahead]], loads)
+            self.load_log.append(("wait", layer))
+            staging.wait_event(staging.current_stream(cache.device), event)
+        if layer == self._last_layer:
+            self._settle_loads()
+
+    @property
+    def _last_layer(self) -> int:
+        """The last store layer with a registered cache (the engine runs the layers in this order)."""
+        return max((self._layer_index[n] for n in self._kv_caches if n in self._layer_index), default=-1)
 
     def _layers_after(self, layer: int) -> list[int]:
         """The next ``load_ahead`` store layers with a registered cache (the engine runs them in this order)."""
@@ -958,29 +960,35 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 out.append(j)
         return out
 
-    def _ensure_issued(self, layer: int, cache: torch.Tensor, block_ids: list[int]) -> Any:
+    def _ensure_issued(self, layer: int, cache: torch.Tensor, loads: StepLoads) -> Any:
         """The event of layer ``layer``'s load copy, issuing it first if this step has not (once per layer)."""
         if layer in self._issued:
             return self._issued[layer]
         try:
-            tiers, event = self._issue_load(cache, layer, block_ids)
+            event = self._issue_load(cache, layer, loads)
         except Exception:  # recomputed instead (get_block_ids_with_load_errors)
             log.exception("SfstoreConnector: loading layer %s of %d blocks failed",
-                          self.layout.layer_names[layer], len(block_ids))
-            tiers, event = [None] * len(block_ids), None
+                          self.layout.layer_names[layer], len(loads))
+            self._fail_all(loads)
+            event = None
         self._issued[layer] = event
         self.load_log.append(("issue", layer))
-        self._note_failed(block_ids, tiers)
         return event
 
-    def _note_failed(self, block_ids: list[int], tiers: list[str | None]) -> None:
-        for b, tier in zip(block_ids, tiers, strict=True):
-            if tier is None:  # evicted since the prefetch, or the copy failed
-                self._load_failed(b)
-
-    def _load_layer(self, cache: torch.Tensor, layer: int, keys: list[bytes], block_ids: list[int]) -> list[str | None]:
-        """A CPU cache, unstaged: the store copies each block's layer straight into its page."""
-        return self.store.get_layer_into(keys, layer, [block_layer_view(cache, b, self.layout) for b in block_ids])
+    def _load_layer(self, cache: torch.Tensor, layer: int, loads: StepLoads) -> None:
+        """A CPU cache, unstaged: the store copies each block's layer straight into its page, once the blocks'
+        reads have ended (the copies go block by block from the pinned tier, which holds whole blocks)."""
+        loads.wait()
+        for part in loads.loading:
+            tiers = part.held.tiers if part.held is not None else []
+            hit = [i for i, t in enumerate(tiers) if t is not None]
+            if not hit:
+                continue
+            got = self.store.get_layer_into([part.keys[i] for i in hit], layer,
+                                            [block_layer_view(cache, part.block_ids[i], self.layout) for i in hit])
+            for i, t in zip(hit, got, strict=True):
+                if t is None:  # (held: not expected)
+                    self._load_failed(part.block_ids[i])
 
     def _pool(self, kind: str, device: torch.device) -> staging.StagingPool:
         pool = self._pools.get(kind)
@@ -1022,30 +1030,26 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._dst_index[key] = idx
         return idx
 
-    def _issue_load(self, cache: torch.Tensor, layer: int, block_ids: list[int]) -> tuple[list[str | None], Any]:
-        """Issue one layer's load of every block the step holds (``store.hold``, in ``_resolve_loads``). A CPU cache
-        (``stage_copies`` auto) takes it with one native copy straight into its strided pages. Otherwise: one copy
-        into a staging buffer (on this thread), then one host-to-device copy and one scatter into the pages,
-        enqueued on the load stream. Returns each block's tier and the event after the scatter (``None`` on the
-        CPU, where every copy is done on return)."""
-        held = self._held
-        n = len(block_ids)
-        if held is None or len(held) != n:
-            raise errors.InvalidRequestError(f"_issue_load: {n} blocks to load, but the step holds "
-                                             f"{0 if held is None else len(held)}")
+    def _issue_load(self, cache: torch.Tensor, layer: int, loads: StepLoads) -> Any:
+        """Issue one layer's load of every block the step holds (each copy waits for that layer of its request's
+        blocks to be read). A CPU cache (``stage_copies`` auto) takes it with one native copy per request
+        straight into its strided pages. Otherwise: copies into a staging buffer (on this thread), then one
+        host-to-device copy and one scatter into the pages, enqueued on the load stream. Returns the event after
+        the scatter (``None`` on the CPU, where every copy is done on return)."""
+        n = len(loads)
         if not n:
-            return [], None
+            return None
         if cache.device.type == "cpu" and self.stage_copies is None:  # one native copy into the pages, no staging
-            held.copy_layer_into(layer, pages_as_layers(cache, self.layout), rows_at=block_ids)
-            return list(held.tiers_of_rows), None
+            loads.copy_layer_into_pages(layer, pages_as_layers(cache, self.layout))
+            return None
         page_bytes = self._page_bytes(cache.dtype)
         pool = self._pool("load", cache.device)
         buf = pool.acquire(n * page_bytes)
         stream = self._stream("load", cache.device)
         event = None
         try:
-            # the store's layout, rows in the step's order: one copy per layer, contiguous on both sides
-            held.copy_layer_into(layer, buf[:n * page_bytes])
+            # the store's layout, rows in the step's order: contiguous on both sides
+            loads.copy_layer_into(layer, buf[:n * page_bytes], page_bytes)
             src = self._layers(buf, n, cache.dtype)
             device = str(cache.device)
             if device not in self._load_ordered:  # once per step: after the work before start_load_kv
@@ -1056,7 +1060,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     staging.wait_stream(stream, staging.current_stream(cache.device))
                 self._load_ordered.add(device)
             with staging.on(stream):
-                dst = self._index(block_ids, cache.device, stream)
+                dst = self._index(loads.block_ids, cache.device, stream)
                 # one copy into the pages through their view as the store's layers (the device permutes)
                 pages_as_layers(cache, self.layout).index_copy_(0, dst, src.to(cache.device, non_blocking=True))
             event = staging.record(stream)
@@ -1066,7 +1070,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise
         finally:
             pool.release(buf, event)  # reused once the host-to-device copy that reads it completed
-        return list(held.tiers_of_rows), event
+        return event
 
     def _staged(self, cache: torch.Tensor) -> bool:
         """Whether a layer's saves go through one host staging tensor (a GPU cache: one device-host copy per layer
@@ -1161,10 +1165,19 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         """End of the step: wait until the save worker passed every layer handed over this step to
         ``store.put_layer`` (so the blocks are committed or partial, and vLLM may reuse the pages), then drop the
-        partial ones, record the step's KV events and reset the step's state. The step's loads are not waited
-        for here: the device ordered them before the attention that reads them."""
+        partial ones, record the step's KV events and reset the step's state. The step's loads were settled at
+        its last layer (the device ordered their copies before the attention that reads them); where the engine
+        did not wait for that layer they are settled here, and a request found to have missed a block then loses
+        the blocks it saved this step, computed over the missing one."""
         if self._saver is not None:
             self._saver.wait()
+        late = self._settle_loads()
+        if late and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            bad = [k for t in meta.saves if t.req_id in late for k in t.keys if k in self._saved_keys]
+            if bad:
+                self.store.evict(bad)
+                self._saved_keys.difference_update(bad)
         self._note_prefill()
         if self._saved_keys:
             # Every layer of this step has been through save_kv_layer: a block still partial was abandoned
@@ -1180,7 +1193,6 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if stepped:  # the blocks this step loaded or saved took slots: the next step's are allocated meanwhile
             self.store.prepare_pinned(self._ready_slots)
         self._loads = []
-        self._load_ok = ([], [])
         self._load_req = {}
         self._failed_reqs = set()
         self._issued, self._load_ordered, self._dst_index, self._step_start = {}, set(), {}, {}

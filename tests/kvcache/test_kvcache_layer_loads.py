@@ -8,7 +8,6 @@ holds the batches of the later layers until the test opens it: what the test ass
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from sfstore import errors
 from sfstore.kvcache import KVCacheStore
 from sfstore.kvcache.shared_chunks import ChunkFiles, chunk_header_bytes
 from tests.kvcache.conftest import GEOM
+from tests.kvcache.layer_gate import LayerGate
 from tests.kvcache.test_kvcache_chunks import CHUNK, blocks, files, tokens
 
 LB = GEOM.layer_bytes
@@ -66,36 +66,11 @@ def layer_out(held: Any, layer: int) -> np.ndarray:
     return out
 
 
-class Gate:
-    """Holds each chunk read's batches after the header's and the first layer's until :meth:`open`."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.opened = threading.Event()
-        self.held_back = threading.Event()
-        real = ChunkFiles._finish
-        gate = self
-
-        def finish(chunks: ChunkFiles, fut: Any, n: int) -> Any:
-            got = real(chunks, fut, n)
-            count = gate.calls.get(threading.get_ident(), 0)
-            gate.calls[threading.get_ident()] = count + 1
-            if count >= 2:  # the header batch and layer 0 pass; layer 1 waits for the test
-                gate.held_back.set()
-                assert gate.opened.wait(30), "the test never opened the gate"
-            return got
-
-        self.calls: dict[int, int] = {}
-        monkeypatch.setattr(ChunkFiles, "_finish", finish)
-
-    def open(self) -> None:
-        self.opened.set()
-
-
 def test_a_cold_shared_hit_announces_layer_0_before_its_later_layers_are_read(
         stores: tuple[KVCacheStore, KVCacheStore], monkeypatch: pytest.MonkeyPatch) -> None:
     writer, reader = stores
     want = stored(writer)
-    gate = Gate(monkeypatch)
+    gate = LayerGate(monkeypatch)
     held = reader.hold_async(reader.keys_for(tokens(N)))
     try:
         assert held.rows == list(range(N // 16)) and held.load is not None
@@ -170,7 +145,7 @@ def test_releasing_before_the_reads_end_leaks_no_slot(stores: tuple[KVCacheStore
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     writer, reader = stores
     stored(writer)
-    gate = Gate(monkeypatch)
+    gate = LayerGate(monkeypatch)
     held = reader.hold_async(reader.keys_for(tokens(N)))
     assert gate.held_back.wait(30)
     held.release()  # the reads still hold their own leases on the slots

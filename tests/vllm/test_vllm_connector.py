@@ -64,6 +64,7 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache  # noqa: E402
 
 from sfstore.kvcache import vllm as sfvllm  # noqa: E402
+from sfstore.kvcache.vllm_loads import HeldLoad, StepLoads  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -522,10 +523,13 @@ def test_sleep_mode_unregisters_and_restores_the_caches_with_stand_in_attention_
         eng.worker.unregister_kv_caches()  # idempotent
         name = layer_names()[0]
         key = eng.connector.store.keys_for(prompt, ())[:1]
-        eng.worker._loads, eng.worker._load_ok = [sfvllm.BlockTransfer("x", key, [0])], (key, [0])
+        store = eng.connector.store
+        eng.worker._loads = [sfvllm.BlockTransfer("x", key, [0])]
+        eng.worker._step_loads = StepLoads(store, [HeldLoad("x", key, [0], store.hold_async(key))])
         with pytest.raises(sfvllm.errors.InvalidRequestError, match="no registered KV cache"):
             eng.worker.wait_for_layer_load(name)
-        eng.worker._loads, eng.worker._load_ok, eng.worker._load_future = [], ([], []), None
+        eng.worker._release_held()
+        eng.worker._loads = []
         eng.worker.restore_kv_caches()
         eng.worker.restore_kv_caches()  # idempotent
         eng.add(make_request("s2", [*prompt, 9]))
@@ -548,6 +552,11 @@ def test_block_missing_at_load_time_is_reported_with_stand_in_attention_kernel(m
         so = eng.scheduler.schedule()  # plans a load of 4 blocks
         assert so.scheduled_new_reqs[0].num_computed_tokens == 64
         assert eng.scheduler.connector_prefix_cache_stats.hits_by_source == {CacheHitSource.HOST: 64}  # pinned
+        # The scheduler of this process holds the blocks it plans to load (its read ahead): a block evicted now
+        # is still loaded. A worker in a process of its own holds them only at start_load_kv: what is gone by
+        # then is a load error, which the connector reports for vLLM to recompute.
+        conn = eng.connector
+        conn._ahead.drop("m2")  # as a worker in another process: nothing held ahead
         store.evict(keys[2:3])  # gone between the lookup and the load
         worker = eng.worker
         worker.bind_connector_metadata(so.kv_connector_metadata)
@@ -558,6 +567,79 @@ def test_block_missing_at_load_time_is_reported_with_stand_in_attention_kernel(m
         worker.clear_connector_metadata()
         assert worker.get_block_ids_with_load_errors() == {so.scheduled_new_reqs[0].block_ids[0][2]}
         assert worker.get_block_ids_with_load_errors() == set()
+        assert store.pinned.leased == 0
+
+
+@pytest.mark.parametrize("stage_copies", [None, True])
+def test_a_cold_chunk_hit_loads_layer_0_while_later_layers_are_read_with_stand_in_attention_kernel(
+        model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage_copies: bool | None) -> None:
+    """A cold shared-tier hit from chunk files: ``wait_for_layer_load`` of the first layer returns with that layer
+    in vLLM's pages while the read of the later layers is held at a gate (so: still going on); the later layers
+    follow once it opens. Both ways a CPU cache loads (one copy into its pages; through a staging buffer)."""
+    from tests.kvcache.layer_gate import LayerGate
+
+    extra = {"pinned_bytes": 4 << 20, "shared_dir": str(tmp_path / "shared"), "model_id": "tiny-layerwise",
+             "chunk_tokens": 32, "io_timeout_ms": 0}
+    prompt = [(i * 11 + 3) % 1000 for i in range(70)]  # 4 full blocks: two chunk files
+    with engine(model_dir, extra, prefix_caching=False, stage_copies=stage_copies) as eng:
+        eng.add(make_request("c1", prompt))
+        eng.run()
+        store = eng.connector.store
+        store.wait_for_puts()
+        store.evict(store.keys_for(prompt, ()), tiers=("pinned",))  # a cold hit: from the files
+        gate = LayerGate(monkeypatch)
+        eng.add(make_request("c2", prompt))
+        so = eng.scheduler.schedule()
+        assert so.scheduled_new_reqs[0].num_computed_tokens == 64
+        block_ids = so.scheduled_new_reqs[0].block_ids[0][:4]
+        worker = eng.worker
+        worker.bind_connector_metadata(so.kv_connector_metadata)
+        worker.start_load_kv(None)
+        names = layer_names()
+        worker.wait_for_layer_load(names[0])
+        try:
+            assert gate.held_back.wait(30), "no read reached its second layer"
+            loads = worker._step_loads
+            assert loads is not None and not any(p.held.load.done() for p in loads.loading)  # still reading
+            key, value = expected_kv(0, prompt[:64])
+            for bi, b in enumerate(block_ids):  # layer 0 is in the pages already
+                view = sfvllm.block_layer_view(eng.kv_caches[names[0]], b, eng.connector.layout)
+                rows = slice(bi * BLOCK, (bi + 1) * BLOCK)
+                assert torch.equal(view[0].view(torch.int16), key[rows].view(torch.int16))
+                assert torch.equal(view[1].view(torch.int16), value[rows].view(torch.int16))
+        finally:
+            gate.open()
+        for name in names[1:]:
+            worker.wait_for_layer_load(name)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        assert worker.get_block_ids_with_load_errors() == set()
+        assert_blocks_hold(eng, block_ids, prompt[:64])
+        assert store.stats()["hits_shared"] >= 4 and store.pinned.leased == 0
+
+
+def test_blocks_the_scheduler_holds_ahead_are_loaded_even_if_evicted_meanwhile(model_dir: Path) -> None:
+    prompt = [(i * 7 + 1) % 1000 for i in range(70)]  # 4 full blocks
+    extra = {"pinned_bytes": 4 << 20, "model_id": "tiny-held-ahead"}
+    with engine(model_dir, extra, prefix_caching=False) as eng:
+        eng.add(make_request("h1", prompt))
+        eng.run()
+        store = eng.connector.store
+        keys = store.keys_for(prompt, ())
+        eng.add(make_request("h2", prompt))
+        so = eng.scheduler.schedule()  # plans a load of 4 blocks, and holds them
+        assert so.scheduled_new_reqs[0].num_computed_tokens == 64
+        store.evict(keys[:4])  # gone from the pinned tier, not from the scheduler's hold
+        worker = eng.worker
+        worker.bind_connector_metadata(so.kv_connector_metadata)
+        worker.start_load_kv(None)
+        for name in layer_names():
+            worker.wait_for_layer_load(name)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        assert worker.get_block_ids_with_load_errors() == set()
+        assert_blocks_hold(eng, so.scheduled_new_reqs[0].block_ids[0][:4], prompt[:64])
+        assert store.pinned.leased == 0
 
 
 def test_bad_kv_layout_is_a_config_error(model_dir: Path) -> None:
@@ -618,17 +700,28 @@ def test_bad_store_settings_are_config_errors_and_unknown_keys_warn(
         sched.shutdown()
 
 
-def test_loads_ahead_are_taken_once_and_only_for_the_same_blocks() -> None:
-    ahead = sfvllm._LoadsAhead()
-    futures = [(2, object())]
-    ahead.put("r1", [b"a", b"b"], futures)
-    assert ahead.take("r1", [b"a"]) is None  # other blocks: the worker reads its own
-    assert ahead.take("r1", [b"a", b"b"]) is None  # taken (refused) once
-    ahead.put("r2", [b"c"], futures)
-    assert ahead.take("r2", [b"c"]) is futures
-    ahead.put("r3", [b"d"], futures)
-    ahead.drop("r3")
-    assert ahead.take("r3", [b"d"]) is None
+def test_loads_ahead_are_taken_once_and_only_for_the_same_blocks(tmp_path: Path) -> None:
+    """What the scheduler held ahead is taken once, for the same blocks only; whatever is not taken (other
+    blocks, replaced, dropped) gives its pinned slots back."""
+    from sfstore.kvcache import KVCacheStore, KVGeometry
+
+    geom = KVGeometry(num_layers=2, block_tokens=16, num_kv_heads=1, head_dim=64, dtype="float16")
+    with KVCacheStore(geom, model_id="ahead", pinned_bytes=16 * geom.block_bytes) as store:
+        keys = store.keys_for(list(range(64)))
+        store.put(keys, [bytes(geom.block_bytes)] * 4)
+        ahead = sfvllm._LoadsAhead()
+        ahead.put("r1", keys[:2], store.hold_async(keys[:2]))
+        assert ahead.take("r1", keys[:1]) is None  # other blocks: the worker reads its own
+        assert ahead.take("r1", keys[:2]) is None  # taken (refused) once
+        held = store.hold_async(keys[2:])
+        ahead.put("r2", keys[2:], held)
+        assert ahead.take("r2", keys[2:]) is held
+        held.release()
+        ahead.put("r3", keys[:1], store.hold_async(keys[:1]))
+        ahead.put("r3", keys[:1], store.hold_async(keys[:1]))  # replaced: the first is released
+        ahead.drop("r3")
+        assert ahead.take("r3", keys[:1]) is None
+        assert store.pinned.leased == 0
 
 
 class _StandInBlocks:
@@ -661,7 +754,8 @@ def test_a_read_ahead_the_worker_never_takes_is_not_counted(model_dir: Path, tmp
         conn.update_state_after_alloc(req, _StandInBlocks(list(range(1, 8))), n)
         started = conn._ahead.take("gone", keys)  # what the worker would have taken
         assert started is not None
-        assert [t for _, f in started for t in f.get()] == ["shared"] * 6  # read ahead, into the pinned tier
+        assert started.tiers == ["shared"] * 6  # read ahead, into the pinned tier
+        started.release()
         conn.request_finished(req, [])
         now = store.counters.snapshot()
         assert {k: now[k] - before[k] for k in ("gets", "hits_shared", "hits_pinned", "misses")} == {
