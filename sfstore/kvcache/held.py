@@ -10,6 +10,7 @@ from typing import Any
 
 from sfstore import errors
 from sfstore.arguments import check_timeout
+from sfstore.counters import Counters
 from sfstore.futures import Future
 from sfstore.kvcache.geometry import KVGeometry
 from sfstore.kvcache.tiers import Lease, release_all
@@ -30,8 +31,12 @@ class LayerLoad(Future[list[str | None]]):
     within its tier's deadline, as a hit or a miss.
     """
 
-    def __init__(self, layers: int, tiers: list[str | None], pending: Sequence[int]) -> None:
+    def __init__(self, layers: int, tiers: list[str | None], pending: Sequence[int],
+                 counters: Counters | None = None) -> None:
         self.layers = layers
+        #: where :meth:`HeldBlocks.copy_layer_into` counts ``layers_copied_early``: layers copied out while
+        #: reads of the same blocks were still going on
+        self.counters = counters
         self._tiers = tiers
         self._pending = set(pending)
         self._in = [0 if i in self._pending else layers for i in range(len(tiers))]
@@ -158,6 +163,8 @@ class HeldBlocks:
         if self._leases is None:
             raise errors.InvalidRequestError("copy_layer_into: the blocks were released")
         self.wait_layer(layer)  # bounded: each read ends within its tier's deadline
+        if self.load is not None and self.load.counters is not None and not self.load.done():
+            self.load.counters.add(layers_copied_early=1)
         from sfstore import _native  # present: the slots are its buffers
 
         if rows_at is not None:

@@ -46,7 +46,7 @@ TIERS = ("pinned", "block", "shared")
 _COUNTERS = (
     "puts", "gets", "misses", "hits_pinned", "hits_block", "hits_shared", "promotions", "evictions",
     "bytes_put", "bytes_got", "bytes_device_staged", "corrupt_dropped", "unreadable", "lower_tier_errors",
-    "puts_dropped", "loads_declined",
+    "puts_dropped", "loads_declined", "layers_copied_early",
 )
 _LATENCY_SAMPLES = 4096
 
@@ -969,7 +969,7 @@ class KVCacheStore:
         except BaseException:
             release_all(leases)
             raise
-        load = LayerLoad(self.geometry.num_layers, tiers, missing)
+        load = LayerLoad(self.geometry.num_layers, tiers, missing, self.counters)
         held = HeldBlocks(self.geometry, leases, tiers, load)
         per = -(-len(missing) // parts) if missing else 1
         for start in range(0, len(missing), per):

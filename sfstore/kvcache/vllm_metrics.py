@@ -18,7 +18,8 @@ except ImportError:  # pragma: no cover - an older vLLM: the hooks are not there
 # (stat name, store counter) counted from the store's counters; the others by the connector itself
 STORE_STATS = (("hits_pinned", "hits_pinned"), ("hits_block", "hits_block"), ("hits_shared", "hits_shared"),
                 ("misses", "misses"), ("bytes_loaded", "bytes_got"), ("bytes_saved", "bytes_put"),
-                ("corrupt_dropped", "corrupt_dropped"), ("blocks_declined", "loads_declined"))
+                ("corrupt_dropped", "corrupt_dropped"), ("blocks_declined", "loads_declined"),
+               ("layers_loaded_early", "layers_copied_early"))
 OWN_STATS = ("load_failures", "blocks_saved", "blocks_prefetched_by_scheduler")
 
 if _Stats is not None:

@@ -80,6 +80,7 @@ def test_a_cold_shared_hit_announces_layer_0_before_its_later_layers_are_read(
         got = layer_out(held, 0)  # copied out now, while the read goes on
         for row, w in enumerate(want):
             assert np.array_equal(got[row], w[:LB])
+        assert reader.stats()["layers_copied_early"] == 1
         gate.open()
         assert held.tiers == ["shared"] * len(want)
         for layer in range(GEOM.num_layers):

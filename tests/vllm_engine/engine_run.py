@@ -88,6 +88,18 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             return real_read(self, keys, dests)
 
         SharedTier.read_into = slowed_on_purpose  # type: ignore[method-assign]
+    if spec.get("slow_shared_layer_s"):
+        # each batch of a layer-by-layer chunk read (its headers, then each layer) slowed on purpose, as a
+        # congested server would: the engine's first layers can load while the later ones are still being read
+        from sfstore.kvcache.shared_chunks import ChunkFiles
+
+        real_finish, per_batch = ChunkFiles._finish, float(spec["slow_shared_layer_s"])
+
+        def batch_slowed_on_purpose(self: Any, fut: Any, n: int) -> Any:
+            time.sleep(per_batch)
+            return real_finish(self, fut, n)
+
+        ChunkFiles._finish = batch_slowed_on_purpose  # type: ignore[method-assign]
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), detokenize=False)
     rounds = []

@@ -86,6 +86,27 @@ def test_a_new_process_gets_the_full_hit_opening_a_file_per_chunk(baseline: dict
 
 
 @pytest.fixture(scope="module")
+def slowed(work: Path, model: Path, shared: Path, second: dict[str, Any]) -> dict[str, Any]:
+    """A new process whose chunk reads are slowed on purpose, batch by batch (headers, then each layer)."""
+    return run_engine(work, "slowed", {"model": str(model), "kv": {**KV, "shared_dir": str(shared)},
+                                       "rounds": [[A], [B]], "slow_shared_layer_s": 0.1})
+
+
+def test_a_cold_hit_loads_its_first_layers_while_the_later_ones_are_read(baseline: dict[str, Any],
+                                                                         slowed: dict[str, Any]) -> None:
+    """Item 3 of issue #27 in a real engine: a layer of a cold shared-tier hit is copied into vLLM's pages as soon
+    as it is read and verified, while the later layers are still being read (``layers_copied_early``: copies
+    made while a read of the same blocks was going on)."""
+    want = tokens(baseline["rounds"][0])
+    got = [r[0] for r in slowed["rounds"]]
+    assert [g["tokens"] for g in got] == want[:2]
+    assert [g["cached"] for g in got] == [FULL["A"], FULL["B"]]
+    s = slowed["stats"]
+    assert s["hits_shared"] == 15 + 9 and s["misses"] == 0
+    assert s["layers_copied_early"] >= 2, s["layers_copied_early"]  # (at least one layer of each prompt's load)
+
+
+@pytest.fixture(scope="module")
 def damaged(work: Path, model: Path, shared: Path, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
     keys_a, keys_b = first["keys"]
     corrupt = chunk_file(shared, keys_a, 1)
