@@ -13,15 +13,16 @@ What it does, per engine step:
   :meth:`~SfstoreConnector.update_state_after_alloc` records the vLLM block ids those tokens go into, and
   :meth:`~SfstoreConnector.build_connector_meta` sends the worker, per request, the keys and block ids to load
   and those of the prompt blocks this step completes, to save (blocks the store already has are not saved again).
-* worker side: :meth:`~SfstoreConnector.start_load_kv` starts ``store.prefetch`` of the blocks to load (in
-  ``prefetch_chunks`` parts at once; the store reads each part's shared-tier files as one batch, all in flight),
-  unless the scheduler of the same process started it already (below); the first
-  :meth:`~SfstoreConnector.wait_for_layer_load` waits for it and holds the step's blocks in the pinned tier
-  (``store.hold``: none can be evicted before its last layer is copied), and each
-  :meth:`~SfstoreConnector.wait_for_layer_load` copies one layer of every block into vLLM's paged cache just
-  before that layer's attention runs: one copy out of the pinned slots into a staging tensor in the store's
-  layout (``HeldBlocks.copy_layer_into``: one native call, not one per block) and one scatter into the pages
-  through their view as the store's layers (:func:`pages_as_layers`), and
+* worker side: :meth:`~SfstoreConnector.start_load_kv` holds each request's blocks to load in the pinned tier and
+  starts reading those it lacks from the lower tiers (``store.hold_async``, in ``prefetch_chunks`` parts at once;
+  none can be evicted before its last layer is copied), unless the scheduler of the same process did already
+  (below); each :meth:`~SfstoreConnector.wait_for_layer_load` copies one layer of every block into vLLM's paged
+  cache just before that layer's attention runs, once that layer is in: chunk files are read a layer at a time,
+  so a cold hit's first layers are copied while its later ones are still being read
+  (:mod:`~sfstore.kvcache.vllm_loads`). A copy is one native call per request out of the pinned slots into a
+  staging tensor in the store's layout (``HeldBlocks.copy_layer_into``) and one scatter into the pages through
+  their view as the store's layers (:func:`pages_as_layers`). At the step's last layer the loads are settled:
+  the blocks that missed are known before that layer is saved. Then
   :meth:`~SfstoreConnector.save_kv_layer` copies one layer of each block to save out of it right after
   (``store.put_layer``; the store commits a block once all its layers are in and writes it to its lower tiers in
   the background). Loads are synchronous for the scheduler (``load_kv_async`` False) and saves are copied out
@@ -36,13 +37,14 @@ A GPU cache (or any cache when ``stage_copies`` is set) moves each layer through
 and the copies overlap the forward pass instead of stopping the engine's thread once per layer:
 
 * loads: ``wait_for_layer_load`` of layer ``i`` finds layer ``i``'s copy already issued (by the call for layer
-  ``i - 1``), issues layer ``i + 1``'s (``load_ahead`` layers) and makes the current stream wait for layer ``i``'s
-  event: the kernels enqueued after the call wait for the copy, the CPU does not. Issuing a layer means the store
-  copies each block's slice from its pinned slot into a staging buffer on the engine's thread (``get_layer_into``),
+  ``i - 1``, where the layer had been read by then), issues layer ``i + 1``'s where it is read already
+  (``load_ahead`` layers) and makes the current stream wait for layer ``i``'s event: the kernels enqueued after
+  the call wait for the copy, the CPU does not. Issuing a layer means the store copies each block's slice from its
+  pinned slot into a staging buffer on the engine's thread (``HeldBlocks.copy_layer_into``),
   then one copy to the device and one scatter into the pages are enqueued on the connector's load stream, which
   first waits for what the engine had enqueued when ``start_load_kv`` ran (vLLM zeroing the new blocks, an
   earlier step's kernels), not for the forward pass enqueued after it. Layer 0's copy is issued at the first
-  ``wait_for_layer_load``, not in ``start_load_kv``: the prefetch from the lower tiers then runs while the engine
+  ``wait_for_layer_load``, not in ``start_load_kv``: the reads from the lower tiers then run while the engine
   enqueues the work before the first attention, instead of holding the engine's thread before it.
 * saves: ``save_kv_layer`` enqueues, on the connector's save stream after the work enqueued so far (so after the
   layer's attention wrote its pages), a gather of the pages and one copy into a pinned staging buffer, and hands
@@ -120,19 +122,18 @@ through a staging tensor, and False, or pages that cannot be viewed as one tenso
 Any other key is ignored, with a warning (one that names an sfstore setting says which key sets it here).
 
 Scheduler and worker connectors of one process (vLLM's single-process executor) share one store, so a block the
-worker saved is found by the scheduler's lookup at once, and the scheduler starts a request's prefetch as soon as
-it has allocated the blocks to load (``update_state_after_alloc``): the reads from the lower tiers overlap the
-rest of the scheduler's step and the model runner's preparation (``blocks_prefetched_by_scheduler`` in vLLM's
-metrics counts them). The worker's pinned tier allocates one step's worth of slots when the caches are registered,
-so the first hits do not pay for allocating registered memory. Across processes (tensor parallelism, a separate engine
-core; vLLM's CPU platform always runs the worker in its own process unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-the scheduler sees only what reached a tier they share: ``shared_dir``, or the block store of an sfstore config.
-Without one, the scheduler never finds a block (the pinned tier is the worker's memory). With one, the blocks a
-step saved reach it in the background: a request scheduled right after can find only part of them, unless
-``wait_for_lower_tiers`` is set (each step then ends once its saves are written).
-With tensor parallelism each rank stores its own heads under its own keys and the scheduler looks up rank 0's.
-Pipeline parallelism and hybrid (HMA) models are not supported.
-"""
+worker saved is found by the scheduler's lookup at once, and the scheduler holds a request's blocks and starts
+their reads as soon as it has allocated the blocks to load (``update_state_after_alloc``): the reads from the lower
+tiers overlap the rest of the scheduler's step and the model runner's preparation
+(``blocks_prefetched_by_scheduler`` in vLLM's metrics counts them). The worker's pinned tier allocates one step's
+worth of slots when the caches are registered, so the first hits do not pay for allocating registered memory.
+Across processes (tensor parallelism, a separate engine core; vLLM's CPU platform always runs the worker in its own
+process unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler sees only what reached a tier they share:
+``shared_dir``, or the block store of an sfstore config. Without one, the scheduler never finds a block (the pinned
+tier is the worker's memory). With one, the blocks a step saved reach it in the background: a request scheduled
+right after can find only part of them, unless ``wait_for_lower_tiers`` is set (each step then ends once its saves
+are written). With tensor parallelism each rank stores its own heads under its own keys and the scheduler looks up
+rank 0's. Pipeline parallelism and hybrid (HMA) models are not supported. """
 
 from __future__ import annotations
 
