@@ -8,6 +8,7 @@ holds the batches of the later layers until the test opens it: what the test ass
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -170,3 +171,29 @@ def test_wait_layer_refuses_a_negative_timeout(stores: tuple[KVCacheStore, KVCac
     stored(writer, 16)
     with reader.hold_async(reader.keys_for(tokens(16))) as held, pytest.raises(errors.InvalidRequestError):
         held.wait_layer(0, timeout=-1)
+
+
+def test_a_read_stalled_after_its_first_layer_ends_at_the_deadline_as_misses(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stalled mount mid-read: layer 0 came, the rest never does. Past the tier's deadline every row is a miss
+    (the caller recomputes), nothing waits on the stalled read, and its slots come back once it returns."""
+    kw: dict[str, Any] = {"model_id": "stall", "shared_dir": tmp_path / "shared", "chunk_tokens": CHUNK}
+    with KVCacheStore(GEOM, pinned_bytes=0, io_timeout_ms=0, **kw) as writer:
+        stored(writer)
+    with KVCacheStore(GEOM, pinned_bytes=64 * GEOM.block_bytes, io_timeout_ms=300, **kw) as reader:
+        gate = LayerGate(monkeypatch)
+        try:
+            held = reader.hold_async(reader.keys_for(tokens(N)))
+            assert held.wait_layer(0, timeout=30)
+            assert held.load is not None and held.load.wait(30), "the read was not abandoned at its deadline"
+            assert held.tiers == [None] * (N // 16)
+            assert held.wait_layer(GEOM.num_layers - 1, timeout=0)  # every row has ended: no wait
+            layer_out(held, 1)  # copies what the slots hold, without waiting (the caller recomputes these)
+            held.release()
+            assert reader.stats()["deadline_misses"] >= 1 and reader.pinned_count(reader.keys_for(tokens(N))) == 0
+        finally:
+            gate.open()
+        deadline = time.monotonic() + 30
+        while reader.pinned.leased and time.monotonic() < deadline:  # the abandoned read returns, then lets go
+            time.sleep(0.05)
+        assert reader.pinned.leased == 0

@@ -23,6 +23,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import contextlib
 import json
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -616,6 +618,56 @@ def test_a_cold_chunk_hit_loads_layer_0_while_later_layers_are_read_with_stand_i
         assert worker.get_block_ids_with_load_errors() == set()
         assert_blocks_hold(eng, block_ids, prompt[:64])
         assert store.stats()["hits_shared"] >= 4 and store.pinned.leased == 0
+
+
+def test_a_chunk_failing_in_a_later_layer_is_recomputed_and_its_requests_step_saves_nothing_with_stand_in_attention_kernel(  # noqa: E501
+        model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer 0 of a damaged chunk reaches the pages before its damaged layer is read: the chunk's blocks are
+    reported as load errors (vLLM recomputes them), and the blocks the request computes in that step, over the
+    missing ones, are not stored; once recomputed, the prompt's blocks are stored and load right."""
+    from sfstore.kvcache.shared_chunks import chunk_header_bytes
+    from tests.kvcache.layer_gate import LayerGate
+
+    extra = {"pinned_bytes": 4 << 20, "shared_dir": str(tmp_path / "shared"), "model_id": "tiny-late-damage",
+             "chunk_tokens": 32, "io_timeout_ms": 0}
+    prompt = [(i * 13 + 5) % 1000 for i in range(100)]  # 6 full blocks
+    with engine(model_dir, extra, prefix_caching=False) as eng:
+        eng.add(make_request("d1", prompt[:70]))  # saves blocks 0-3: two chunk files
+        eng.run()
+        store = eng.connector.store
+        store.wait_for_puts()
+        keys = store.keys_for(prompt, ())
+        store.evict(keys, tiers=("pinned",))
+        geom = eng.connector.layout.geometry
+        second = tmp_path / "shared" / keys[3].hex()[:2] / f"{keys[3].hex()}.2.2.kvc"  # blocks 2 and 3
+        raw = bytearray(second.read_bytes())
+        raw[chunk_header_bytes(geom, 2) + (geom.num_layers - 1) * 2 * geom.layer_bytes + 7] ^= 0xFF  # last layer
+        second.write_bytes(bytes(raw))
+        # the reads' later layers wait at a gate until layer 0 has been copied into the pages
+        gate = LayerGate(monkeypatch)
+
+        def open_once_copied() -> None:
+            deadline = time.monotonic() + 20
+            while store.counters.snapshot()["layers_copied_early"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            gate.open()
+
+        opener = threading.Thread(target=open_once_copied, daemon=True)
+        opener.start()
+        eng.add(make_request("d2", prompt))
+        try:
+            so = eng.step()  # loads blocks 0-3, computes 4-5 over them
+        finally:
+            gate.open()
+            opener.join(30)
+        blocks = so.scheduled_new_reqs[0].block_ids[0]
+        assert eng.step_log[-1]["load_errors"] == {blocks[2], blocks[3]}
+        assert store.stats()["layers_copied_early"] >= 1  # layer 0 went to the pages before the damage was read
+        assert not any(store.contains(k) for k in keys[2:6])  # nothing stored over the missing blocks
+        eng.run()  # vLLM recomputes blocks 2-3 and the rest, and they are saved
+        store.wait_for_puts()
+        assert all(store.contains(k) for k in keys[:6])
+        assert_blocks_hold(eng, blocks[:6], prompt[:96])
 
 
 def test_blocks_the_scheduler_holds_ahead_are_loaded_even_if_evicted_meanwhile(model_dir: Path) -> None:
