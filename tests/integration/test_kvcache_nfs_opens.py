@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sfstore.kvcache import KVCacheStore, KVGeometry
 
@@ -62,3 +63,37 @@ def test_a_cold_hit_opens_a_file_per_chunk_on_nfs_over_rdma(nfs_mount: Path) -> 
     assert per_chunk <= math.ceil(TOKENS / CHUNK) + 1
     assert ops_chunk["OPEN"] <= math.ceil(TOKENS / CHUNK) + 1
     assert ops_chunk["OPEN"] + ops_chunk["LOOKUP"] < ops_block["OPEN"] + ops_block["LOOKUP"]
+
+
+def test_a_cold_hit_is_held_layer_by_layer_on_nfs_over_rdma(nfs_mount: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hold_async`` over the mount: layer 0 of every block is in (and copied out) while the later layers are
+    still being read (held at a gate), every layer comes back exact, and the hit still opens a file per chunk."""
+    from tests.kvcache.layer_gate import LayerGate
+
+    root = nfs_mount / f"kv-layers-{uuid.uuid4().hex[:8]}"
+    prompt = [(t * 7919 + 3) % 32000 for t in range(TOKENS)]
+    blocks = [np.random.default_rng(100 + i).integers(0, 256, GEOM.block_bytes, dtype=np.uint8)
+              for i in range(TOKENS // GEOM.block_tokens)]
+    kw = {"model_id": "layers", "shared_dir": root, "chunk_tokens": CHUNK, "io_timeout_ms": 0}
+    with KVCacheStore(GEOM, pinned_bytes=0, **kw) as writer:  # type: ignore[arg-type]
+        writer.put(writer.keys_for(prompt), blocks)
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+    lb = GEOM.layer_bytes
+    with KVCacheStore(GEOM, pinned_bytes=2 * len(blocks) * GEOM.block_bytes, **kw) as reader:  # type: ignore[arg-type]
+        gate = LayerGate(monkeypatch)
+        held = reader.hold_async(reader.keys_for(prompt), parts=2)
+        try:
+            assert held.wait_layer(0, timeout=120) and gate.held_back.wait(120)
+            assert held.load is not None and not held.load.done()
+            out = np.zeros((len(blocks), lb), np.uint8)
+            held.copy_layer_into(0, out)
+            assert all(np.array_equal(out[r], b[:lb]) for r, b in enumerate(blocks))
+        finally:
+            gate.open()
+        assert held.tiers == ["shared"] * len(blocks)
+        for layer in range(GEOM.num_layers):
+            held.copy_layer_into(layer, out)
+            assert all(np.array_equal(out[r], b[layer * lb:(layer + 1) * lb]) for r, b in enumerate(blocks))
+        held.release()
+        s = reader.stats()
+        assert s["shared_opens"] <= math.ceil(TOKENS / CHUNK) + 1 and s["layers_copied_early"] >= 1
