@@ -337,6 +337,12 @@ class _LoadsAhead:
         if old is not None and old[1] is not None:
             old[1].release()
 
+    @property
+    def blocks(self) -> int:
+        """Blocks held ahead now, for every request."""
+        with self._lock:
+            return sum(len(keys) for keys, _held in self._by_req.values())
+
     def take(self, req_id: str, keys: list[bytes]) -> HeldBlocks | None:
         """The blocks held for ``req_id`` if they are exactly ``keys`` (else ``None``, and they are released: the
         caller holds its own); taken once."""
@@ -640,8 +646,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tracker.saved_blocks = max(tracker.saved_blocks, last)  # loaded blocks are in the store already
         # where the blocks are now, before a prefetch promotes them (get_external_cache_hit_sources)
         self._host_hits[request.request_id] = self.store.pinned_count(keys)
-        if self._ahead.workers and len(keys) <= self.store.pinned_capacity // 2:
-            # a worker in this process takes it (its reads overlap the rest of the scheduler's step)
+        if self._ahead.workers and self._ahead.blocks + len(keys) <= self.store.pinned_capacity // 2:
+            # a worker in this process takes it (its reads overlap the rest of the scheduler's step); what is held
+            # ahead stays within what a step loads layer by layer (more is loaded chunk by chunk, not held)
             self._ahead.put(request.request_id, keys, self._hold(request.request_id, keys, []).held)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:

@@ -767,6 +767,7 @@ def test_loads_ahead_are_taken_once_and_only_for_the_same_blocks(tmp_path: Path)
         assert ahead.take("r1", keys[:2]) is None  # taken (refused) once
         held = store.hold_async(keys[2:])
         ahead.put("r2", keys[2:], held)
+        assert ahead.blocks == 2
         assert ahead.take("r2", keys[2:]) is held
         held.release()
         ahead.put("r3", keys[:1], store.hold_async(keys[:1]))
