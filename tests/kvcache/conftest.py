@@ -38,3 +38,21 @@ def kv(block_store: BlockStore, shared_dir: Path) -> Iterator[KVCacheStore]:
                      shared_dir=shared_dir)
     yield s
     s.close()
+
+
+@pytest.fixture(params=["slices-in-place", "whole-files"])
+def read_whole(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both ways a chunk file is read: its wanted slices straight into the destinations (local filesystems), or
+    the whole file in one read, then copied out (NFS: one READ per rsize). For modules of chunk tests:
+    ``pytestmark = pytest.mark.usefixtures("read_whole")``."""
+    from sfstore.kvcache.shared_chunks import ChunkFiles
+
+    whole = request.param == "whole-files"
+    real = ChunkFiles.__init__
+
+    def init(self: ChunkFiles, *args: object, **kwargs: object) -> None:
+        real(self, *args, **kwargs)  # type: ignore[arg-type]
+        self.read_whole = whole
+
+    monkeypatch.setattr(ChunkFiles, "__init__", init)
+    return whole

@@ -16,7 +16,7 @@ import pytest
 
 from sfstore import defaults, errors
 from sfstore.kvcache import KVCacheStore
-from sfstore.kvcache.shared_chunks import ChunkFiles, chunk_header_bytes
+from sfstore.kvcache.shared_chunks import chunk_header_bytes
 from tests.kvcache.conftest import GEOM
 
 CHUNK = 64  # tokens: 4 blocks of 16
@@ -33,19 +33,7 @@ def blocks(tokens: list[int]) -> list[np.ndarray]:
     return out
 
 
-@pytest.fixture(autouse=True, params=["slices-in-place", "whole-files"])
-def read_whole(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both ways a chunk file is read: its wanted slices straight into the destinations (local filesystems), or
-    the whole file in one read, then copied out (NFS: one READ per rsize)."""
-    whole = request.param == "whole-files"
-    real = ChunkFiles.__init__
-
-    def init(self: ChunkFiles, *args: object, **kwargs: object) -> None:
-        real(self, *args, **kwargs)  # type: ignore[arg-type]
-        self.read_whole = whole
-
-    monkeypatch.setattr(ChunkFiles, "__init__", init)
-    return whole
+pytestmark = pytest.mark.usefixtures("read_whole")  # (conftest: both ways a chunk file is read)
 
 
 @pytest.fixture

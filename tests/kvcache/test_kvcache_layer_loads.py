@@ -18,7 +18,7 @@ import pytest
 
 from sfstore import errors
 from sfstore.kvcache import KVCacheStore
-from sfstore.kvcache.shared_chunks import ChunkFiles, chunk_header_bytes
+from sfstore.kvcache.shared_chunks import chunk_header_bytes
 from tests.kvcache.conftest import GEOM
 from tests.kvcache.layer_gate import LayerGate
 from tests.kvcache.test_kvcache_chunks import CHUNK, blocks, files, tokens
@@ -27,17 +27,7 @@ LB = GEOM.layer_bytes
 N = 16 * 8  # tokens: 8 blocks, two chunk files
 
 
-@pytest.fixture(autouse=True, params=["slices-in-place", "whole-files"])
-def read_whole(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    whole = request.param == "whole-files"
-    real = ChunkFiles.__init__
-
-    def init(self: ChunkFiles, *args: object, **kwargs: object) -> None:
-        real(self, *args, **kwargs)  # type: ignore[arg-type]
-        self.read_whole = whole
-
-    monkeypatch.setattr(ChunkFiles, "__init__", init)
-    return whole
+pytestmark = pytest.mark.usefixtures("read_whole")  # (conftest: both ways a chunk file is read)
 
 
 @pytest.fixture

@@ -317,6 +317,19 @@ def assert_blocks_hold(eng: Engine, block_ids: list[int], tokens: list[int]) -> 
             assert torch.equal(view[1].view(torch.int16), value[rows].view(torch.int16)), (name, b)
 
 
+def loads_by_hand(eng: Engine, so: Any) -> set[int]:
+    """The worker's load hooks for a step the test scheduled (no attention runs): bind the metadata, start the
+    loads, wait for every layer, end the step; the block ids reported as load errors."""
+    worker = eng.worker
+    worker.bind_connector_metadata(so.kv_connector_metadata)
+    worker.start_load_kv(None)
+    for name in layer_names():
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    return set(worker.get_block_ids_with_load_errors())
+
+
 # -- tests ----------------------------------------------------------------------------------------------------------
 def test_factory_builds_both_roles_from_module_path(model_dir: Path) -> None:
     cfg = make_config(model_dir, {"pinned_bytes": 1 << 20})
@@ -560,15 +573,8 @@ def test_block_missing_at_load_time_is_reported_with_stand_in_attention_kernel(m
         conn = eng.connector
         conn._ahead.drop("m2")  # as a worker in another process: nothing held ahead
         store.evict(keys[2:3])  # gone between the lookup and the load
-        worker = eng.worker
-        worker.bind_connector_metadata(so.kv_connector_metadata)
-        worker.start_load_kv(None)
-        for name in layer_names():
-            worker.wait_for_layer_load(name)
-        worker.wait_for_save()
-        worker.clear_connector_metadata()
-        assert worker.get_block_ids_with_load_errors() == {so.scheduled_new_reqs[0].block_ids[0][2]}
-        assert worker.get_block_ids_with_load_errors() == set()
+        assert loads_by_hand(eng, so) == {so.scheduled_new_reqs[0].block_ids[0][2]}
+        assert eng.worker.get_block_ids_with_load_errors() == set()
         assert store.pinned.leased == 0
 
 
@@ -682,14 +688,7 @@ def test_blocks_the_scheduler_holds_ahead_are_loaded_even_if_evicted_meanwhile(m
         so = eng.scheduler.schedule()  # plans a load of 4 blocks, and holds them
         assert so.scheduled_new_reqs[0].num_computed_tokens == 64
         store.evict(keys[:4])  # gone from the pinned tier, not from the scheduler's hold
-        worker = eng.worker
-        worker.bind_connector_metadata(so.kv_connector_metadata)
-        worker.start_load_kv(None)
-        for name in layer_names():
-            worker.wait_for_layer_load(name)
-        worker.wait_for_save()
-        worker.clear_connector_metadata()
-        assert worker.get_block_ids_with_load_errors() == set()
+        assert loads_by_hand(eng, so) == set()
         assert_blocks_hold(eng, so.scheduled_new_reqs[0].block_ids[0][:4], prompt[:64])
         assert store.pinned.leased == 0
 

@@ -47,6 +47,17 @@ def _subscribe(endpoint: str, events: list[dict[str, Any]], stop: threading.Even
     sock.close(0)
 
 
+def _slow_on_purpose(cls: type, method: str, pause: float) -> None:
+    """Make every call of ``cls.method`` in this process wait ``pause`` seconds first."""
+    real = getattr(cls, method)
+
+    def slowed(self: Any, *args: Any) -> Any:
+        time.sleep(pause)
+        return real(self, *args)
+
+    setattr(cls, method, slowed)
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     if not spec.get("multiprocessing", False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -81,25 +92,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # it first waits this long, inside the store's own call (its deadline and rates see the wait)
         from sfstore.kvcache.tiers import SharedTier
 
-        real_read, pause = SharedTier.read_into, float(spec["slow_shared_read_s"])
-
-        def slowed_on_purpose(self: Any, keys: Any, dests: Any) -> Any:
-            time.sleep(pause)
-            return real_read(self, keys, dests)
-
-        SharedTier.read_into = slowed_on_purpose  # type: ignore[method-assign]
+        _slow_on_purpose(SharedTier, "read_into", float(spec["slow_shared_read_s"]))
     if spec.get("slow_shared_layer_s"):
         # each batch of a layer-by-layer chunk read (its headers, then each layer) slowed on purpose, as a
         # congested server would: the engine's first layers can load while the later ones are still being read
         from sfstore.kvcache.shared_chunks import ChunkFiles
 
-        real_finish, per_batch = ChunkFiles._finish, float(spec["slow_shared_layer_s"])
-
-        def batch_slowed_on_purpose(self: Any, fut: Any, n: int) -> Any:
-            time.sleep(per_batch)
-            return real_finish(self, fut, n)
-
-        ChunkFiles._finish = batch_slowed_on_purpose  # type: ignore[method-assign]
+        _slow_on_purpose(ChunkFiles, "_finish", float(spec["slow_shared_layer_s"]))
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), detokenize=False)
     rounds = []
