@@ -124,6 +124,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             result["stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, dict, list))}
             if stores[0].shared is not None:
                 result["shared_io"] = stores[0].shared.fp.counters.snapshot()
+            g = stores[0].geometry  # so that a test can read the tiers the engine left
+            result["geometry"] = {"num_layers": g.num_layers, "block_tokens": g.block_tokens,
+                                  "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim, "dtype": g.dtype}
             # each prompt's block keys (as named in the shared directory), so a test can damage chosen blocks
             result["keys"] = [[k.hex() for k in stores[0].keys_for(p)] for p in spec["rounds"][0]]
     return result
