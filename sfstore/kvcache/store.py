@@ -288,7 +288,13 @@ class KVCacheStore:
         """How many leading tokens of ``token_ids`` have their KV blocks in some tier (a multiple of
         ``block_tokens``): the prefix an engine can load instead of computing."""
         self._check_open()
-        keys = self.keys_for(token_ids, extra)
+        return self.leading_stored(self.keys_for(token_ids, extra)) * self.geometry.block_tokens
+
+    def leading_stored(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, have their blocks in some tier (:meth:`lookup` of keys an engine
+        made already with :meth:`keys_for`)."""
+        self._check_open()
+        keys = self._check_keys(keys)
         # Tiers that answer from memory are asked of every key still needed; a tier that does I/O only of the
         # leading ones, in one operation (one deadline, one handoff to its workers), stopping at its first miss.
         need = list(range(len(keys)))
@@ -299,7 +305,7 @@ class KVCacheStore:
                 need = [i for i, found in zip(need, tier.present([keys[i] for i in need]), strict=True) if not found]
             else:
                 need = need[tier.leading_present([keys[i] for i in need]):]
-        return (need[0] if need else len(keys)) * self.geometry.block_tokens
+        return need[0] if need else len(keys)
 
     # -- blocks in and out --------------------------------------------------------------------------------------
     def _source(self, block: Any, what: str, writable: bool = False) -> tuple[Any, bool]:

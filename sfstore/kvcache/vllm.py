@@ -514,7 +514,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                              + int(getattr(sched, "max_num_seqs", 0) or 0))
         # scheduler side
         # req_id -> (num_computed_tokens, leading blocks in the store) of the last lookup
-        self._lookups: dict[str, tuple[int, int]] = {}
+        # req_id -> (computed tokens, blocks stored, the keys looked up) of its last lookup
+        self._lookups: dict[str, tuple[int, int, list[bytes]]] = {}
         self._trackers: dict[str, _Tracker] = {}
         self._pending_loads: dict[str, BlockTransfer] = {}
         self._host_hits: dict[str, int] = {}  # req_id -> its blocks to load that were in the pinned tier
@@ -594,19 +595,19 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # never loaded): one more name in the same call to the shared tier, and the save that follows need not ask
         # again whether the block it recomputes is stored already.
         full = min(len(tokens), request.num_tokens) // self.block_tokens * self.block_tokens
-        found = self.store.lookup(list(tokens[:max(full, limit)]), self._extra(request))
-        self._lookups[request.request_id] = (num_computed_tokens, found // self.block_tokens)
+        keys = self.store.keys_for(list(tokens[:max(full, limit)]), self._extra(request))
+        found = self.store.leading_stored(keys) * self.block_tokens
+        self._lookups[request.request_id] = (num_computed_tokens, found // self.block_tokens, keys)
         hit = max(0, min(found, limit) - num_computed_tokens)
         if hit > 0 and self.store.load_or_recompute.enabled:
-            hit = self._worth_loading(request, tokens, num_computed_tokens, hit)
+            hit = self._worth_loading(keys, num_computed_tokens, hit)
         return hit, False
 
-    def _worth_loading(self, request: Request, tokens: Sequence[int], computed: int, hit: int) -> int:
+    def _worth_loading(self, prompt_keys: list[bytes], computed: int, hit: int) -> int:
         """The part of a hit worth loading: the blocks in the pinned tier at its start always; the rest only where
         the store's load-or-recompute figures expect loading them to be faster than computing them."""
         bt = self.block_tokens
-        first, last = computed // bt, (computed + hit) // bt
-        keys = self.store.keys_for(list(tokens[:last * bt]), self._extra(request))[first:]
+        keys = prompt_keys[computed // bt:(computed + hit) // bt]
         lead = 0
         while lead < len(keys) and self.store.in_pinned(keys[lead]):
             lead += 1
@@ -622,7 +623,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tokens = self._cacheable_tokens(request)
-        start, stored = self._lookups.pop(request.request_id, (0, 0))
+        start, stored, looked_up = self._lookups.pop(request.request_id, (0, 0, []))
         self._pending_loads.pop(request.request_id, None)
         if tokens is None:
             return
@@ -641,7 +642,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         block_ids = blocks.get_block_ids()[0]
         # a hit the scheduler cut short inside a block still loads that whole block (its tail is recomputed)
         first, last = start // bt, -(-(start + num_external_tokens) // bt)
-        keys = self.store.keys_for(list(tokens[:last * bt]), self._extra(request))[first:]
+        # the lookup's keys are the prompt's chained prefix hashes: those of a shorter prefix are their first ones
+        keys = (looked_up[:last] if len(looked_up) >= last
+                else self.store.keys_for(list(tokens[:last * bt]), self._extra(request)))[first:]
         self._pending_loads[request.request_id] = BlockTransfer(request.request_id, keys, list(block_ids[first:last]))
         tracker.saved_blocks = max(tracker.saved_blocks, last)  # loaded blocks are in the store already
         # where the blocks are now, before a prefetch promotes them (get_external_cache_hit_sources)
