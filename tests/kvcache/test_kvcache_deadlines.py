@@ -72,6 +72,7 @@ def test_a_stalled_shared_tier_misses_within_the_deadline_and_recovers(tmp_path:
         guard = kv.shared.guard
         dest = np.full(w.GEOM.block_bytes, 7, dtype=np.uint8)
         late: list[float] = []
+        slow_probes = 0  # recovery probes that missed the deadline on a loaded machine, with no stall
         for trial in range(100):
             with simulated_stall(kv.shared, "_open", tmp_path) as stall:
                 t0 = time.monotonic()
@@ -83,14 +84,24 @@ def test_a_stalled_shared_tier_misses_within_the_deadline_and_recovers(tmp_path:
                 assert kv.get_into([keys[1]], [dest]) == [None]  # quarantined: answered at once
                 stall.end()  # the server is back: the stuck worker returns, and its late read is discarded
                 wait_for(lambda: guard.describe()["abandoned_now"] == 0)
-            time.sleep(BACKOFF_MS / 1000 + 0.002)  # past the back-off: the next get probes the tier
-            assert kv.get_into([keys[trial % 2]], [dest]) == ["shared"], trial
+            while True:
+                time.sleep(BACKOFF_MS / 1000 + 0.002)  # past the back-off: the next get probes the tier
+                got = kv.get_into([keys[trial % 2]], [dest])
+                if got == ["shared"]:
+                    break
+                # the server is back, but the probe's open and read took longer than the deadline (other work on
+                # the 2 cores): quarantined again, as it should be; the next probe after the back-off recovers
+                assert got == [None] and (dest == 7).all() and guard.quarantined(), trial
+                slow_probes += 1
+                assert slow_probes <= 20, "the tier never recovered"
+                wait_for(lambda: guard.describe()["abandoned_now"] == 0)
             assert np.array_equal(dest, w.block(trial % 2)) and not guard.quarantined()
             dest[:] = 7
         assert max(late) <= DEADLINE_MS / 1000 + SLACK_S, sorted(late)[-5:]
         q = kv.stats()["quarantine"]["shared"]
-        assert q["deadline_misses"] == 100 and q["recoveries"] == 100 and q["late_returns"] == 100
-        assert kv.stats()["deadline_misses"] == 100 and kv.stats()["misses"] >= 200
+        assert q["deadline_misses"] == 100 + slow_probes and q["recoveries"] == 100
+        assert q["late_returns"] == 100 + slow_probes
+        assert kv.stats()["deadline_misses"] == 100 + slow_probes and kv.stats()["misses"] >= 200
         assert guard.recorder is not None and guard.recorder.flush(10.0)
         assert not list(Path(probe.quarantine_dir()).glob("*.json"))  # each recovery withdrew its record
     finally:
