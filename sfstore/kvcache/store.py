@@ -986,8 +986,8 @@ class KVCacheStore:
             except BaseException:  # (the executor shut down: close) a miss each
                 release_all(own)
                 load.finish(rows, [None] * len(rows))
-        if not missing and count:
-            self.count_loads(tiers)
+        if count:  # the blocks held from the pinned tier now; the reads count theirs as they end
+            self.count_loads(["pinned"] * (len(ks) - len(missing)))
         return held
 
     def _read_held(self, keys: list[bytes], rows: list[int], slots: list[Lease], load: LayerLoad,

@@ -902,8 +902,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for i in missed:
                 self._load_failed(part.block_ids[i])
                 failed_keys.append(part.keys[i])
-            if missed:
-                failed_reqs.add(part.req_id)
+                failed_reqs.add(self._load_req.get(part.block_ids[i], part.req_id))
         self._record_failed_loads(failed_keys)
         if failed_keys:
             bad = self._dropped() - self._dropped_before

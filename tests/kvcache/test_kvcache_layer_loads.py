@@ -131,6 +131,7 @@ def test_pinned_shared_and_absent_blocks_in_one_hold(stores: tuple[KVCacheStore,
             assert np.array_equal(got[row], want[row][LB:2 * LB])
     s = reader.stats()
     assert s["hits_shared"] == 3 + 1 and s["misses"] == 2  # (the get above counted its own hit)
+    assert s["hits_pinned"] == 1 and s["gets"] == 1 + 6
 
 
 def test_releasing_before_the_reads_end_leaks_no_slot(stores: tuple[KVCacheStore, KVCacheStore],
