@@ -439,8 +439,10 @@ class ChunkFiles:
                     ranges.append(Range.read(hb + (layer * m + k) * lb, lb, targets[j], layer * lb, f.fd))
                     owners.append(n)
             batches.append((ranges, owners))
-        pending = [self._start(ranges) for ranges, _owners in batches]
+        pending: list[Any] = []
         try:
+            for ranges, _owners in batches:  # (inside the try: an error waits for what was submitted already)
+                pending.append(self._start(ranges))
             sums_of: dict[int, list[int]] = {}
             for step, ((ranges, owners), fut) in enumerate(zip(batches, pending, strict=True)):
                 pending[step] = None
