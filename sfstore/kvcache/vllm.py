@@ -133,7 +133,8 @@ process unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler sees only wha
 tier is the worker's memory). With one, the blocks a step saved reach it in the background: a request scheduled
 right after can find only part of them, unless ``wait_for_lower_tiers`` is set (each step then ends once its saves
 are written). With tensor parallelism each rank stores its own heads under its own keys and the scheduler looks up
-rank 0's. Pipeline parallelism and hybrid (HMA) models are not supported. """
+rank 0's. Pipeline parallelism and hybrid (HMA) models are not supported.
+"""
 
 from __future__ import annotations
 
