@@ -64,6 +64,7 @@ _MAGIC = b"SFKVCHK1"
 _HDR = struct.Struct("<8sHHI16sIIQQ")
 _SUM = struct.Struct("<Q")
 _PAGE = 4096
+_LAYERS_IN_FLIGHT = 2  # layer-by-layer reads: batches (the headers', then a layer's each) submitted at a time
 
 Entry = tuple[int, tuple[bytes, ...], int]  # (index in the caller's batch, chain, position in it)
 
@@ -439,14 +440,19 @@ class ChunkFiles:
                     ranges.append(Range.read(hb + (layer * m + k) * lb, lb, targets[j], layer * lb, f.fd))
                     owners.append(n)
             batches.append((ranges, owners))
-        pending: list[Any] = []
+        # _LAYERS_IN_FLIGHT batches at a time, in order: enough to keep the disk busy, few enough that a layer's
+        # batch is not spread behind the later ones (all at once, layer 0 landed with the rest, at ~3/4 of the read)
+        pending: list[Any] = [None] * len(batches)
         try:
-            for ranges, _owners in batches:  # (inside the try: an error waits for what was submitted already)
-                pending.append(self._start(ranges))
+            for step in range(min(_LAYERS_IN_FLIGHT, len(batches))):  # (in the try: an error waits for these)
+                pending[step] = self._start(batches[step][0])
             sums_of: dict[int, list[int]] = {}
-            for step, ((ranges, owners), fut) in enumerate(zip(batches, pending, strict=True)):
-                pending[step] = None
+            for step, (ranges, owners) in enumerate(batches):
+                fut, pending[step] = pending[step], None
                 results = self._finish(fut, len(ranges))
+                ahead = step + _LAYERS_IN_FLIGHT
+                if ahead < len(batches):
+                    pending[ahead] = self._start(batches[ahead][0])
                 failed = {n for n, r, got in zip(owners, ranges, results, strict=True) if got != r.length}
                 ready: list[int] = []
                 for n, f in enumerate(files):
