@@ -64,7 +64,7 @@ _MAGIC = b"SFKVCHK1"
 _HDR = struct.Struct("<8sHHI16sIIQQ")
 _SUM = struct.Struct("<Q")
 _PAGE = 4096
-_LAYERS_IN_FLIGHT = 2  # layer-by-layer reads: batches (the headers', then a layer's each) submitted at a time
+_LAYERS_IN_FLIGHT = 2  # layer-by-layer reads: steps (the headers', then a layer's each) submitted at a time
 
 Entry = tuple[int, tuple[bytes, ...], int]  # (index in the caller's batch, chain, position in it)
 
@@ -291,8 +291,8 @@ class ChunkFiles:
         file that fails verification: it is removed).
 
         ``on_layer(indices, layer)``: read layer by layer instead (one batch of headers, then one batch per
-        layer, all submitted at once), and call it once layer ``layer`` of the entries at ``indices`` is in their
-        targets and verified, while the later layers are still being read."""
+        layer, two in flight at a time), and call it once layer ``layer`` of the entries at ``indices`` is in
+        their targets and verified, while the later layers are still being read."""
         out = ["missing"] * len(entries)
         runs = self.resolve(entries)
         files: dict[str, _Open] = {}
@@ -312,10 +312,7 @@ class ChunkFiles:
                         continue
                     f = files[run.rel] = opened
                 f.entries.append(j)
-            if on_layer is not None:
-                self._read_by_layer(entries, targets, list(files.values()), out, lost, heads, on_layer)
-            else:
-                self._read_at_once(entries, targets, files, out, lost, heads)
+            self._read_steps(entries, targets, list(files.values()), out, lost, heads, on_layer)
         finally:
             for f in files.values():
                 os.close(f.fd)
@@ -326,57 +323,6 @@ class ChunkFiles:
         if late():
             return [s if s != "hit" else "timeout" for s in out]
         return out
-
-    def _read_at_once(self, entries: Sequence[Entry], targets: Sequence[memoryview], files: dict[str, _Open],
-                      out: list[str], lost: list[tuple[ChunkRun, os.stat_result]], heads: list[Any]) -> None:
-        """:meth:`read`'s ranges as one batch, verified once all are in."""
-        ranges: list[Range] = []
-        owners: list[_Open | None] = []
-        lb, layers = self.geom.layer_bytes, self.geom.num_layers
-        for f in files.values():
-            hb = chunk_header_bytes(self.geom, f.run.m)
-            if self.read_whole:  # its blocks' slices are copied out once verified
-                whole = self._bufs.acquire()
-                heads.append(whole)
-                ranges.append(Range.read(0, hb + f.run.m * self.geom.block_bytes, whole, 0, f.fd))
-                owners.append(f)
-                continue
-            head = self._heads.acquire()
-            heads.append(head)
-            ranges.append(Range.read(0, hb, head, 0, f.fd))
-            owners.append(f)
-            for j in f.entries:
-                k = entries[j][2] - f.run.start
-                for layer in range(layers):
-                    ranges.append(Range.read(hb + (layer * f.run.m + k) * lb, lb, targets[j], layer * lb, f.fd))
-                    owners.append(None)
-        results = self._submit(ranges)
-        failed: set[int] = set()
-        owner: _Open | None = None
-        for fo, r, got in zip(owners, ranges, results, strict=True):
-            if fo is not None:
-                owner = fo
-            if owner is not None and (got is None or got != r.length):
-                failed.add(id(owner))
-        for f, head in zip(files.values(), heads, strict=True):
-            if id(f) in failed:
-                self.tier.fp.counters.add(errors=1)
-                for j in f.entries:
-                    out[j] = "unreadable"
-                continue
-            hb = chunk_header_bytes(self.geom, f.run.m)
-            with memoryview(head) as hv:
-                sums = self._header(f, hv[:hb], entries, out)
-                good = sums is not None and self._verify(f, sums, range(layers), entries, targets, hv)
-            self.tier.fp.counters.add(files=1)
-            if not good:
-                lost.append((f.run, f.st))
-                for j in f.entries:
-                    out[j] = "corrupt"
-                continue
-            self.tier.budget.touch(f.fd, f.st)
-            for j in f.entries:
-                out[j] = "hit"
 
     def _header(self, f: _Open, hv: memoryview, entries: Sequence[Entry], out: list[str]) -> list[int] | None:
         """The checksums in run ``f``'s header (``hv``), with ``f.entries`` narrowed to the blocks the run shares
@@ -412,52 +358,63 @@ class ChunkFiles:
                 v.release()
         return good
 
-    def _read_by_layer(self, entries: Sequence[Entry], targets: Sequence[memoryview], files: list[_Open],
-                       out: list[str], lost: list[tuple[ChunkRun, os.stat_result]], heads: list[Any],
-                       on_layer: Callable[[list[int], int], None]) -> None:
-        """:meth:`read` layer by layer: the headers as one batch and each layer as one (a range per file read
-        whole, else one per wanted block), all submitted at once so the engine keeps every one in flight; each
-        layer verified, and announced, as soon as its batch is in."""
+    def _read_steps(self, entries: Sequence[Entry], targets: Sequence[memoryview], files: list[_Open],
+                    out: list[str], lost: list[tuple[ChunkRun, os.stat_result]], heads: list[Any],
+                    on_layer: Callable[[list[int], int], None] | None) -> None:
+        """:meth:`read`'s ranges in steps, each one batch of the file path, verified as it lands. At once (no
+        ``on_layer``): one step with each file's header and wanted slices (read whole: the whole file). Layer by
+        layer: the headers, then one step per layer (a range per file read whole, else one per wanted block),
+        ``_LAYERS_IN_FLIGHT`` steps submitted at a time, in order (enough to keep the disk busy, few enough that a
+        layer's batch is not spread behind the later ones), each layer announced once verified."""
         lb, layers = self.geom.layer_bytes, self.geom.num_layers
-        bufs: list[Any] = []
-        batches: list[tuple[list[Range], list[int]]] = [([], [])]  # (ranges, the file of each): headers first
-        for n, f in enumerate(files):
-            buf = self._bufs.acquire() if self.read_whole else self._heads.acquire()
-            heads.append(buf)
-            bufs.append(buf)
-            batches[0][0].append(Range.read(0, chunk_header_bytes(self.geom, f.run.m), buf, 0, f.fd))
-            batches[0][1].append(n)
-        for layer in range(layers):
-            ranges, owners = [], []
+        by_layer = on_layer is not None
+        bufs: list[Any] = []  # a file's header, or the whole file read whole
+        for _f in files:
+            bufs.append(self._bufs.acquire() if self.read_whole else self._heads.acquire())
+            heads.append(bufs[-1])
+        # (ranges, the file of each, whether it holds the headers, the layers it completes)
+        steps: list[tuple[list[Range], list[int], bool, range]] = []
+        for i, wanted in enumerate([range(0)] + [range(x, x + 1) for x in range(layers)] if by_layer
+                                   else [range(layers)]):
+            ranges: list[Range] = []
+            owners: list[int] = []
             for n, f in enumerate(files):
                 hb, m = chunk_header_bytes(self.geom, f.run.m), f.run.m
                 if self.read_whole:
-                    ranges.append(Range.read(hb + layer * m * lb, m * lb, bufs[n], hb + layer * m * lb, f.fd))
-                    owners.append(n)
+                    if i == 0:  # the header (and, at once, the whole body with it)
+                        ranges.append(Range.read(0, hb + (0 if by_layer else m * self.geom.block_bytes), bufs[n],
+                                                 0, f.fd))
+                        owners.append(n)
+                    if by_layer and wanted:
+                        at = hb + wanted.start * m * lb
+                        ranges.append(Range.read(at, m * lb, bufs[n], at, f.fd))
+                        owners.append(n)
                     continue
+                if i == 0:
+                    ranges.append(Range.read(0, hb, bufs[n], 0, f.fd))
+                    owners.append(n)
                 for j in f.entries:
                     k = entries[j][2] - f.run.start
-                    ranges.append(Range.read(hb + (layer * m + k) * lb, lb, targets[j], layer * lb, f.fd))
-                    owners.append(n)
-            batches.append((ranges, owners))
-        # _LAYERS_IN_FLIGHT batches at a time, in order: enough to keep the disk busy, few enough that a layer's
-        # batch is not spread behind the later ones (all at once, layer 0 landed with the rest, at ~3/4 of the read)
-        pending: list[Any] = [None] * len(batches)
+                    for layer in wanted:
+                        ranges.append(Range.read(hb + (layer * m + k) * lb, lb, targets[j], layer * lb, f.fd))
+                        owners.append(n)
+            steps.append((ranges, owners, i == 0, wanted))
+        depth = _LAYERS_IN_FLIGHT if by_layer else 1
+        pending: list[Any] = [None] * len(steps)
         try:
-            for step in range(min(_LAYERS_IN_FLIGHT, len(batches))):  # (in the try: an error waits for these)
-                pending[step] = self._start(batches[step][0])
-            sums_of: dict[int, list[int]] = {}
-            for step, (ranges, owners) in enumerate(batches):
-                fut, pending[step] = pending[step], None
+            for i in range(min(depth, len(steps))):  # (in the try: an error waits for these)
+                pending[i] = self._start(steps[i][0])
+            sums_of: dict[int, list[int]] = {}  # the files still good, and their checksums
+            for i, (ranges, owners, header, wanted) in enumerate(steps):
+                fut, pending[i] = pending[i], None
                 results = self._finish(fut, len(ranges))
-                ahead = step + _LAYERS_IN_FLIGHT
-                if ahead < len(batches):
-                    pending[ahead] = self._start(batches[ahead][0])
+                if i + depth < len(steps):
+                    pending[i + depth] = self._start(steps[i + depth][0])
                 failed = {n for n, r, got in zip(owners, ranges, results, strict=True) if got != r.length}
                 ready: list[int] = []
                 for n, f in enumerate(files):
-                    if step and n not in sums_of:
-                        continue  # failed before this layer
+                    if not header and n not in sums_of:
+                        continue  # failed at an earlier step
                     if n in failed:
                         self.tier.fp.counters.add(errors=1)
                         for j in f.entries:
@@ -465,23 +422,21 @@ class ChunkFiles:
                         sums_of.pop(n, None)
                         continue
                     with memoryview(bufs[n]) as hv:
-                        if step == 0:
+                        if header:
                             self.tier.fp.counters.add(files=1)
                             sums = self._header(f, hv[:chunk_header_bytes(self.geom, f.run.m)], entries, out)
-                            if sums is not None:
-                                sums_of[n] = sums
-                                continue
                         else:
                             sums = sums_of[n]
-                            if self._verify(f, sums, range(step - 1, step), entries, targets, hv):
-                                ready.extend(f.entries)
-                                continue
+                        if sums is not None and (not wanted or self._verify(f, sums, wanted, entries, targets, hv)):
+                            sums_of[n] = sums
+                            ready.extend(f.entries)
+                            continue
                     lost.append((f.run, f.st))
                     for j in f.entries:
                         out[j] = "corrupt"
                     sums_of.pop(n, None)
-                if step and ready and not late():
-                    on_layer(ready, step - 1)
+                if on_layer is not None and wanted and ready and not late():
+                    on_layer(ready, wanted.stop - 1)
             for n in sums_of:
                 self.tier.budget.touch(files[n].fd, files[n].st)
                 for j in files[n].entries:

@@ -19,12 +19,15 @@ class LayerGate:
         self.opened = threading.Event()
         self.held_back = threading.Event()  # set once a read waits at the gate
         self._batches: dict[int, int] = {}  # thread -> batches it finished since its read started
-        real_read, real_finish = ChunkFiles._read_by_layer, ChunkFiles._finish
+        real_read, real_finish = ChunkFiles._read_steps, ChunkFiles._finish
         gate = self
 
-        def read_by_layer(chunks: ChunkFiles, *args: Any, **kwargs: Any) -> Any:
-            gate._batches[threading.get_ident()] = 0
-            return real_read(chunks, *args, **kwargs)
+        def read_steps(chunks: ChunkFiles, *args: Any) -> Any:
+            if args[-1] is not None:  # on_layer: a layer-by-layer read
+                gate._batches[threading.get_ident()] = 0
+            else:
+                gate._batches.pop(threading.get_ident(), None)
+            return real_read(chunks, *args)
 
         def finish(chunks: ChunkFiles, fut: Any, n: int) -> Any:
             got = real_finish(chunks, fut, n)
@@ -36,7 +39,7 @@ class LayerGate:
                     assert gate.opened.wait(20), "the test never opened the gate"
             return got
 
-        monkeypatch.setattr(ChunkFiles, "_read_by_layer", read_by_layer)
+        monkeypatch.setattr(ChunkFiles, "_read_steps", read_steps)
         monkeypatch.setattr(ChunkFiles, "_finish", finish)
 
     def open(self) -> None:
