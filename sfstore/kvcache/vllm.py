@@ -527,6 +527,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layer_index = self.layout.layer_index
         self._loads: list[BlockTransfer] = []
         self._step_loads: StepLoads | None = None  # this step's loads, held until the step's copies are done
+        self._last_layer = -1  # register_kv_caches
         self._load_errors: set[int] = set()
         self._saved_keys: set[bytes] = set()
         self._dropped_before = 0
@@ -653,7 +654,7 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._ahead.workers and self._ahead.blocks + len(keys) <= self.store.pinned_capacity // 2:
             # a worker in this process takes it (its reads overlap the rest of the scheduler's step); what is held
             # ahead stays within what a step loads layer by layer (more is loaded chunk by chunk, not held)
-            self._ahead.put(request.request_id, keys, self._hold(request.request_id, keys, []).held)
+            self._ahead.put(request.request_id, keys, self._hold(keys))
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """Loaded tokens by where they are now: the pinned tier (host memory) or a lower tier (NVMe, NFS)."""
@@ -758,6 +759,9 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 except RuntimeError:  # pages not contiguous with each other: loaded block by block
                     self._layers_viewable[id(cache)] = False
         self._kv_caches = dict(kv_caches)
+        # the last store layer with a registered cache (the engine runs the layers in this order): its
+        # wait_for_layer_load settles a step's loads
+        self._last_layer = max((self._layer_index[n] for n in kv_caches if n in self._layer_index), default=-1)
         self.store.track_pinned_removals()  # each block leaving the pinned tier is a BlockRemoved for routers
         if not self._counted_worker:
             self._counted_worker = True
@@ -826,23 +830,28 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # are copied out as they arrive, from the first wait_for_layer_load on.
         parts: list[HeldLoad] = []
         for t in self._loads:
-            started = self._ahead.take(t.req_id, t.keys)
-            if started is not None:
+            held = self._ahead.take(t.req_id, t.keys)
+            if held is not None:
                 self._stats["blocks_prefetched_by_scheduler"] += len(t.keys)
-                parts.append(HeldLoad(t.req_id, t.keys, list(t.block_ids), started))
             else:
-                parts.append(self._hold(t.req_id, t.keys, list(t.block_ids)))
+                held = self._hold(t.keys)
+            parts.append(HeldLoad(t.req_id, t.keys, list(t.block_ids), held))
         self._step_loads = StepLoads(self.store, parts)
 
     def _dropped(self) -> int:
         c = self.store.counters.snapshot()
         return int(c.get("corrupt_dropped", 0)) + int(c.get("unreadable", 0))
 
-    def _hold(self, req_id: str, keys: list[bytes], block_ids: list[int]) -> HeldLoad:
+    def _hold(self, keys: list[bytes]) -> HeldBlocks | None:
         """``store.hold_async`` of ``keys`` in up to ``prefetch_chunks`` parts (at least ``blocks_per_prefetch``
-        blocks each), read at once by the store's background threads."""
+        blocks each), read at once by the store's background threads; uncounted (:meth:`_settle_loads` counts
+        them). ``None``: the hold failed (logged; every block of it becomes a load error)."""
         parts = min(max(1, self.prefetch_chunks), -(-len(keys) // max(1, self.blocks_per_prefetch)))
-        return StepLoads.hold(self.store, req_id, keys, block_ids, parts)
+        try:
+            return self.store.hold_async(keys, parts=parts)
+        except Exception:  # recomputed instead (get_block_ids_with_load_errors)
+            log.exception("SfstoreConnector: holding %d blocks to load failed", len(keys))
+            return None
 
     def _load_all_layers_now(self) -> None:
         """The step's loads do not fit in the pinned tier beside each other: loading them layer by layer would
@@ -854,7 +863,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for i in range(0, len(flat), chunk):
             part = flat[i:i + chunk]
             loads = self._step_loads = StepLoads(self.store, [
-                self._hold(part[0][0], [k for _r, k, _b in part], [b for _r, _k, b in part])])
+                HeldLoad(part[0][0], [k for _r, k, _b in part], [b for _r, _k, b in part],
+                         self._hold([k for _r, k, _b in part]))])
             try:
                 for name in self.layout.layer_names:
                     cache = self._kv_caches.get(name)
@@ -927,8 +937,8 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         the later layers are still being read). A staged (GPU) cache's copy of this layer was issued one call
         earlier where it had been read by then (or now); this call issues the next layers' copies of those read
         already and makes the current stream wait for this layer's on the device: the CPU does not wait for any
-        copy. At the step's last
-        layer the loads are settled: the blocks that missed are known before that layer is saved."""
+        copy. At the step's last layer the loads are settled: the blocks that missed are known before that layer
+        is saved."""
         loads = self._step_loads
         if not self._loads or loads is None:
             return
@@ -954,11 +964,6 @@ class SfstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             staging.wait_event(staging.current_stream(cache.device), event)
         if layer == self._last_layer:
             self._settle_loads()
-
-    @property
-    def _last_layer(self) -> int:
-        """The last store layer with a registered cache (the engine runs the layers in this order)."""
-        return max((self._layer_index[n] for n in self._kv_caches if n in self._layer_index), default=-1)
 
     def _layers_after(self, layer: int) -> list[int]:
         """The next ``load_ahead`` store layers with a registered cache (the engine runs them in this order)."""

@@ -11,7 +11,6 @@ blocks only, not for the whole read.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +19,6 @@ if TYPE_CHECKING:
     from sfstore.kvcache.store import KVCacheStore
 
 __all__ = ["HeldLoad", "StepLoads"]
-
-log = logging.getLogger("sfstore.kvcache.vllm")
 
 
 @dataclasses.dataclass
@@ -42,17 +39,6 @@ class StepLoads:
     def __init__(self, store: KVCacheStore, parts: Sequence[HeldLoad]) -> None:
         self.store = store
         self.parts = list(parts)
-
-    @staticmethod
-    def hold(store: KVCacheStore, req_id: str, keys: list[bytes], block_ids: list[int], parts: int) -> HeldLoad:
-        """A request's blocks held with their reads started (uncounted: :meth:`settle` counts them); a hold that
-        fails is logged, and its blocks become load errors."""
-        try:
-            held: HeldBlocks | None = store.hold_async(keys, parts=max(1, parts))
-        except Exception:  # recomputed instead (get_block_ids_with_load_errors)
-            log.exception("SfstoreConnector: holding %d blocks to load failed", len(keys))
-            held = None
-        return HeldLoad(req_id, keys, block_ids, held)
 
     @property
     def loading(self) -> list[HeldLoad]:
