@@ -317,6 +317,17 @@ def assert_blocks_hold(eng: Engine, block_ids: list[int], tokens: list[int]) -> 
             assert torch.equal(view[1].view(torch.int16), value[rows].view(torch.int16)), (name, b)
 
 
+def saved_then_scheduled(eng: Engine, name: str, prompt: list[int]) -> Any:
+    """Request ``<name>1`` of ``prompt`` run to its end (its full blocks saved), then ``<name>2`` of the same prompt
+    scheduled: the scheduler's output, which plans a load of every full block but the last token's."""
+    eng.add(make_request(f"{name}1", prompt))
+    eng.run()
+    eng.add(make_request(f"{name}2", prompt))
+    so = eng.scheduler.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == (len(prompt) - 1) // BLOCK * BLOCK
+    return so
+
+
 def loads_by_hand(eng: Engine, so: Any) -> set[int]:
     """The worker's load hooks for a step the test scheduled (no attention runs): bind the metadata, start the
     loads, wait for every layer, end the step; the block ids reported as load errors."""
@@ -559,13 +570,9 @@ def test_block_missing_at_load_time_is_reported_with_stand_in_attention_kernel(m
     prompt = [(i * 7 + 1) % 1000 for i in range(70)]  # 4 full blocks
     extra = {"pinned_bytes": 4 << 20, "model_id": "tiny-miss"}
     with engine(model_dir, extra, prefix_caching=False) as eng:
-        eng.add(make_request("m1", prompt))
-        eng.run()
+        so = saved_then_scheduled(eng, "m", prompt)  # plans a load of 4 blocks
         store = eng.connector.store
         keys = store.keys_for(prompt, ())
-        eng.add(make_request("m2", prompt))
-        so = eng.scheduler.schedule()  # plans a load of 4 blocks
-        assert so.scheduled_new_reqs[0].num_computed_tokens == 64
         assert eng.scheduler.connector_prefix_cache_stats.hits_by_source == {CacheHitSource.HOST: 64}  # pinned
         # The scheduler of this process holds the blocks it plans to load (its read ahead): a block evicted now
         # is still loaded. A worker in a process of its own holds them only at start_load_kv: what is gone by
@@ -680,13 +687,9 @@ def test_blocks_the_scheduler_holds_ahead_are_loaded_even_if_evicted_meanwhile(m
     prompt = [(i * 7 + 1) % 1000 for i in range(70)]  # 4 full blocks
     extra = {"pinned_bytes": 4 << 20, "model_id": "tiny-held-ahead"}
     with engine(model_dir, extra, prefix_caching=False) as eng:
-        eng.add(make_request("h1", prompt))
-        eng.run()
+        so = saved_then_scheduled(eng, "h", prompt)  # plans a load of 4 blocks, and holds them
         store = eng.connector.store
         keys = store.keys_for(prompt, ())
-        eng.add(make_request("h2", prompt))
-        so = eng.scheduler.schedule()  # plans a load of 4 blocks, and holds them
-        assert so.scheduled_new_reqs[0].num_computed_tokens == 64
         store.evict(keys[:4])  # gone from the pinned tier, not from the scheduler's hold
         assert loads_by_hand(eng, so) == set()
         assert_blocks_hold(eng, so.scheduled_new_reqs[0].block_ids[0][:4], prompt[:64])
