@@ -94,11 +94,6 @@ def block_file(shared: Path, key_hex: str) -> Path:
     return shared / key_hex[:2] / f"{key_hex}.kvb"
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine")
-
-
 def tiny_llama(work: Path) -> Path:
     """The tiny random Llama, saved as a model directory vLLM loads (no tokenizer: prompts are token ids)."""
     torch.manual_seed(0)
@@ -109,11 +104,6 @@ def tiny_llama(work: Path) -> Path:
     path = work / "models" / "tiny-llama"
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
-
-
-@pytest.fixture(scope="module")
-def model(work: Path) -> Path:
-    return tiny_llama(work)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm_engine.test_vllm_engine import BLOCK, FULL, A, B, C, cached, run_engine, tiny_llama, tokens
+from tests.vllm_engine.test_vllm_engine import BLOCK, FULL, A, B, C, cached, run_engine, tokens
 
 pytestmark = pytest.mark.vllm_engine
 
@@ -31,16 +31,6 @@ def chunk_file(shared: Path, keys: list[str], chunk: int) -> Path:
     last = min((chunk + 1) * PER, len(keys)) - 1
     m = last - chunk * PER + 1
     return shared / keys[last][:2] / f"{keys[last]}.{PER}.{m}.kvc"
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine-chunks")
-
-
-@pytest.fixture(scope="module")
-def model(work: Path) -> Path:
-    return tiny_llama(work)
 
 
 @pytest.fixture(scope="module")

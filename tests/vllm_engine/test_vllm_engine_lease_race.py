@@ -19,23 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.vllm_engine.test_vllm_engine import run_engine, tiny_llama, tokens
+from tests.vllm_engine.test_vllm_engine import run_engine, tokens
 
 pytestmark = pytest.mark.vllm_engine
 
 _rng = random.Random(11)
 PROMPTS = [[_rng.randrange(8192) for _ in range(481)] for _ in range(8)]  # 15 loadable blocks each
 KV = {"chunk_tokens": 0, "io_timeout_ms": 0}  # block files: this process reads them by key, knowing no chain
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine-lease")
-
-
-@pytest.fixture(scope="module")
-def model(work: Path) -> Path:
-    return tiny_llama(work)
 
 
 @pytest.fixture(scope="module")

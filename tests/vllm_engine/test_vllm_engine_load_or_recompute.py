@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm_engine.test_vllm_engine import run_engine, tiny_llama
+from tests.vllm_engine.test_vllm_engine import run_engine
 
 pytestmark = pytest.mark.vllm_engine
 
@@ -28,16 +28,6 @@ PAUSE_S = 0.5
 # No deadline on the tier's reads: under CI's load one read of the "loading" run missed the 500 ms default, which
 # quarantined the tier for a moment and made that prompt a miss (deadlines and quarantine have tests of their own;
 # the slowing pause runs before the tier's guarded read either way)
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine-lor")
-
-
-@pytest.fixture(scope="module")
-def model(work: Path) -> Path:
-    return tiny_llama(work)
 
 
 @pytest.fixture(scope="module")

