@@ -135,7 +135,8 @@ done_step
 
 step 7 "sfstore probe (exit 0 on the embedded default)"
 if user sfstore probe >"$W/probe.txt" 2>&1; then rc=0; else rc=$?; fi
-sed 's/^/    /' "$W/probe.txt" | head -n 20 >&2
+# head reads the file itself: a pipe into head would SIGPIPE its writer under pipefail once the table outgrows 20 lines
+head -n 20 "$W/probe.txt" | sed 's/^/    /' >&2
 [ $rc -eq 0 ] || fail "sfstore probe exited $rc"
 done_step
 
