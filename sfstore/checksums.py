@@ -3,7 +3,8 @@
 one table of checksum kinds (:class:`SumKind`) with each on-disk format's codes for them (:class:`SumCodes`).
 
 In memory a value's checksum kind is always a :class:`SumKind`; a number appears only where a format stores it,
-through that format's table (:data:`BLOCK_SLOT_SUMS`, :data:`BLOCK_SNAPSHOT_SUMS`, :data:`SHARED_FILE_SUMS`), so no
+through that format's table (:data:`BLOCK_SLOT_SUMS`, :data:`BLOCK_SNAPSHOT_SUMS`, :data:`SHARED_FILE_SUMS`,
+:data:`SHARED_CHUNK_SUMS`), so no
 format's number can be read as another's.
 
 The native helper's build releases the GIL from 64 KiB (threads hashing large values run in parallel, and other
@@ -20,7 +21,8 @@ from typing import Any
 import xxhash
 
 __all__ = ["xxh3_64", "xxh3_64_many", "xxh3_64_hex", "kvsum64", "kvsum64_finish", "KVSUM_WORD", "SumKind", "sum_of",
-           "SumCodes", "BLOCK_SLOT_SUMS", "BLOCK_SNAPSHOT_SUMS", "SHARED_FILE_SUMS"]
+           "SumCodes", "BLOCK_SLOT_SUMS", "BLOCK_SNAPSHOT_SUMS", "SHARED_FILE_SUMS",
+           "SHARED_CHUNK_SUMS"]
 
 
 def _pick() -> Callable[[Any], int]:
@@ -150,3 +152,6 @@ BLOCK_SLOT_SUMS = SumCodes("a block store's slot header", {SumKind.XXH3: 0, SumK
 BLOCK_SNAPSHOT_SUMS = SumCodes("a block store's index snapshot", {SumKind.XXH3: 0, SumKind.KV64: 0x80})
 #: A KV cache's shared-tier block file: its header's version field (:func:`sfstore.kvcache.tiers.encode_header`).
 SHARED_FILE_SUMS = SumCodes("a shared KV block file's header", {SumKind.XXH3: 1, SumKind.KV64: 2})
+#: A KV cache's shared-tier chunk file: its header's checksum-kind field
+#: (:func:`sfstore.kvcache.shared_chunks.encode_header`), the kind of every slice's checksum in it.
+SHARED_CHUNK_SUMS = SumCodes("a shared KV chunk file's header", {SumKind.XXH3: 1, SumKind.KV64: 2})

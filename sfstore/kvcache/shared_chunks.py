@@ -13,9 +13,12 @@ other last keys. A hit of ``n`` blocks opens ``ceil(n / B)`` files; a lookup ask
 first, and only at the chunk where the prompt's stored prefix ends for the shorter ones.
 
 A file is a header of whole 4096-byte pages (magic, checksum kind, ``B``, geometry fingerprint, ``m``, layers,
-the position of its first block, a layer's bytes per block, the ``m`` keys, an xxh3-64 per block per layer, and
+the position of its first block, a layer's bytes per block, the ``m`` keys, a checksum per block per layer, and
 the header's own xxh3-64), then the body, layer-major: layer ``l`` of the run is one contiguous range, block by
 block, so a layer of every block of a chunk is one read and each block's slice of it is verified on its own.
+The slices' checksums are xxh3-64 for blocks put from host memory and kvsum64 for blocks put from GPU memory
+(computed on the GPU, so a GPU-direct read of a layer's slice is verified where it lands: per-layer ranges are
+what the device path moves, GPU-direct where its route allows). Either kind is read into either memory.
 
 A prompt's last, partial chunk is stored as a shorter run (``m < B``); when the prompt grows, the longer run is
 written and the shorter one removed. So that a prompt which shares only the first blocks of a stored chunk (a
@@ -45,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sfstore.buffers import RegisteredBufferPool
-from sfstore.checksums import SHARED_FILE_SUMS, SumKind, xxh3_64, xxh3_64_many
+from sfstore.checksums import SHARED_CHUNK_SUMS, SumKind, kvsum64, xxh3_64, xxh3_64_many
 from sfstore.kvcache.deadline import late
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.paths.base import Range
@@ -119,15 +122,15 @@ def parse_name(name: str) -> int | None:
         return None
 
 
-def encode_header(geom: KVGeometry, run: ChunkRun, sums: Sequence[int]) -> bytes:
-    body = _HDR.pack(_MAGIC, SHARED_FILE_SUMS.code(SumKind.XXH3), 0, run.per_chunk, geom.fingerprint(), run.m,
+def encode_header(geom: KVGeometry, run: ChunkRun, sums: Sequence[int], kind: SumKind = SumKind.XXH3) -> bytes:
+    body = _HDR.pack(_MAGIC, SHARED_CHUNK_SUMS.code(kind), 0, run.per_chunk, geom.fingerprint(), run.m,
                      geom.num_layers, run.start, geom.layer_bytes)
     body += b"".join(run.keys) + b"".join(_SUM.pack(s) for s in sums)
     return body + _SUM.pack(xxh3_64(body))
 
 
-def decode_header(view: memoryview, geom: KVGeometry, run: ChunkRun) -> tuple[list[int], int] | None:
-    """``(per-slice checksums ([layer][block]), blocks the caller may take)`` when the header is intact and
+def decode_header(view: memoryview, geom: KVGeometry, run: ChunkRun) -> tuple[list[int], int, SumKind] | None:
+    """``(per-slice checksums ([layer][block]), blocks the caller may take, their kind)`` when the header is intact and
     describes ``run``: all ``m`` of an exact run; of a pointed run, those whose keys the caller's chain shares
     (its last key must be the one its name says)."""
     m, layers = run.m, geom.num_layers
@@ -135,7 +138,8 @@ def decode_header(view: memoryview, geom: KVGeometry, run: ChunkRun) -> tuple[li
     if len(view) < end + _SUM.size or view[:8] != _MAGIC or _SUM.unpack_from(view, end)[0] != xxh3_64(view[:end]):
         return None
     _mg, code, _r, per, fp, mm, ll, start, lb = _HDR.unpack_from(view)
-    if (SHARED_FILE_SUMS.kind(code) is not SumKind.XXH3 or per != run.per_chunk or fp != geom.fingerprint()
+    kind = SHARED_CHUNK_SUMS.kind(code)
+    if (kind is None or per != run.per_chunk or fp != geom.fingerprint()
             or mm != m or ll != layers or start != run.start or lb != geom.layer_bytes):
         return None
     at = _HDR.size
@@ -150,7 +154,12 @@ def decode_header(view: memoryview, geom: KVGeometry, run: ChunkRun) -> tuple[li
         mine = run.chain[run.start:run.start + m]
         shared = next((i for i, (a, b) in enumerate(zip(keys, mine, strict=False)) if a != b), min(m, len(mine)))
     at += m * KEY_BYTES
-    return [_SUM.unpack_from(view, at + i * _SUM.size)[0] for i in range(m * layers)], shared
+    return [_SUM.unpack_from(view, at + i * _SUM.size)[0] for i in range(m * layers)], shared, kind
+
+
+def slice_sums(kind: SumKind, views: Sequence[memoryview]) -> list[int]:
+    """The checksums of kind ``kind`` of host ``views``."""
+    return xxh3_64_many(views) if kind is SumKind.XXH3 else [kvsum64(v) for v in views]
 
 
 @dataclass
@@ -159,6 +168,7 @@ class _Open:
     fd: int
     st: os.stat_result
     entries: list[int] = field(default_factory=list)  # indices into the caller's entries
+    kind: SumKind = SumKind.XXH3  # its slices' checksums (known once its header is read)
 
 
 class ChunkFiles:
@@ -294,12 +304,25 @@ class ChunkFiles:
         layer, two in flight at a time), and call it once layer ``layer`` of the entries at ``indices`` is in
         their targets and verified, while the later layers are still being read."""
         out = ["missing"] * len(entries)
-        runs = self.resolve(entries)
-        files: dict[str, _Open] = {}
         lost: list[tuple[ChunkRun, os.stat_result]] = []
         heads: list[Any] = []
+        files: list[_Open] = []
         try:
-            for j, run in enumerate(runs):
+            files = self._open_runs(entries, out, lost)
+            self._read_steps(entries, targets, files, out, lost, heads, on_layer)
+        finally:
+            self._close_all(files, heads, lost)
+        if late():
+            return [s if s != "hit" else "timeout" for s in out]
+        return out
+
+    def _open_runs(self, entries: Sequence[Entry], out: list[str],
+                   lost: list[tuple[ChunkRun, os.stat_result]]) -> list[_Open]:
+        """Open the file of each run that holds an entry's block, once per file, each with the entries it
+        answers; a file that cannot be opened answers its entries with a miss's status."""
+        files: dict[str, _Open] = {}
+        try:
+            for j, run in enumerate(self.resolve(entries)):
                 if run is None:
                     continue
                 f = files.get(run.rel)
@@ -312,17 +335,19 @@ class ChunkFiles:
                         continue
                     f = files[run.rel] = opened
                 f.entries.append(j)
-            self._read_steps(entries, targets, list(files.values()), out, lost, heads, on_layer)
-        finally:
+        except BaseException:
             for f in files.values():
                 os.close(f.fd)
-            for h in heads:
-                h.release()
+            raise
+        return list(files.values())
+
+    def _close_all(self, files: list[_Open], bufs: list[Any], lost: list[tuple[ChunkRun, os.stat_result]]) -> None:
+        for f in files:
+            os.close(f.fd)
+        for b in bufs:
+            b.release()
         for run, st in lost:  # (after the close: NFS renames a file still open where it is unlinked)
             self._drop(run, st)
-        if late():
-            return [s if s != "hit" else "timeout" for s in out]
-        return out
 
     def _header(self, f: _Open, hv: memoryview, entries: Sequence[Entry], out: list[str]) -> list[int] | None:
         """The checksums in run ``f``'s header (``hv``), with ``f.entries`` narrowed to the blocks the run shares
@@ -330,7 +355,7 @@ class ChunkFiles:
         decoded = decode_header(hv, self.geom, f.run)
         if decoded is None:
             return None
-        sums, shared = decoded
+        sums, shared, f.kind = decoded
         for j in f.entries:
             if entries[j][2] - f.run.start >= shared:  # another prompt's blocks there: this one's are not stored
                 out[j] = "missing"
@@ -349,7 +374,7 @@ class ChunkFiles:
             views = [targets[j][layer * lb:(layer + 1) * lb] for j, layer, _o in at]
         try:
             want = [sums[layer * m + entries[j][2] - f.run.start] for j, layer, _o in at]
-            good = xxh3_64_many(views) == want
+            good = slice_sums(f.kind, views) == want
             if good and self.read_whole and not late():  # only a read still awaited copies out
                 for (j, layer, _o), v in zip(at, views, strict=True):
                     targets[j][layer * lb:(layer + 1) * lb] = v
@@ -543,16 +568,22 @@ class ChunkFiles:
             raise
         return buf
 
-    def write(self, run: ChunkRun, buf: Any) -> bool:
-        """Publish ``run`` from ``buf`` (made by :meth:`build`); ``False`` when it, or a longer run of its chunk,
-        is there already. Shorter runs of the chunk are removed once it is published."""
+    def write(self, run: ChunkRun, buf: Any, body: Any = None, device: Any = None) -> bool:
+        """Publish ``run`` from ``buf`` (made by :meth:`build`; or its header, with the GPU ``body`` written
+        through ``device``: made by :meth:`build_device`); ``False`` when it, or a longer run of its chunk, is there
+        already. Shorter runs of the chunk are removed once it is published."""
         longer = self._runs_for(run.chain, run.start + run.m - 1)  # runs ending at or after this one's last block
         if any(self.tier._regular([r.rel for r in longer])):
             return False
         size = chunk_header_bytes(self.geom, run.m) + run.m * self.geom.block_bytes
         self.tier._register()
         with memoryview(buf) as v, self.tier.fp.open_writer(self.tier.prefix + run.rel, fsync=self.tier.fsync) as w:
-            w.write(v[:size])
+            if body is None:
+                w.write(v[:size])
+            else:  # the header from host memory, the body on the device path's route (GPU-direct with cuFile)
+                hb = chunk_header_bytes(self.geom, run.m)
+                w.write(v[:hb])
+                w.write_through(device, body, size - hb, data_class="kvcache.shared")
             if late():
                 raise _LateWrite
         self.tier._published(size)
@@ -601,6 +632,195 @@ class ChunkFiles:
             pass
         finally:
             os.close(pfd)
+
+    # -- GPU blocks: the device path ---------------------------------------------------------------------------
+    def build_device(self, run: ChunkRun, blocks: Sequence[Any], device: Any) -> tuple[Any, Any]:
+        """The file of ``run`` for GPU ``blocks`` (in order): ``(header, body)``, the header in a registered host
+        buffer (the caller releases it), the body a GPU buffer the blocks are copied into layer-major, each
+        slice's kvsum64 computed there. Made on the caller's thread, so a write past its deadline never reads
+        the caller's blocks."""
+        rt = device.runtime
+        lb, layers = self.geom.layer_bytes, self.geom.num_layers
+        body = rt.scratch(blocks[0], run.m * self.geom.block_bytes)
+        for layer in range(layers):
+            for k, block in enumerate(blocks):
+                rt.copy(body, (layer * run.m + k) * lb, block, layer * lb, lb)
+        sums = [rt.checksum(body, i * lb, lb) for i in range(layers * run.m)]
+        hdr = encode_header(self.geom, run, sums, SumKind.KV64)
+        hb = chunk_header_bytes(self.geom, run.m)
+        head = self._heads.acquire()
+        with memoryview(head) as v:
+            v[:len(hdr)] = hdr
+            v[len(hdr):hb] = bytes(hb - len(hdr))
+        return head, body
+
+    def read_device(self, entries: Sequence[Entry], dests: Sequence[Any], device: Any,
+                    on_layer: Callable[[list[int], int], None] | None = None) -> list[str]:
+        """Read each entry's block into its GPU buffer (``dests``) on the device path: the files' headers into
+        host memory, then each file's range of a layer (all layers at once without ``on_layer``; one step per
+        layer, ``_LAYERS_IN_FLIGHT`` at a time, with it) into a buffer of the file's body, its wanted slices
+        verified there and only then copied into ``dests``.
+
+        A file of GPU-put blocks (kvsum64) is read into GPU memory on the device path's route for it
+        (GPU-direct where cuFile takes the file) and verified on the GPU; a file of host-put blocks (xxh3-64,
+        which a GPU does not compute) is read by the file path into host memory, verified there and copied up
+        (counted ``bytes_staged``). Statuses as :meth:`read`; ``on_layer`` as there (a later layer can still
+        fail a block whose earlier layers were delivered)."""
+        out = ["missing"] * len(entries)
+        lost: list[tuple[ChunkRun, os.stat_result]] = []
+        bufs: list[Any] = []
+        files: list[_Open] = []
+        try:
+            files = self._open_runs(entries, out, lost)
+            staged = self._device_heads(files, entries, out, lost, bufs, dests, device)
+            self._device_steps(entries, dests, device, staged, out, lost, on_layer)
+        finally:
+            self._close_all(files, bufs, lost)
+        if late():
+            return [s if s != "hit" else "timeout" for s in out]
+        return out
+
+    def _device_heads(self, files: list[_Open], entries: Sequence[Entry], out: list[str],
+                      lost: list[tuple[ChunkRun, os.stat_result]], bufs: list[Any], dests: Sequence[Any],
+                      device: Any) -> list[tuple[_Open, list[int], Any]]:
+        """Read and check the files' headers (one batch of the file path); for each good file that answers an
+        entry, ``(file, its checksums, a buffer for its body)``: GPU memory for kvsum64 files, host memory else."""
+        heads = [self._heads.acquire() for _f in files]
+        bufs.extend(heads)
+        sizes = [chunk_header_bytes(self.geom, f.run.m) for f in files]
+        got = self._submit([Range.read(0, hb, h, 0, f.fd) for f, h, hb in zip(files, heads, sizes, strict=True)])
+        good: list[tuple[_Open, list[int], Any]] = []
+        for f, h, hb, n in zip(files, heads, sizes, got, strict=True):
+            if n != hb:
+                self.tier.fp.counters.add(errors=1)
+                for j in f.entries:
+                    out[j] = "unreadable"
+                continue
+            self.tier.fp.counters.add(files=1)
+            with memoryview(h) as hv:
+                sums = self._header(f, hv[:hb], entries, out)
+            if sums is None:
+                lost.append((f.run, f.st))
+                for j in f.entries:
+                    out[j] = "corrupt"
+                continue
+            if not f.entries:
+                continue
+            if f.kind is SumKind.KV64:
+                set_blocking(f.fd, direct=False)  # kvikio reopens the file itself
+                body = device.runtime.scratch(dests[f.entries[0]], f.run.m * self.geom.block_bytes)
+            else:
+                body = self._bufs.acquire()
+                bufs.append(body)
+            good.append((f, sums, body))
+        return good
+
+    def _device_steps(self, entries: Sequence[Entry], dests: Sequence[Any], device: Any,
+                      files: list[tuple[_Open, list[int], Any]], out: list[str],
+                      lost: list[tuple[ChunkRun, os.stat_result]],
+                      on_layer: Callable[[list[int], int], None] | None) -> None:
+        """The body reads of :meth:`read_device`, step by step, each verified and delivered as it lands."""
+        lb = self.geom.layer_bytes
+        steps = ([range(x, x + 1) for x in range(self.geom.num_layers)] if on_layer is not None
+                 else [range(self.geom.num_layers)])
+        depth = _LAYERS_IN_FLIGHT if on_layer is not None else 1
+        alive = set(range(len(files)))
+
+        def start(wanted: range) -> list[tuple[Any, list[int], list[int]]]:
+            """Submit each live file's range of ``wanted``: GPU bodies on the device path, host bodies on the
+            file path; ``(future or error, the files, the bytes each wants)`` per path."""
+            legs: list[tuple[Any, list[int], list[int]]] = []
+            for gpu in (True, False):
+                ranges: list[Range] = []
+                owners: list[int] = []
+                for g in sorted(alive):
+                    f, _sums, body = files[g]
+                    if (f.kind is SumKind.KV64) != gpu:
+                        continue
+                    hb, m = chunk_header_bytes(self.geom, f.run.m), f.run.m
+                    at = wanted.start * m * lb
+                    ranges.append(Range.read(hb + at, len(wanted) * m * lb, body, at, f.fd))
+                    owners.append(g)
+                if not ranges:
+                    continue
+                try:
+                    fut = (device.submit(ranges, data_class="kvcache.shared") if gpu
+                           else self.tier.fp.submit(ranges, data_class="kvcache.shared"))
+                except OSError as exc:
+                    fut = exc
+                legs.append((fut, owners, [r.length for r in ranges]))
+            return legs
+
+        def finish(legs: list[tuple[Any, list[int], list[int]]]) -> set[int]:
+            """The files whose ranges of a step all came in whole."""
+            whole: set[int] = set()
+            for fut, owners, lengths in legs:
+                got = self._finish(fut, len(owners))
+                whole.update(g for g, n, want in zip(owners, got, lengths, strict=True) if n == want)
+            return whole
+
+        pending: list[Any] = [None] * len(steps)
+        try:
+            for i in range(min(depth, len(steps))):  # (in the try: an error waits for these)
+                pending[i] = start(steps[i])
+            for i, wanted in enumerate(steps):
+                legs, pending[i] = pending[i], None
+                whole = finish(legs)
+                ready: list[int] = []
+                for g in sorted(alive):
+                    f, sums, body = files[g]
+                    if g not in whole:
+                        self.tier.fp.counters.add(errors=1)
+                        status = "unreadable"
+                    elif self._deliver(f, sums, body, wanted, entries, dests, device):
+                        ready.extend(f.entries)
+                        continue
+                    else:
+                        lost.append((f.run, f.st))
+                        status = "corrupt"
+                    for j in f.entries:
+                        out[j] = status
+                    alive.discard(g)
+                if i + depth < len(steps):
+                    pending[i + depth] = start(steps[i + depth])
+                if on_layer is not None and ready and not late():
+                    on_layer(ready, wanted.stop - 1)
+            for g in alive:
+                f = files[g][0]
+                self.tier.budget.touch(f.fd, f.st)
+                for j in f.entries:
+                    out[j] = "hit"
+        finally:
+            for legs in pending:  # (an error above: no read may still write once the files close)
+                if legs is not None:
+                    finish(legs)
+
+    def _deliver(self, f: _Open, sums: list[int], body: Any, layers: range, entries: Sequence[Entry],
+                 dests: Sequence[Any], device: Any) -> bool:
+        """Whether each of ``f.entries``' slices of ``layers`` in ``body`` (the file's body, GPU or host memory)
+        matches its checksum; if so, and the read is still awaited, they are copied into their GPU buffers."""
+        rt, lb, m = device.runtime, self.geom.layer_bytes, f.run.m
+        at = [(j, layer, layer * m + entries[j][2] - f.run.start) for j in f.entries for layer in layers]
+        if f.kind is SumKind.KV64:
+            if any(rt.checksum(body, s * lb, lb) != sums[s] for _j, _layer, s in at):
+                return False
+            if not late():
+                for j, layer, s in at:
+                    rt.copy(dests[j], layer * lb, body, s * lb, lb)
+            return True
+        with memoryview(body) as v:
+            views = [v[s * lb:(s + 1) * lb] for _j, _layer, s in at]
+            try:
+                if xxh3_64_many(views) != [sums[s] for _j, _layer, s in at]:
+                    return False
+                if not late():
+                    for (j, layer, _s), piece in zip(at, views, strict=True):
+                        rt.from_host(dests[j], layer * lb, piece)
+                    device.counters.add_for("kvcache.shared", bytes_staged=len(at) * lb)
+            finally:
+                for piece in views:
+                    piece.release()
+        return True
 
     # -- removal ----------------------------------------------------------------------------------------------
     def _remove_run(self, run: ChunkRun) -> bool:

@@ -730,7 +730,8 @@ class KVCacheStore:
 
     # -- get --------------------------------------------------------------------------------------------------
     def get_into(
-        self, keys: Sequence[bytes], blocks: Sequence[Any], *, keep_on_miss: bool = True
+        self, keys: Sequence[bytes], blocks: Sequence[Any], *, keep_on_miss: bool = True,
+        on_layer: Callable[[list[int], int], None] | None = None,
     ) -> list[str | None]:
         """Copy each block into ``blocks`` (caller-owned, ``block_bytes`` each, CPU or CUDA); return for each key
         the tier it came from (``"pinned"``, ``"block"``, ``"shared"``) or ``None`` for a miss.
@@ -744,6 +745,13 @@ class KVCacheStore:
         read into a staging buffer, verified, then copied). ``keep_on_miss=False`` reads it straight into the
         destination instead (no copy; verified there): for callers that recompute a missed block anyway, whose
         destination may then hold the bytes that failed. Hits are verified either way.
+
+        ``on_layer(indices, layer)``: for GPU ``blocks`` on the device path (no pinned tier), blocks from a tier
+        that reads layer by layer (the shared tier's chunk files) arrive one layer at a time, each layer's
+        slice verified on its own; it is called, on a worker thread, once layers ``0..layer`` of the blocks at
+        ``indices`` are in ``blocks`` while later layers are still being read (an engine's forward pass can
+        start on them). A block's status still comes with the return: a later layer can fail it. Other
+        destinations and tiers deliver whole blocks and never call it.
         """
         self._check_open()
         ks = self._check_keys(keys)
@@ -753,7 +761,7 @@ class KVCacheStore:
         dests = [self._source(b, f"get_into: block {i}", writable=True) for i, b in enumerate(bs)]
         t0 = time.perf_counter()
         if self._uses_device(dests):
-            tiers = self._get_device(ks, [d for d, _ in dests], bool(keep_on_miss))
+            tiers = self._get_device(ks, [d for d, _ in dests], bool(keep_on_miss), on_layer)
             self._lat["get"].append(time.perf_counter() - t0)
             return tiers
         views = self._direct_views(dests)
@@ -1115,10 +1123,11 @@ class KVCacheStore:
         with self._lower_tier_put(len(ks)):
             self._write_through(ks, KVBatch("device", list(blocks), device=dp))
 
-    def _get_device(self, ks: list[bytes], dests: list[Any], keep: bool) -> list[str | None]:
+    def _get_device(self, ks: list[bytes], dests: list[Any], keep: bool,
+                    on_layer: Callable[[list[int], int], None] | None = None) -> list[str | None]:
         """get_into GPU buffers without a pinned tier: each lower tier on the device path's route for it
-        (verified on the GPU, or in host memory and then copied up)."""
-        batch = KVBatch("device", list(dests), device=self._device_path(), keep=keep)
+        (verified on the GPU, or in host memory and then copied up); per-layer ranges from chunk files."""
+        batch = KVBatch("device", list(dests), device=self._device_path(), keep=keep, on_layer=on_layer)
         tiers = self._load(ks, lambda idx: batch.pick(idx))
         self._count_gets(tiers)
         return tiers

@@ -60,12 +60,12 @@ class KVBatch:
     recomputes a miss anyway). ``checksums``: the xxh3-64 of each block's host bytes where known (a read fills
     them for its hits, a write uses them instead of hashing again).
 
-    ``on_layer(indices, layer)`` (reads into ``slots``): a tier that reads layer by layer
+    ``on_layer(indices, layer)`` (reads into ``slots`` or GPU buffers): a tier that reads layer by layer
     (:attr:`KVTier.supports_layer_reads`) calls it once layers ``0..layer`` of the items at ``indices`` are in
-    their slots and verified, while later layers are still being read, so a caller holding the slots can copy
-    those layers out early. A block's status still comes with the read's answer: a later layer can fail it, and
-    its earlier layers then hold bytes of a block that is not a hit (a caller of this kind recomputes it). Tiers
-    that read whole blocks never call it.
+    their slots (GPU buffers) and verified, while later layers are still being read, so a caller holding the
+    slots can copy those layers out early (or compute on them). A block's status still comes with the read's
+    answer: a later layer can fail it, and its earlier layers then hold bytes of a block that is not a hit (a
+    caller of this kind recomputes it). Tiers that read whole blocks never call it.
     """
 
     kind: BatchKind
@@ -127,8 +127,8 @@ class KVTier(ABC):
 
     @property
     def supports_layer_reads(self) -> bool:
-        """Whether reads into slots can deliver a batch layer by layer (``KVBatch.on_layer``): the tier's storage
-        unit keeps each layer as its own range with its own checksum."""
+        """Whether reads into slots or GPU buffers can deliver a batch layer by layer (``KVBatch.on_layer``): the
+        tier's storage unit keeps each layer as its own range with its own checksum."""
         return False
 
     @abstractmethod

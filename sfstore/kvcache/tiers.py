@@ -1182,20 +1182,24 @@ class SharedTier(KVTier):
     def _read_chunks(self, entries: list[Entry], dests: KVBatch) -> dict[int, ReadStatus]:
         """Read the blocks of ``entries`` from chunk files into ``dests`` (slots: straight in, held by further
         leases while the read may go on; host memory: through scratch buffers, copied on this thread once
-        verified and in time). The status of each key a chunk file answered (hits, and failures of a file);
-        keys no chunk holds are left out."""
+        verified and in time; GPU buffers: on the device path, see :meth:`ChunkFiles.read_device`). The status
+        of each key a chunk file answered (hits, and failures of a file); keys no chunk holds are left out."""
         assert self.chunks is not None
         n = self.geom.block_bytes
         out: dict[int, ReadStatus] = {}
         for start in range(0, len(entries), _SHARED_WAVE):
             wave = entries[start:start + _SHARED_WAVE]
-            if dests.kind == "slots":
+            on_layer = None
+            if dests.on_layer is not None:  # wave positions -> the batch's indices
+                def on_layer(at: list[int], layer: int, wave: list[Entry] = wave) -> None:
+                    dests.layers_ready([wave[a][0] for a in at], layer)
+            if dests.kind == "device":  # per-layer ranges on the device path, verified before they reach dests
+                status, got = self.guard.run(self.chunks.read_device, wave, [dests.items[i] for i, _c, _p in wave],
+                                             dests.device, on_layer, what=f"a read of {len(wave)} blocks")
+                answers = [str(g) for g in got] if status == OK else [status] * len(wave)
+            elif dests.kind == "slots":
                 leases = [dests.items[i] for i, _c, _p in wave]
                 targets = [lease.slot.data(n) for lease in leases]
-                on_layer = None
-                if dests.on_layer is not None:  # wave positions -> the batch's indices
-                    def on_layer(at: list[int], layer: int, wave: list[Entry] = wave) -> None:
-                        dests.layers_ready([wave[a][0] for a in at], layer)
                 status, got = self.guard.run_holding(lease_again(leases), self.chunks.read, wave, targets, on_layer,
                                                 what=f"a read of {len(wave)} blocks")
                 answers = [str(g) for g in got] if status == OK else [status] * len(wave)
@@ -1217,17 +1221,9 @@ class SharedTier(KVTier):
                 answers = [str(g) for g in got] if status == OK else [status] * len(wave)
                 if status != TIMEOUT:
                     try:
-                        hits = 0
                         for (i, _c, _p), v, a in zip(wave, views, answers, strict=True):
-                            if a != "hit":
-                                continue
-                            if dests.kind == "device":  # chunk files are read in host memory, then copied up
-                                dests.device.runtime.from_host(dests.items[i], 0, v)
-                                hits += 1
-                            else:
+                            if a == "hit":
                                 dests.items[i][:n] = v
-                        if hits:
-                            dests.device.counters.add_for("kvcache.shared", bytes_staged=n * hits)
                     finally:
                         release()
             for (i, _c, _p), a in zip(wave, answers, strict=True):
@@ -1237,11 +1233,12 @@ class SharedTier(KVTier):
 
     def write(self, keys: Sequence[bytes], srcs: KVBatch) -> list[WriteStatus]:
         """Publish each block: runs of blocks whose chain is known as chunk files (see
-        :mod:`~sfstore.kvcache.shared_chunks`; GPU blocks as block files, on the device path's route), the others
-        as block files (their xxh3-64 taken from ``srcs.checksums`` where known, else computed here)."""
+        :mod:`~sfstore.kvcache.shared_chunks`; from GPU blocks with kvsum64 slices, their body on the device
+        path's route), the others as block files (their xxh3-64 taken from ``srcs.checksums`` where known, else
+        computed here; GPU blocks' kvsum64, on the device path's route)."""
         n = self.geom.block_bytes
         out: list[WriteStatus] = ["dropped"] * len(keys)
-        entries, plain = self._split(keys) if srcs.kind != "device" else ([], list(range(len(keys))))
+        entries, plain = self._split(keys)
         if entries:
             plain = sorted(plain + self._write_chunks(entries, srcs, out))
         for i in plain:
@@ -1268,9 +1265,14 @@ class SharedTier(KVTier):
         runs, skipped = self.chunks.plan(entries)
         for run, js in runs:
             idx = [entries[j][0] for j in js]
-            views = [srcs.items[i].slot.data(n) if srcs.kind == "slots" else srcs.items[i] for i in idx]
-            buf = self.chunks.build(run, views)
-            status, done = self.guard.run_holding(buf.release, self.chunks.write, run, buf, what="a write")
+            if srcs.kind == "device":
+                buf, body = self.chunks.build_device(run, [srcs.items[i] for i in idx], srcs.device)
+                status, done = self.guard.run_holding(buf.release, self.chunks.write, run, buf, body, srcs.device,
+                                                      what="a write")
+            else:
+                views = [srcs.items[i].slot.data(n) if srcs.kind == "slots" else srcs.items[i] for i in idx]
+                buf = self.chunks.build(run, views)
+                status, done = self.guard.run_holding(buf.release, self.chunks.write, run, buf, what="a write")
             for i in idx:
                 out[i] = "dropped" if status != OK else "written" if done else "exists"
         return [entries[j][0] for j in skipped]

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from sfstore.blocks import BlockStore
-from sfstore.checksums import SumKind
+from sfstore.checksums import SHARED_CHUNK_SUMS, SumKind
 from sfstore.kvcache import KVCacheStore, KVGeometry
-from sfstore.kvcache.tiers import HEADER
+from sfstore.kvcache.shared_chunks import CHUNK_SUFFIX, chunk_header_bytes
 from sfstore.paths import device as device_mod
 from sfstore.paths.device import DevicePath, TargetFacts, cufile_accepts
 from sfstore.testing.device_runtime import EmulatedDeviceRuntime, gpu_array
@@ -39,6 +39,10 @@ def _store(tmp_path: Path, rt: EmulatedDeviceRuntime, *, block: bool = False, pi
                      size_classes=(geom.block_bytes,)) if block else None)
     return KVCacheStore(geom, model_id="m", pinned_bytes=pinned, block_store=bs, shared_dir=tmp_path / "shared",
                         device=DevicePath(runtime=rt))
+
+
+def _chunk_files(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "shared").rglob(f"*{CHUNK_SUFFIX}"))
 
 
 def _cufile_accepts_here(tmp_path: Path) -> bool:
@@ -139,9 +143,9 @@ def test_emulated_gpu_a_corrupt_shared_block_is_a_miss_that_leaves_the_destinati
         src = _blocks(1, seed=9)
         keys = kv.keys_for(list(range(GEOM.block_tokens)))
         kv.put(keys, src)
-        name = tmp_path / "shared" / kv.shared.file_name(keys[0])  # type: ignore[union-attr]
+        (name,) = _chunk_files(tmp_path)
         raw = bytearray(name.read_bytes())
-        raw[HEADER + 1000] ^= 0xFF
+        raw[chunk_header_bytes(GEOM, 1) + 1000] ^= 0xFF
         name.write_bytes(bytes(raw))
         dst = gpu_array(N, fill=42)
         assert kv.get_into(keys, [dst]) == [None]
@@ -166,9 +170,11 @@ def test_emulated_gpu_blocks_and_host_blocks_read_each_others_files(tmp_path: Pa
         host_dst = np.zeros(N, np.uint8)
         assert kv.get_into(g_keys, [host_dst]) == ["shared"] and np.array_equal(host_dst, g_src)
         gpu_dst = gpu_array(N)
-        before = rt.copies_from_host
+        before = kv.stats()["device"]["shared"]
         assert kv.get_into(h_keys, [gpu_dst]) == ["shared"] and np.array_equal(gpu_dst, h_src)
-        assert rt.copies_from_host == before + 1  # an xxh3 block is verified in host memory, then copied up
+        after = kv.stats()["device"]["shared"]  # an xxh3 block is verified in host memory, then copied up
+        assert after["bytes_staged"] - before["bytes_staged"] == N
+        assert after["bytes_gpu_direct"] == before["bytes_gpu_direct"]
     finally:
         kv.close()
 
@@ -239,3 +245,97 @@ def test_emulated_gpu_long_lived_buffers_are_registered_once(tmp_path: Path) -> 
         assert staged.register_device_buffers([gpu_array(N)]) == 0  # outside gds: nothing to register
     finally:
         staged.close()
+
+
+def _gds_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rt: EmulatedDeviceRuntime) -> KVCacheStore:
+    # Stands in for a shared directory on a filesystem cuFile accepts (NFS over RDMA on a cluster).
+    monkeypatch.setattr(device_mod, "cufile_accepts", lambda t: (True, "NFS over RDMA (test stand-in)"))
+    return _store(tmp_path, rt)
+
+
+def test_emulated_gpu_put_writes_one_chunk_of_kvsum64_slices_and_a_get_moves_one_range_per_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rt = EmulatedDeviceRuntime("gds")
+    kv = _gds_store(tmp_path, monkeypatch, rt)
+    lb, layers, m = GEOM.layer_bytes, GEOM.num_layers, 4
+    try:
+        src = _blocks(m, seed=21)
+        keys = kv.keys_for(list(range(m * GEOM.block_tokens)))
+        kv.put(keys, src)
+        (name,) = _chunk_files(tmp_path)  # one file for the run, not a file per block
+        head = name.read_bytes()[:chunk_header_bytes(GEOM, m)]
+        assert SHARED_CHUNK_SUMS.kind(int.from_bytes(head[8:10], "little")) is SumKind.KV64
+        assert rt.calls == [("pwrite", m * N)]  # the body, layer-major, in one GPU-direct write
+        rt.calls.clear()
+        dst = [gpu_array(N, fill=7) for _ in range(m)]
+        seen: list[tuple[list[int], int]] = []
+
+        def on_layer(indices: list[int], layer: int) -> None:
+            seen.append((sorted(indices), layer))
+            for d, s in zip(dst, src, strict=True):  # this layer and the ones before are in; no later one is
+                got, want = np.asarray(d), np.asarray(s)
+                assert np.array_equal(got[:(layer + 1) * lb], want[:(layer + 1) * lb])
+                assert (got[(layer + 1) * lb:] == 7).all()
+
+        assert kv.get_into(keys, dst, on_layer=on_layer) == ["shared"] * m
+        assert seen == [(list(range(m)), layer) for layer in range(layers)]
+        assert rt.calls == [("pread", m * lb)] * layers  # the device path moved a range per layer
+        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+        assert kv.stats()["device"]["shared"] == {"bytes_gpu_direct": 2 * m * N, "bytes_staged": 0}
+        assert rt.copies_to_host == rt.copies_from_host == 0
+        rt.calls.clear()  # without on_layer: all layers in one range
+        assert kv.get_into(keys, [gpu_array(N) for _ in range(m)]) == ["shared"] * m
+        assert rt.calls == [("pread", m * N)]
+    finally:
+        kv.close()
+
+
+def test_emulated_gpu_a_damaged_later_layer_fails_the_chunk_after_its_earlier_layers_were_announced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rt = EmulatedDeviceRuntime("gds")
+    kv = _gds_store(tmp_path, monkeypatch, rt)
+    lb, m = GEOM.layer_bytes, 3
+    try:
+        src = _blocks(m, seed=23)
+        keys = kv.keys_for(list(range(m * GEOM.block_tokens)))
+        kv.put(keys, src)
+        (name,) = _chunk_files(tmp_path)
+        raw = bytearray(name.read_bytes())
+        raw[chunk_header_bytes(GEOM, m) + (2 * m + 1) * lb + 5] ^= 0x01  # layer 2 of block 1
+        name.write_bytes(bytes(raw))
+        seen: list[int] = []
+        dst = [gpu_array(N) for _ in range(m)]
+        assert kv.get_into(keys, dst, on_layer=lambda idx, layer: seen.append(layer)) == [None] * m
+        assert seen == [0, 1]  # announced before the damage was found; the blocks' statuses say they missed
+        assert kv.stats()["corrupt_dropped"] == m and not name.exists()
+        kv.put(keys, src)  # written again, whole
+        assert kv.get_into(keys, dst) == ["shared"] * m
+        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+    finally:
+        kv.close()
+
+
+def test_emulated_gpu_chunks_are_read_across_memories_and_a_host_chunk_comes_up_by_layer(tmp_path: Path) -> None:
+    rt = EmulatedDeviceRuntime("staged")
+    kv = _store(tmp_path, rt)
+    m = 3
+    try:
+        g_keys = kv.keys_for(list(range(m * GEOM.block_tokens)))
+        h_keys = kv.keys_for(list(range(5000, 5000 + m * GEOM.block_tokens)))
+        g_src = _blocks(m, seed=31)
+        h_src = [np.random.default_rng(32 + i).integers(0, 255, N, dtype=np.uint8) for i in range(m)]
+        kv.put(g_keys, g_src)  # kvsum64 slices, from "GPU" memory on the staged route
+        kv.put(h_keys, h_src)  # xxh3 slices, from host memory
+        assert len(_chunk_files(tmp_path)) == 2
+        host = [np.zeros(N, np.uint8) for _ in range(m)]  # a host reader verifies kvsum64 slices in host memory
+        assert kv.get_into(g_keys, host) == ["shared"] * m
+        assert all(np.array_equal(a, b) for a, b in zip(g_src, host, strict=True))
+        gpu = [gpu_array(N) for _ in range(m)]
+        seen: list[int] = []
+        assert kv.get_into(h_keys, gpu, on_layer=lambda idx, layer: seen.append(layer)) == ["shared"] * m
+        assert seen == list(range(GEOM.num_layers))
+        assert all(np.array_equal(a, b) for a, b in zip(h_src, gpu, strict=True))
+    finally:
+        kv.close()
