@@ -891,6 +891,10 @@ def _route_kvcache_device(run: Run) -> Outcome:
         get_s, exact = r.timed_get("shared", "get")
         desc = kv.describe()
         stats = kv.stats()
+        layers: list[int] = []  # chunk files come up a layer at a time, each verified on the GPU
+        again = kv.get_into(r.keys, r.dstb, on_layer=lambda _idx, layer: layers.append(layer))
+        if again.count("shared") != len(r.keys) or sorted(set(layers)) != list(range(r.geom.num_layers)):
+            r.problems.append(f"a get by layer answered {set(again)} and announced layers {sorted(set(layers))}")
     route = desc["gpu_blocks"].get("shared", {})
     dev = stats.get("device", {}).get("shared", {})
     moved = 2 * N * B
