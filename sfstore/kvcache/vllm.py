@@ -138,7 +138,6 @@ rank 0's. Pipeline parallelism and hybrid (HMA) models are not supported.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -162,10 +161,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from sfstore import defaults, errors  # noqa: E402
+from sfstore import errors  # noqa: E402
 from sfstore.kvcache import vllm_staging as staging  # noqa: E402
+from sfstore.kvcache.engine_options import STORE_KEYS, STORE_OPTIONS, flag, open_store, store_options  # noqa: E402
 from sfstore.kvcache.held import HeldBlocks  # noqa: E402
-from sfstore.kvcache.shared_budget import check_namespace  # noqa: E402
 from sfstore.kvcache.store import KVCacheStore  # noqa: E402
 from sfstore.kvcache.vllm_layout import KVLayout, block_layer_view, layout_for, pages_as_layers  # noqa: E402
 from sfstore.kvcache.vllm_loads import HeldLoad, StepLoads  # noqa: E402
@@ -231,50 +230,19 @@ _stores: dict[tuple[Any, ...], list[Any]] = {}  # key -> [store, users, its _Loa
 _stores_lock = threading.Lock()
 
 
-# kv_connector_extra_config keys passed to KVCacheStore as its arguments of the same name, each parsed as the
-# sfstore setting it overrides for this store
-_STORE_OPTIONS = {
-    "pinned_bytes": "kvcache_pinned_bytes",
-    "shared_bytes": "kvcache_shared_bytes",
-    "cache_namespace": "kvcache_namespace",
-    "io_timeout_ms": "kvcache_io_timeout_ms",
-    "quarantine_ms": "kvcache_quarantine_ms",
-    "chunk_tokens": "kvcache_chunk_tokens",
-}
+_WHERE = "kv_connector_extra_config"
 _EXTRA_CONFIG_KEYS = frozenset({
-    "sfstore_config", "shared_dir", "model_id", "kv_load_failure_policy", "fsync_shared", "kv_layout",
-    "save_decode_tokens", "wait_for_lower_tiers", "pinned_preallocate", "load_or_recompute", *_STORE_OPTIONS,
+    "model_id", "kv_load_failure_policy", "kv_layout", "save_decode_tokens", "wait_for_lower_tiers",
+    "pinned_preallocate", "load_or_recompute", *STORE_KEYS,
 })
 
 
 def _flag(extra: dict[str, Any], name: str, default: bool) -> bool:
-    """The boolean key ``name`` of ``kv_connector_extra_config``: a bool, or one of the texts a setting takes
-    (``"false"`` is False); :class:`~sfstore.errors.ConfigError` for anything else."""
-    raw = extra.get(name)
-    if raw is None:
-        return default
-    if isinstance(raw, bool):
-        return raw
-    if isinstance(raw, str):
-        with contextlib.suppress(ValueError):
-            return defaults.parse_bool(raw)
-    raise errors.ConfigError(f"kv_connector_extra_config {name}: expected true or false, not {raw!r}")
-
-
-def _store_options(extra: dict[str, Any]) -> dict[str, Any]:
-    """The store's arguments that ``kv_connector_extra_config`` sets (see the module's description), parsed as
-    the settings they override; :class:`~sfstore.errors.ConfigError` names a bad one."""
-    out: dict[str, Any] = {}
-    for name, setting in _STORE_OPTIONS.items():
-        if extra.get(name) is not None:
-            out[name] = defaults.SETTINGS[setting].parse(extra[name], f"kv_connector_extra_config {name}")
-    if "cache_namespace" in out:
-        check_namespace(out["cache_namespace"])
-    return out
+    return flag(extra, name, default, _WHERE)
 
 
 def _warn_unknown_keys(extra: dict[str, Any]) -> None:
-    by_setting = {setting: name for name, setting in _STORE_OPTIONS.items()}
+    by_setting = {setting: name for name, setting in STORE_OPTIONS.items()}
     for k in sorted(set(extra) - _EXTRA_CONFIG_KEYS, key=str):
         hint = f" (the {k} setting is {by_setting[k]!r} here)" if k in by_setting else ""
         log.warning("SfstoreConnector: kv_connector_extra_config key %r is not one it reads; ignored%s", k, hint)
@@ -283,20 +251,13 @@ def _warn_unknown_keys(extra: dict[str, Any]) -> None:
 def _acquire_store(layout: KVLayout, model_id: str, extra: dict[str, Any]) -> tuple[KVCacheStore, tuple[Any, ...]]:
     cfg = extra.get("sfstore_config")
     shared = extra.get("shared_dir")
-    fsync = _flag(extra, "fsync_shared", False)
-    options = _store_options(extra)
     key = (layout.geometry, model_id, str(cfg) if cfg is not None else None,
-           str(shared) if shared is not None else None, fsync, tuple(sorted(options.items())))
+           str(shared) if shared is not None else None, _flag(extra, "fsync_shared", False),
+           tuple(sorted(store_options(extra, _WHERE).items())))
     with _stores_lock:
         entry = _stores.get(key)
         if entry is None:
-            kwargs: dict[str, Any] = {"model_id": model_id, **options}
-            if cfg is not None:
-                import sfstore
-
-                store = KVCacheStore.from_router(layout.geometry, sfstore.open(cfg), **kwargs)
-            else:
-                store = KVCacheStore(layout.geometry, shared_dir=shared, fsync_shared=fsync, **kwargs)
+            store = open_store(layout.geometry, model_id=model_id, extra=extra, where=_WHERE)
             entry = _stores[key] = [store, 0, _LoadsAhead()]
         entry[1] += 1
         return entry[0], key

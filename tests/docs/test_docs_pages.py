@@ -47,17 +47,17 @@ def test_readme_figures_come_from_the_generated_report() -> None:
 
 
 def _connector_keys() -> set[str]:
-    """The keys ``sfstore/kvcache/vllm.py`` reads from ``kv_connector_extra_config`` (read from its source: the
-    module imports vLLM, which the docs' tests do not need)."""
+    """The keys ``sfstore/kvcache/vllm.py`` reads from ``kv_connector_extra_config``: the store's (one module for
+    every engine) and its own (read from its source: the module imports vLLM, which the docs' tests do not
+    need)."""
+    from sfstore.kvcache.engine_options import STORE_KEYS
+
     tree = ast.parse((ROOT / "sfstore" / "kvcache" / "vllm.py").read_text(encoding="utf-8"))
     values = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
               for t in node.targets if isinstance(t, ast.Name)}
-    options = values["_STORE_OPTIONS"]
-    assert isinstance(options, ast.Dict)
-    keys = {k.value for k in options.keys if isinstance(k, ast.Constant)}
     every = values["_EXTRA_CONFIG_KEYS"]
     assert isinstance(every, ast.Call) and isinstance(every.args[0], ast.Set)
-    keys |= {e.value for e in every.args[0].elts if isinstance(e, ast.Constant)}
+    keys = {e.value for e in every.args[0].elts if isinstance(e, ast.Constant)} | set(STORE_KEYS)
     assert len(keys) >= 10, f"the connector's keys were not found in its source: {sorted(keys)}"
     return {str(k) for k in keys}
 
