@@ -73,6 +73,8 @@ CASES = [
     ("import sfstore.kvcache.vllm", ["vllm"], "vllm", "vllm", "sfstore's vLLM KV connector (sfstore.kvcache.vllm)"),
     ("import sfstore.kvcache.vllm_offload", ["vllm"], "vllm", "vllm",
      "sfstore's vLLM offloading tier (sfstore.kvcache.vllm_offload)"),
+    ("import sfstore.kvcache.lmcache", ["lmcache"], "lmcache", "lmcache",
+     "sfstore's LMCache storage plugin (sfstore.kvcache.lmcache)"),
     ("import sfstore.checkpoint; sfstore.checkpoint.save({'w': [1.0]}, 'sf://c/one')", ["torch"], "torch", "torch",
      "sfstore.checkpoint.save"),
     ("import sfstore.checkpoint; sfstore.checkpoint.load('sf://c/one')", ["torch"], "torch", "torch",

@@ -3,6 +3,7 @@
 #
 #   tools/kvbench-env.sh            create or update .venv-kvbench (or $KVBENCH_VENV) and check that it imports
 #   .venv-kvbench/bin/python -m tools.bench kvcache [options]
+#   .venv-kvbench/bin/python -m pytest -q -p no:cacheprovider tests/lmcache_plugin   (sfstore's LMCache plugin)
 #
 # Neither library is a dependency of sfstore, and both pull in far more than a CPU-only run needs (CUDA wheels,
 # cupy, telemetry, cloud SDKs), so everything here is installed with --no-deps and the few dependencies that the
@@ -44,6 +45,9 @@ retry "${PIP[@]}" --no-deps "lmcache==0.5.6"
 # telemetry and server packages.
 retry "${PIP[@]}" pyyaml numba msgspec sortedcontainers psutil py-cpuinfo "prometheus_client>=0.18,<=0.24.1" \
   requests aiohttp aiofile cachetools cryptography "pyzmq>=25" "transformers>=5.4" "numpy>=1.26,<=2.2.6"
+
+say "pytest (the LMCache plugin's tests run here: tests/lmcache_plugin)"
+retry "${PIP[@]}" "pytest>=8"
 
 link_checkout "$VENV" "$ROOT"
 

@@ -111,24 +111,25 @@ for name in faces:
     print(f"  import {name}: ok")
 from sfstore.checkpoint.hf_trainer import SfstoreTrainerCallback  # noqa: E402,F401
 print("  from sfstore.checkpoint.hf_trainer import SfstoreTrainerCallback: ok")
-vllm_faces = ["sfstore.kvcache.vllm", "sfstore.kvcache.vllm_offload"]
-try:
-    importlib.import_module("vllm")
-    have_vllm = True
-except ImportError:
-    have_vllm = False
-for name in vllm_faces:
-    if have_vllm:
+# the engines' faces: (face, the engine it plugs into, the extra that brings it)
+engine_faces = [("sfstore.kvcache.vllm", "vllm", "vllm"), ("sfstore.kvcache.vllm_offload", "vllm", "vllm"),
+                ("sfstore.kvcache.lmcache", "lmcache", "lmcache")]
+for name, engine, extra in engine_faces:
+    try:
+        importlib.import_module(engine)
+    except ImportError:
+        pass
+    else:
         importlib.import_module(name)
-        print(f"  import {name}: ok (vLLM is installed)")
+        print(f"  import {name}: ok ({engine} is installed)")
         continue
     try:
         importlib.import_module(name)
     except errors.MissingDependencyError as exc:
-        assert "pip install 'sfstore[vllm]'" in str(exc), str(exc)
-        print(f"  import {name}: MissingDependencyError as expected without vLLM: {exc}")
+        assert f"pip install 'sfstore[{extra}]'" in str(exc), str(exc)
+        print(f"  import {name}: MissingDependencyError as expected without {engine}: {exc}")
     else:
-        raise AssertionError(f"{name} imported without vLLM")
+        raise AssertionError(f"{name} imported without {engine}")
 print(f"sfstore {sfstore.__version__} from {where}")
 EOF
 done_step
