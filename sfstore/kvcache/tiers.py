@@ -17,6 +17,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -475,6 +476,7 @@ class SharedTier(KVTier):
         self.slot_bytes = -(-geom.block_bytes // 4096) * 4096
         self._dirfd: int | None = None
         self._dir_lock = threading.Lock()
+        self._writers: ThreadPoolExecutor | None = None
         # A shared read lands in a scratch buffer and reaches the caller's memory only once verified (one copy);
         # a write's header is staged in a registered buffer. Both pools allocate on first use and reuse.
         self._scratch = RegisteredBufferPool(HEADER + self.slot_bytes)
@@ -1241,7 +1243,8 @@ class SharedTier(KVTier):
         entries, plain = self._split(keys)
         if entries:
             plain = sorted(plain + self._write_chunks(entries, srcs, out))
-        for i in plain:
+
+        def one(i: int) -> WriteStatus:
             k = keys[i]
             item = srcs.items[i]
             if srcs.kind == "slots":
@@ -1253,8 +1256,29 @@ class SharedTier(KVTier):
                 done = self.write_view(k, item, known if known is not None else xxh3_64(item))
             else:
                 done = self.write_device(k, item, srcs.device)
-            out[i] = "dropped" if done is None else "written" if done else "exists"
+            return "dropped" if done is None else "written" if done else "exists"
+
+        # Host blocks of distinct keys are written side by side: each file's fsync then shares the journal's
+        # commits with the others' instead of waiting for its own (a key twice in a batch is written in order,
+        # so the second one finds the first).
+        if len(plain) > 1 and srcs.kind != "device" and len({keys[i] for i in plain}) == len(plain):
+            for i, status in zip(plain, self._writer_pool().map(one, plain), strict=True):
+                out[i] = status
+        else:
+            for i in plain:
+                out[i] = one(i)
         return out
+
+    def _writer_pool(self) -> ThreadPoolExecutor:
+        """The threads that hand a batch's block files to the guard's workers (made on first use)."""
+        pool = self._writers
+        if pool is None:
+            with self._dir_lock:
+                if self._writers is None:
+                    self._writers = ThreadPoolExecutor(max_workers=_WRITE_THREADS,
+                                                       thread_name_prefix="sfstore-kv-shared-write")
+                pool = self._writers
+        return pool
 
     def _write_chunks(self, entries: list[Entry], srcs: KVBatch, out: list[WriteStatus]) -> list[int]:
         """Publish the runs ``entries`` make (each built in a registered buffer on this thread, so a write past
@@ -1336,6 +1360,10 @@ class SharedTier(KVTier):
             fd, self._dirfd = self._dirfd, None
         if fd is not None:
             os.close(fd)
+        with self._dir_lock:
+            writers, self._writers = self._writers, None
+        if writers is not None:
+            writers.shutdown(wait=True)
         self._scratch.close()
         self._headers.close()
         if self.chunks is not None:
@@ -1346,6 +1374,8 @@ class SharedTier(KVTier):
 # the bytes one deadline has to cover (a wave that misses it quarantines the tier, so the waves after it answer
 # at once)
 _SHARED_WAVE = 64
+# block files of one batch written at once (as many as the guard has workers)
+_WRITE_THREADS = 8
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
 

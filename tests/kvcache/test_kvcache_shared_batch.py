@@ -1,5 +1,5 @@
-"""The shared tier's batch reads: every file of a get in flight at once, each answered as a read of it alone would
-be, under one deadline for the batch.
+"""The shared tier's batches: every file of a get in flight at once, each answered as a read of it alone would
+be, under one deadline for the batch; the block files of a put written side by side.
 
 Files are made hit, missing, corrupt (a flipped byte), truncated, of another cache namespace, and not a block at
 all (a FIFO) on a real directory; a stalled file is an open that waits in the kernel on a FIFO no one writes
@@ -352,5 +352,52 @@ def test_a_lookup_answers_each_name_as_it_is(tmp_path: Path, batched: bool, monk
         assert kv.shared.leading_present([keys[5], keys[0]]) == 0
         assert time.monotonic() - t0 < 5  # the FIFO was not waited on
         assert calls == ([7, 7, 3, 2] if batched else [])  # one call a lookup
+    finally:
+        kv.close()
+
+
+def test_a_batch_of_block_files_is_written_side_by_side_and_reads_back(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several files of one put are being written at once (their fsyncs then share the journal's commits); a key
+    twice in the batch is written once, in order."""
+    import threading
+
+    from sfstore.kvcache.tier import KVBatch
+    from sfstore.kvcache.tiers import SharedTier
+
+    lock, now, most = threading.Lock(), [0], [0]
+    real = SharedTier._write_view
+
+    def noted(self: SharedTier, *args: Any) -> bool:
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        try:
+            time.sleep(0.01)  # long enough for the batch's other writes to start meanwhile
+            return real(self, *args)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(SharedTier, "_write_view", noted)
+    shared = tmp_path / "shared"
+    kv = _open(shared, pinned=0, fsync_shared=True)
+    try:
+        assert kv.shared is not None
+        keys = [w.key(kv, i) for i in range(12)]
+        values = [w.block(i) for i in range(12)]
+        assert kv.shared.write(keys, KVBatch("host", [memoryview(v) for v in values])) == ["written"] * 12
+        assert most[0] > 1
+        twice = [w.key(kv, 20), w.key(kv, 21), w.key(kv, 20)]
+        got = kv.shared.write(twice, KVBatch("host", [memoryview(w.block(20)), memoryview(w.block(21)),
+                                                      memoryview(w.block(20))]))
+        assert got == ["written", "written", "exists"]
+    finally:
+        kv.close()
+    kv = _open(shared, pinned=0)
+    try:
+        dests = [np.zeros(w.GEOM.block_bytes, dtype=np.uint8) for _ in keys]
+        assert kv.get_into(keys, dests) == ["shared"] * 12
+        assert all(np.array_equal(d, v) for d, v in zip(dests, values, strict=True))
     finally:
         kv.close()

@@ -32,10 +32,12 @@ _bench = functools.partial(run_bench, "kvcache")
 def test_case_plan() -> None:
     names = [c.name for c in all_cases()]
     assert names == ["put-pinned-vs-memcpy", "get-pinned-vs-memcpy", "put-block-vs-fio", "get-block-vs-fio",
-                     "put-block-vs-nixl", "get-block-vs-nixl", "put-block-vs-lmcache", "get-block-vs-lmcache"]
+                     "put-block-vs-nixl", "get-block-vs-nixl", "put-block-vs-lmcache", "get-block-vs-lmcache",
+                     "put-plugin-vs-lmcache", "get-plugin-vs-lmcache"]
     assert QUICK_CASES == tuple(g.case for g in GOALS) and set(QUICK_CASES) < set(names)
     assert [c.name for c in select_cases(quick=True)] == [n for n in names if n != "put-pinned-vs-memcpy"]
     assert [c.name for c in select_cases(["*-vs-fio"])] == ["put-block-vs-fio", "get-block-vs-fio"]
+    assert [c.name for c in select_cases(["*-plugin-*"])] == ["put-plugin-vs-lmcache", "get-plugin-vs-lmcache"]
     assert [c.name for c in select_cases(["get-pinned-*,put-block-vs-nixl"])] == ["get-pinned-vs-memcpy",
                                                                                   "put-block-vs-nixl"]
     assert Case("put", "block", "fio").writes and not Case("get", "pinned", "memcpy").writes

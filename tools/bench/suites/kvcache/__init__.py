@@ -52,6 +52,13 @@ reference, sfstore, ...):
     every block is on disk and fsyncs every file (8 threads) and the directory inside the timed region; before
     each put run the previous files are removed (untimed). ``--lmcache-odirect`` turns on its ``use_odirect``.
 
+* ``put-plugin-vs-lmcache`` / ``get-plugin-vs-lmcache`` -- the same LMCache engine, chunks and CPU connector on
+  both sides, with only sfstore's storage plugin (``storage_plugins: [sfstore]``, :mod:`sfstore.kvcache.lmcache`,
+  its shared tier in ``<dir>/kvcache-lmcache-sfstore/`` with ``fsync_shared``) against only LMCache's local disk
+  backend as above: ``store``/``retrieve`` per batch; a put run waits for the plugin's puts (each file fsynced
+  before it is published), a get run starts with every file dropped from the page cache. What the engine does on
+  both sides (hashing tokens, allocating its memory objects, the connector's copies) is in both ratios.
+
 The sources and destinations (and the memcpy reference's N blocks) are private anonymous memory, 2 MiB-aligned
 and advised for transparent huge pages (``buffers`` in the JSON says how much got them): an O_DIRECT request into
 scattered 4 KiB pages needs a segment per page, and where the device takes fewer (virtio-blk: 254) a 2 MiB request
@@ -67,7 +74,8 @@ per-batch latency p50/p99 of every batched call (sfstore's ``put``/``get_into``,
 per-I/O completion latency p50/p99, and the store's own put/get percentiles (``KVCacheStore.stats()``). Goals
 (the issue's acceptance), printed as ``PASS``/``MISS``/``n/a`` lines and kept in the JSON (``acceptance``):
 NVMe-tier get and put >= 0.85x fio, >= 1x NIXL POSIX and >= 1.5x LMCache local disk; pinned-tier get >= 0.8x
-memcpy (median of the pairwise throughput ratios).
+memcpy; LMCache's engine with sfstore's plugin >= 1.5x with its local disk, store and retrieve (median of the
+pairwise throughput ratios).
 """
 
 from __future__ import annotations
@@ -105,11 +113,14 @@ from tools.bench.suites.kvcache.workload import ENV_HINT, MODEL_ID, Bench, PeerK
 __all__ = ["TIERS", "REFERENCES", "PEERS", "GOALS", "QUICK_CASES", "Case", "Goal", "all_cases", "select_cases",
            "evaluate_goals", "probe_nixl", "probe_lmcache", "run"]
 
-TIERS = ("pinned", "block")
+TIERS = ("pinned", "block", "plugin")
+#: the sfstore side of the ``plugin`` tier: LMCache's engine with sfstore's storage plugin, made as a peer is
+PLUGIN_SIDE = "lmcache-plugin"
 #: reference -> its name in the JSON (``reference_tool``)
 REFERENCES = {"memcpy": "numpy.copyto", "fio": "fio", "nixl": "NIXL POSIX", "lmcache": "LMCache local disk"}
 #: The third-party references, each in a module of its own: name -> ``(probe, make)``.
-PEERS: dict[str, PeerKind] = {"nixl": (nixl.probe, nixl.NixlPeer), "lmcache": (lmcache.probe, lmcache.LMCachePeer)}
+PEERS: dict[str, PeerKind] = {"nixl": (nixl.probe, nixl.NixlPeer), "lmcache": (lmcache.probe, lmcache.LMCachePeer),
+                              PLUGIN_SIDE: (lmcache.probe, lmcache.plugin_side)}
 _DEFAULT_SIZE = 1 << 30
 _QUICK_SIZE = 256 << 20
 
@@ -140,22 +151,26 @@ GOALS = (
     Goal("NVMe-tier get >= 1.5x LMCache local disk", "get-block-vs-lmcache", 1.5),
     Goal("NVMe-tier put >= 1.5x LMCache local disk", "put-block-vs-lmcache", 1.5),
     Goal("pinned-tier get >= 0.8x memcpy (numpy.copyto)", "get-pinned-vs-memcpy", 0.8),
+    Goal("LMCache with sfstore's plugin: retrieve >= 1.5x with its local disk", "get-plugin-vs-lmcache", 1.5),
+    Goal("LMCache with sfstore's plugin: store >= 1.5x with its local disk", "put-plugin-vs-lmcache", 1.5),
 )
 #: ``--quick``: the cases the goals quote (on a smaller working set).
 QUICK_CASES = tuple(g.case for g in GOALS)
 
 
 def all_cases() -> list[Case]:
-    """Every case in run order: the pinned tier, then the NVMe tier per reference; put before get.
+    """Every case in run order: the pinned tier, then the NVMe tier per reference, then LMCache's engine with
+    sfstore's plugin against the same engine with its local disk; put before get.
 
     Returns
     -------
     list of Case
-        Eight cases.
+        Ten cases.
     """
     cases = [Case(op, "pinned", "memcpy") for op in ("put", "get")]
     for ref in ("fio", "nixl", "lmcache"):
         cases += [Case(op, "block", ref) for op in ("put", "get")]
+    cases += [Case(op, "plugin", "lmcache") for op in ("put", "get")]
     return cases
 
 
@@ -267,6 +282,9 @@ def _sides(bench: Bench, case: Case) -> tuple[Callable[[], RunResult], Callable[
     if case.tier == "pinned":
         p = bench.pinned()
         return (p.put if case.writes else p.get), (lambda: p.memcpy(case.op))
+    if case.tier == "plugin":
+        side, peer = bench.peers[PLUGIN_SIDE], bench.peers[case.reference]
+        return (side.put, peer.put) if case.writes else (side.get, peer.get)
     tier = bench.block_tier()
     ours = tier.put if case.writes else tier.get
     if case.reference == "fio":
@@ -288,6 +306,8 @@ def _not_run(case: Case, why: str) -> dict[str, Any]:
 def _run_case(bench: Bench, case: Case) -> dict[str, Any]:
     args = bench.args
     why = bench.reference_status(case.reference)
+    if why is None and case.tier == "plugin":
+        why = bench.reference_status(PLUGIN_SIDE)
     if why is not None:
         warn(f"{case.name}: {REFERENCES[case.reference]} cannot run here: {why}")
         return _not_run(case, why)
@@ -333,8 +353,8 @@ def _run_case(bench: Bench, case: Case) -> dict[str, Any]:
         "op": case.op, "tier": case.tier, "reference": case.reference, "block_size": b.block, "blocks": b.n,
         "io_bytes": b.n * b.block, "batch": b.batch, "queue_depth": b.qd, "outstanding_batches": b.outstanding,
         "model_id": MODEL_ID, "repeat": args.repeat, "warmup_pairs": args.warmup, "seed": args.seed,
-        "peak_rss_method": rss.method, "durable": case.writes and case.tier == "block",
-        "fsync_in_timed_region": case.writes and case.tier == "block",
+        "peak_rss_method": rss.method, "durable": case.writes and case.tier != "pinned",
+        "fsync_in_timed_region": case.writes and case.tier != "pinned",
         "get_order": "batches in a seeded random order per pair (seed-get-<pair>), the same for both sides of a pair",
     }
     if case.tier == "block":
@@ -355,6 +375,12 @@ def _run_case(bench: Bench, case: Case) -> dict[str, Any]:
             params["reference_call"] = " ".join(fio_command(b.fio or "fio", tier.fio_job(case.name, case.writes)))
         else:
             params["reference_call"] = b.peers[case.reference].call(case.writes)
+    elif case.tier == "plugin":
+        params.update({
+            "directory": b.dir, "cold": "posix_fadvise(DONTNEED) on every file before every get run",
+            "sfstore_call": b.peers[PLUGIN_SIDE].call(case.writes),
+            "reference_call": b.peers[case.reference].call(case.writes),
+        })
     else:
         params.update({
             "sfstore_call": "KVCacheStore(block_store=None)." + ("put(keys, blocks)" if case.writes else
@@ -434,4 +460,5 @@ def evaluate_goals(results: Sequence[dict[str, Any]], size: int = _DEFAULT_SIZE,
 
 
 register(Suite(name="kvcache", help="KVCacheStore put/get of 2 MiB KV blocks per tier vs fio, NIXL POSIX, LMCache "
-                                    "local disk and memcpy", add_arguments=add_arguments, run=run))
+                                    "local disk and memcpy; LMCache's engine with sfstore's plugin vs its local "
+                                    "disk", add_arguments=add_arguments, run=run))

@@ -1,6 +1,8 @@
 """LMCache's local disk backend as a reference of the kvcache suite (``get-block-vs-lmcache`` /
 ``put-block-vs-lmcache``): LMCache 0.5.6's ``LMCacheEngine`` with only that backend, one chunk per block, fed the
-same blocks through a CPU connector.
+same blocks through a CPU connector. The same engine with only sfstore's storage plugin
+(:mod:`sfstore.kvcache.lmcache`) in its place is the sfstore side of ``get-plugin-vs-lmcache`` /
+``put-plugin-vs-lmcache``.
 
 Needs ``lmcache`` (``tools/kvbench-env.sh``); its stock vLLM connectors need CUDA, so the suite brings its own.
 """
@@ -19,7 +21,7 @@ from tools.bench.measure import CpuMeter, RunResult
 from tools.bench.pairs import SideFailed
 from tools.bench.suites.kvcache.workload import ENV_HINT, MODEL_ID, Bench, block_latency, timed_batches
 
-__all__ = ["probe", "cpu_connector", "LMCachePeer"]
+__all__ = ["probe", "cpu_connector", "LMCachePeer", "plugin_side"]
 
 #: threads fsyncing LMCache's files at the end of a put run (its own disk writers are 4 threads)
 _FSYNC_THREADS = 8
@@ -87,10 +89,16 @@ def cpu_connector(base: Any, torch: Any, block_tokens: int) -> Any:
 
 
 class LMCachePeer:
-    """LMCache's engine with only its local disk backend, through a CPU connector."""
+    """LMCache's engine with only its local disk backend, through a CPU connector; with ``plugin``, with only
+    sfstore's storage plugin instead (its shared tier in the same directory, each file fsynced before it is
+    published: the durability the local disk side reaches by fsyncing every file at the end of a put run)."""
 
-    def __init__(self, bench: Bench) -> None:
+    #: the storage plugin's name in LMCache's config
+    PLUGIN = "sfstore"
+
+    def __init__(self, bench: Bench, plugin: bool = False) -> None:
         self.b = bench
+        self.plugin = plugin
         os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
         self.torch = torch = importlib.import_module("torch")
         lmcache = importlib.import_module("lmcache")
@@ -102,15 +110,22 @@ class LMCachePeer:
         engine_mod = importlib.import_module("lmcache.v1.cache_engine")
         connector_mod = importlib.import_module("lmcache.v1.gpu_connector")
         g = bench.geom
-        self.path = os.path.join(bench.dir, "kvcache-lmcache")
+        self.path = os.path.join(bench.dir, "kvcache-lmcache-sfstore" if plugin else "kvcache-lmcache")
         shutil.rmtree(self.path, ignore_errors=True)
         os.makedirs(self.path)
-        self.instance = f"sfstore-bench-{os.getpid()}"
+        self.instance = f"sfstore-bench-{'plugin-' if plugin else ''}{os.getpid()}"
         self.builder = engine_mod.LMCacheEngineBuilder
         cpu_gib = 4 * bench.batch * bench.block / GIB  # the engine's CPU memory: 4 batches of chunks
-        self.settings = {"chunk_size": g.block_tokens, "local_cpu": False, "max_local_cpu_size": cpu_gib,
-                         "local_disk": self.path, "max_local_disk_size": 1024.0, "save_unfull_chunk": False,
-                         "extra_config": {"force_store_wait": True, "use_odirect": bool(bench.args.lmcache_odirect)}}
+        self.settings: dict[str, Any] = {"chunk_size": g.block_tokens, "local_cpu": False,
+                                         "max_local_cpu_size": cpu_gib, "save_unfull_chunk": False}
+        if plugin:  # as docs/kvcache.md configures it
+            self.settings.update({"storage_plugins": [self.PLUGIN], "extra_config": {
+                f"storage_plugin.{self.PLUGIN}.module_path": "sfstore.kvcache.lmcache",
+                f"storage_plugin.{self.PLUGIN}.class_name": "SfstoreBackend",
+                "sfstore.shared_dir": self.path, "sfstore.fsync_shared": True, "force_store_wait": True}})
+        else:
+            self.settings.update({"local_disk": self.path, "max_local_disk_size": 1024.0, "extra_config": {
+                "force_store_wait": True, "use_odirect": bool(bench.args.lmcache_odirect)}})
         try:
             cfg = config.LMCacheEngineConfig.from_defaults(**self.settings)
             meta = metadata.LMCacheMetadata(
@@ -122,7 +137,8 @@ class LMCachePeer:
             self.engine = self.builder.get_or_create(self.instance, cfg, meta, conn, lambda t, r: None,
                                                      lambda o, r: o)
             self.engine.post_init()
-            self.disk = self.engine.storage_manager.storage_backends["LocalDiskBackend"]
+            backends = self.engine.storage_manager.storage_backends
+            self.disk = backends[self.PLUGIN if plugin else "LocalDiskBackend"]
         except Exception as exc:
             self.close()
             raise SideFailed(f"LMCache's engine failed to start: {type(exc).__name__}: {exc}") from exc
@@ -133,6 +149,8 @@ class LMCachePeer:
         self.holds = False
 
     def _files(self) -> list[str]:
+        if self.plugin:  # the shared tier's block files, fanned out into subdirectories
+            return [os.path.join(d, f) for d, _s, fs in os.walk(self.path) for f in fs if f.endswith(".kvb")]
         return [os.path.join(self.path, f) for f in os.listdir(self.path) if f.endswith(".pt")]
 
     def _clear(self) -> None:
@@ -146,6 +164,9 @@ class LMCachePeer:
         self.engine.store(self.tokens[i], blocks=self.srcs[:len(self.b.tokens[i]) // self.b.geom.block_tokens])
 
     def _wait_on_disk(self) -> None:
+        if self.plugin:
+            self.disk.wait_for_puts(300)
+            return
         deadline = time.monotonic() + 300
         while len(self.disk.dict) < self.b.n or self.disk.disk_worker.put_tasks:
             if time.monotonic() > deadline:
@@ -162,13 +183,16 @@ class LMCachePeer:
         self._wait_on_disk()
         tw = time.perf_counter()
         files = self._files()
-        list(self.fsyncer.map(fsync_path, files))  # in parallel: concurrent fsyncs share journal commits
-        fsync_path(self.path, directory=True)
+        if not self.plugin:  # the plugin fsynced each file before publishing it
+            list(self.fsyncer.map(fsync_path, files))  # in parallel: concurrent fsyncs share journal commits
+            fsync_path(self.path, directory=True)
         t1 = time.perf_counter()
         cpu = cpu0 + meter.stop()
         sizes = {os.stat(f).st_size for f in files}
-        if len(files) != b.n or sizes != {b.block}:
-            raise SideFailed(f"LMCache wrote {len(files)} files of {sorted(sizes)} bytes, expected {b.n} of {b.block}")
+        # the plugin's files carry a header before the chunk's bytes
+        if len(files) != b.n or (sizes != {b.block} if not self.plugin else min(sizes, default=0) < b.block):
+            raise SideFailed(f"{self.name} wrote {len(files)} files of {sorted(sizes)} bytes, expected {b.n} of "
+                             f"{b.block}")
         self.holds = True
         return RunResult(bytes=b.n * b.block, ops=b.n, seconds=t1 - t0, cpu_s=cpu,
                          extra={**block_latency(lat), "store_calls_s": tf - t0, "wait_disk_s": tw - tf,
@@ -194,9 +218,13 @@ class LMCachePeer:
         got, lat, cpu, t0, t1 = timed_batches(retrieve, b.get_order)
         want = [len(b.tokens[i]) for i in b.get_order]
         if got != want:
-            raise SideFailed(f"LMCache retrieved {sum(got)} of {sum(want)} tokens")
-        b.check_dests("get-block LMCache", b.get_order[-1], b.value_of)
+            raise SideFailed(f"{self.name} retrieved {sum(got)} of {sum(want)} tokens")
+        b.check_dests(f"get {self.name}", b.get_order[-1], b.value_of)
         return RunResult(bytes=b.n * b.block, ops=b.n, seconds=t1 - t0, cpu_s=cpu, extra=block_latency(lat))
+
+    @property
+    def name(self) -> str:
+        return "LMCache with sfstore's plugin" if self.plugin else "LMCache local disk"
 
     def close(self) -> None:
         try:
@@ -209,11 +237,20 @@ class LMCachePeer:
 
     def call(self, writes: bool) -> str:
         """What a put (``writes``) or get run calls, for the case's ``params``."""
-        return (f"LMCacheEngine.{'store' if writes else 'retrieve'}(tokens of a batch) x N/batch, local disk "
-                f"{self.path} (use_odirect={self.b.args.lmcache_odirect})"
+        call = f"LMCacheEngine.{'store' if writes else 'retrieve'}(tokens of a batch) x N/batch, "
+        if self.plugin:
+            return (call + f"storage_plugins [sfstore] (sfstore.kvcache.lmcache, shared_dir {self.path}, "
+                    "fsync_shared)" + (", then wait for its puts (each file fsynced before published)" if writes
+                                       else ""))
+        return (call + f"local disk {self.path} (use_odirect={self.b.args.lmcache_odirect})"
                 + (", then wait for its disk writes + fsync of every file and the directory" if writes else ""))
 
     def describe(self) -> dict[str, Any]:
         """Version, settings and torch's version, for the JSON's ``machine.references``."""
         return {"version": self.version, "settings": self.settings,
                 "torch": str(getattr(self.torch, "__version__", None))}
+
+
+def plugin_side(bench: Bench) -> LMCachePeer:
+    """The sfstore side of the ``plugin`` tier: LMCache's engine with only sfstore's storage plugin."""
+    return LMCachePeer(bench, plugin=True)
