@@ -75,6 +75,8 @@ CASES = [
      "sfstore's vLLM offloading tier (sfstore.kvcache.vllm_offload)"),
     ("import sfstore.kvcache.lmcache", ["lmcache"], "lmcache", "lmcache",
      "sfstore's LMCache storage plugin (sfstore.kvcache.lmcache)"),
+    ("import sfstore.kvcache.sglang", ["sglang"], "sglang", "sglang",
+     "sfstore's SGLang HiCache backend (sfstore.kvcache.sglang)"),
     ("import sfstore.checkpoint; sfstore.checkpoint.save({'w': [1.0]}, 'sf://c/one')", ["torch"], "torch", "torch",
      "sfstore.checkpoint.save"),
     ("import sfstore.checkpoint; sfstore.checkpoint.load('sf://c/one')", ["torch"], "torch", "torch",

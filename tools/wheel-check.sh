@@ -113,7 +113,7 @@ from sfstore.checkpoint.hf_trainer import SfstoreTrainerCallback  # noqa: E402,F
 print("  from sfstore.checkpoint.hf_trainer import SfstoreTrainerCallback: ok")
 # the engines' faces: (face, the engine it plugs into, the extra that brings it)
 engine_faces = [("sfstore.kvcache.vllm", "vllm", "vllm"), ("sfstore.kvcache.vllm_offload", "vllm", "vllm"),
-                ("sfstore.kvcache.lmcache", "lmcache", "lmcache")]
+                ("sfstore.kvcache.lmcache", "lmcache", "lmcache"), ("sfstore.kvcache.sglang", "sglang", "sglang")]
 for name, engine, extra in engine_faces:
     try:
         importlib.import_module(engine)
