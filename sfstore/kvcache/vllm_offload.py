@@ -20,8 +20,11 @@ or, with vLLM's own spec: ``"spec_name": "TieringOffloadingSpec", "secondary_tie
 "module_path": "sfstore.kvcache.vllm_offload", "shared_dir": "/mnt/nfs/kv"}]``.
 
 Tier parameters (in the tier's dict, or at the top of ``kv_connector_extra_config`` for
-:class:`SfstoreOffloadingSpec`): ``sfstore_config`` (a config file for :func:`sfstore.open`: the router's block
-store and shared directory), ``shared_dir``, ``model_id`` (default: vLLM's model name), ``io_threads`` (default 2).
+:class:`SfstoreOffloadingSpec`): the store's options, as every engine's config names them
+(:mod:`~sfstore.kvcache.engine_options`: ``sfstore_config`` (a config file for :func:`sfstore.open`: the router's
+block store and shared directory), ``shared_dir``, ``fsync_shared``, ``shared_bytes``, ``cache_namespace``,
+``io_timeout_ms``, ...), ``model_id`` (default: vLLM's model name) and ``io_threads`` (default 2). vLLM's CPU tier
+is the memory tier above, so the store has no pinned tier unless ``pinned_bytes`` asks for one.
 
 A chunk is stored as it lies in vLLM's CPU tier (one opaque block of the store: ``kv`` = 1, ``uint8``), under a
 key derived from vLLM's offload key (its chained block hash and group) and the model. vLLM seeds its block hashes
@@ -40,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from sfstore import errors
 from sfstore._optional import require
+from sfstore.kvcache.engine_options import STORE_KEYS, open_store
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.store import KVCacheStore
 
@@ -57,7 +61,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SfstoreOffloadingSpec", "SfstoreTier", "TIER_KEYS"]
 
-TIER_KEYS = ("sfstore_config", "shared_dir", "model_id", "io_threads")
+#: the tier's parameters: the store's options every engine's config carries (:mod:`~sfstore.kvcache.engine_options`),
+#: ``model_id`` and ``io_threads``
+TIER_KEYS = tuple(sorted({"model_id", "io_threads", *STORE_KEYS}))
 
 
 class SfstoreTier(SecondaryTierManager):  # type: ignore[misc]
@@ -76,20 +82,19 @@ class SfstoreTier(SecondaryTierManager):  # type: ignore[misc]
         tier_type: str,
         backpressure_detector: BackpressureDetector | None = None,
         *,
-        sfstore_config: str | None = None,
-        shared_dir: str | None = None,
         model_id: str | None = None,
         io_threads: int = 2,
-        **unknown: Any,
+        **options: Any,
     ) -> None:
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                          backpressure_detector=backpressure_detector)
-        unknown.pop("locality", None)
+        options.pop("locality", None)
+        unknown = set(options) - STORE_KEYS
         if unknown:
             raise errors.ConfigError(
                 f"SfstoreTier: unknown parameters {sorted(unknown)}; known: {', '.join(TIER_KEYS)}"
             )
-        if sfstore_config is None and shared_dir is None:
+        if options.get("sfstore_config") is None and options.get("shared_dir") is None:
             raise errors.ConfigError("SfstoreTier needs shared_dir or sfstore_config (a tier to keep chunks in)")
         self._flat = primary_kv_view.cast("B")
         self._chunk = self.block_size_bytes
@@ -98,13 +103,10 @@ class SfstoreTier(SecondaryTierManager):  # type: ignore[misc]
             model_id = getattr(model, "name", None) or "vllm"
         # One opaque "block" per chunk; the pinned tier only stages puts (vLLM's CPU tier is the cache above).
         geometry = KVGeometry(num_layers=1, block_tokens=1, num_kv_heads=1, head_dim=self._chunk, dtype="uint8", kv=1)
-        if sfstore_config is not None:
-            import sfstore
-
-            self.store = KVCacheStore.from_router(geometry, sfstore.open(sfstore_config), model_id=str(model_id),
-                                                  pinned_bytes=0)
-        else:
-            self.store = KVCacheStore(geometry, model_id=str(model_id), pinned_bytes=0, shared_dir=shared_dir)
+        # chunks are opaque here (no chain of blocks to group): a file each, unless chunk_tokens asks otherwise
+        self.store: KVCacheStore = open_store(
+            geometry, model_id=str(model_id), extra=options, where="SfstoreTier",
+            **{k: 0 for k in ("pinned_bytes", "chunk_tokens") if k not in options})
         self._pool = ThreadPoolExecutor(max_workers=max(1, int(io_threads)), thread_name_prefix="sfstore-vllm-tier")
         self._lock = threading.Lock()
         self._done: list[JobResult] = []
@@ -209,8 +211,8 @@ class SfstoreOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]
     """vLLM's tiering spec (CPU primary tier) with :class:`SfstoreTier` as the secondary tier.
 
     ``kv_connector_extra_config`` is vLLM's (``cpu_bytes_to_use``, ``block_size``, ``eviction_policy``, ...) plus
-    the tier's keys (``shared_dir``, ``sfstore_config``, ``model_id``, ``io_threads``); a ``secondary_tiers`` list,
-    if given, is used as it is.
+    the tier's keys (:data:`TIER_KEYS`: ``shared_dir``, ``sfstore_config``, ``model_id``, ...); a
+    ``secondary_tiers`` list, if given, is used as it is.
     """
 
     def __init__(self, config: OffloadingConfig) -> None:

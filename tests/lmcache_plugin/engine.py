@@ -4,7 +4,8 @@
 What is not LMCache's: the GPU connector. LMCache's own connectors copy between a vLLM KV cache on a GPU and its
 memory objects, and need CUDA; the bench's CPU connector (``tools.bench.suites.kvcache.lmcache``) stands in for
 one: chunk ``i`` of a call is the ``uint8`` tensor ``blocks[i]``. Run as a script, it stores or retrieves one
-prompt in a process of its own (``python tests/lmcache_plugin/engine.py store|retrieve DIR SEED CHUNKS``).
+prompt in a process of its own (``python tests/lmcache_plugin/engine.py store|retrieve DIR SEED CHUNKS [docs]``;
+``docs``: with the configuration docs/engines.md shows).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
@@ -54,9 +56,25 @@ class Engine:
         return int(self.engine.lookup(tokens))
 
 
+def docs_settings(shared_dir: str) -> dict[str, Any]:
+    """The configuration docs/engines.md shows (its YAML block, as LMCache reads it), with this test's shared
+    directory, chunk size and a small CPU tier."""
+    import yaml
+
+    from tools import docblocks
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "engines.md"
+    blocks = [b for b in docblocks.extract(str(docs)) if b.language == "yaml"]
+    assert len(blocks) == 1, "docs/engines.md should show one LMCache configuration"
+    config = dict(yaml.safe_load(blocks[0].code))
+    assert config["extra_config"]["sfstore.shared_dir"].startswith("/mnt/")  # a cluster's mount: replaced here
+    config["extra_config"] = {**config["extra_config"], "sfstore.shared_dir": shared_dir}
+    return {**config, "chunk_size": CHUNK, "max_local_cpu_size": 0.05}
+
+
 def settings(shared_dir: str, **extra: Any) -> dict[str, Any]:
-    """LMCache's configuration with sfstore's plugin (as docs/lmcache.md shows it), and ``extra`` as more
-    ``extra_config`` keys (``sfstore.io_timeout_ms``, ...)."""
+    """LMCache's configuration with sfstore's plugin (docs/engines.md's, without LMCache's CPU tier, so every hit
+    is sfstore's), and ``extra`` as more ``extra_config`` keys (``sfstore.io_timeout_ms``, ...)."""
     return {
         "chunk_size": CHUNK, "local_cpu": False, "max_local_cpu_size": 0.05, "save_unfull_chunk": False,
         "storage_plugins": [PLUGIN],
@@ -99,8 +117,9 @@ def empty(chunks: int) -> list[torch.Tensor]:
 
 def main(argv: list[str]) -> int:
     op, shared, seed, chunks = argv[0], argv[1], int(argv[2]), int(argv[3])
+    config = docs_settings(shared) if argv[4:] == ["docs"] else settings(shared)
     tokens, kv = prompt(seed, chunks)
-    with lmcache_engine(settings(shared)) as e:
+    with lmcache_engine(config) as e:
         if op == "store":
             e.store(tokens, kv)
             e.plugin.wait_for_puts(60)

@@ -26,8 +26,8 @@ from .engine import CHUNK, CHUNK_BYTES, MODEL, PLUGIN, empty, lmcache_engine, pr
 ENGINE = Path(__file__).with_name("engine.py")
 
 
-def _in_new_process(op: str, shared: Path, seed: int, chunks: int) -> dict[str, object]:
-    run = subprocess.run([sys.executable, str(ENGINE), op, str(shared), str(seed), str(chunks)],
+def _in_new_process(op: str, shared: Path, seed: int, chunks: int, *more: str) -> dict[str, object]:
+    run = subprocess.run([sys.executable, str(ENGINE), op, str(shared), str(seed), str(chunks), *more],
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert run.returncode == 0, run.stderr[-3000:]
     return dict(json.loads(run.stdout.strip().splitlines()[-1]))
@@ -45,6 +45,16 @@ def test_lmcache_loads_the_plugin_from_its_config_and_a_new_process_retrieves_bi
     got = _in_new_process("retrieve", shared, seed=1, chunks=4)
     assert got["retrieved"] == 4 * CHUNK and got["exact"] is True
     assert got["stats"] == {"chunks_got": 4, "chunks_missed": 0, "gets_no_memory": 0}
+
+
+def test_the_configuration_the_docs_show_stores_and_a_new_process_retrieves(tmp_path: Path) -> None:
+    """docs/engines.md's YAML as it is (LMCache's CPU tier on): the new process's CPU tier is empty, so its hits
+    are sfstore's."""
+    shared = tmp_path / "shared"
+    assert _in_new_process("store", shared, 9, 3, "docs")["stats"] == {"chunks_put": 3}
+    got = _in_new_process("retrieve", shared, 9, 3, "docs")
+    assert got["retrieved"] == 3 * CHUNK and got["exact"] is True
+    assert got["stats"] == {"chunks_got": 3, "chunks_missed": 0, "gets_no_memory": 0}
 
 
 def test_the_plugin_is_lmcaches_backend_and_its_lookup_store_and_retrieve_go_through_sfstore(tmp_path: Path) -> None:

@@ -262,6 +262,29 @@ def test_the_generic_interface_stores_the_same_parts(tmp_path: Path) -> None:
         be.close()
 
 
+def test_the_extra_config_the_docs_show_builds_it(tmp_path: Path) -> None:
+    from tools import docblocks
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "engines.md"
+    shown = [b for b in docblocks.extract(str(docs)) if b.language == "json"]
+    assert len(shown) == 1, "docs/engines.md should show one SGLang extra config"
+    extra = json.loads(shown[0].code)
+    assert extra["shared_dir"].startswith("/mnt/")  # a cluster's mount: replaced here
+    extra["shared_dir"] = str(tmp_path / "shared")
+    config = storage_config(tmp_path / "unused")
+    config.extra_config = extra
+    pool = host_pool()
+    made = StorageBackendFactory.create_backend("dynamic", config, pool)
+    made.register_mem_pool_host(pool)
+    try:
+        assert type(made) is SfstoreHiCacheStorage and made.zero_copy
+        keys = page_keys(tokens(9, 1))
+        assert made.batch_set_v1(keys, fill(pool, 1, seed=9)) == [True]
+        assert any((tmp_path / "shared").rglob("*.kvb"))
+    finally:
+        made.close()
+
+
 def test_a_layer_first_pool_is_refused_for_zero_copy_with_the_flag_to_use(tmp_path: Path) -> None:
     pool = host_pool("layer_first")
     with pytest.raises(errors.ConfigError, match="--hicache-mem-layout page_first"):

@@ -149,3 +149,20 @@ def test_tier_refuses_unknown_parameters(model_dir: Path, extra: dict[str, Any])
                                            "shared_dir": extra["shared_dir"], "colour": "blue"}]}
     with pytest.raises(errors.ConfigError, match="colour"):
         make_manager(model_dir, extra)
+
+
+def test_tier_takes_the_store_options_every_engine_config_carries(
+    model_dir: Path, extra: dict[str, Any], managers: list[Any]
+) -> None:
+    """The options read one way for every engine (``engine_options``): a bad value is named, a good one used."""
+    from sfstore import errors
+
+    tier = {"type": "SfstoreTier", "module_path": "sfstore.kvcache.vllm_offload", "shared_dir": extra["shared_dir"]}
+    bad = {**extra, "secondary_tiers": [{**tier, "io_timeout_ms": "soon"}]}
+    with pytest.raises(errors.ConfigError, match="io_timeout_ms"):
+        make_manager(model_dir, bad)
+    good = {**extra, "secondary_tiers": [{**tier, "cache_namespace": "team-a", "fsync_shared": True}]}
+    m = make_manager(model_dir, good)
+    managers.append(m)
+    store = m.secondary_tiers[0].store
+    assert store.stats()["cache_namespace"] == "team-a" and store.shared.fsync is True
