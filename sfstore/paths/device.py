@@ -44,7 +44,7 @@ from sfstore.paths.file import FilePath, enable_direct
 __all__ = ["DevicePath", "TargetFacts", "cufile_accepts", "choose_route", "device_mode", "ROUTES"]
 
 ROUTES = ("gds", "compat", "staged")
-_MODES = ("auto", "gds", "compat", "staged", "host")  # "host": the earlier name of "staged"
+_MODES = ("auto", "gds", "compat", "staged")
 _STAGE = 8 << 20  # bytes per pinned staging buffer
 _GDS_LOCAL_FS = ("ext4", "xfs")
 _GDS_PARALLEL_FS = ("lustre", "wekafs", "gpfs", "beegfs", "fuse.wekafs")
@@ -245,9 +245,7 @@ class DevicePath(StoragePath):
     ) -> None:
         super().__init__()
         if mode not in _MODES:
-            raise errors.ConfigError(f"DevicePath mode must be one of {', '.join(_MODES[:-1])}, not {mode!r}")
-        if mode == "host":
-            mode = "staged"
+            raise errors.ConfigError(f"DevicePath mode must be one of {', '.join(_MODES)}, not {mode!r}")
         self.runtime = runtime or CudaRuntime()
         found, why = self.runtime.mode()
         rank = {"staged": 0, "compat": 1, "gds": 2}

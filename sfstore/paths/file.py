@@ -309,9 +309,6 @@ class FilePath(StoragePath):
             self.counters.add(errors=1)
             raise errors.os_error(exc.errno or errno.EIO, "cannot open", full) from None
 
-    def _root_fd(self) -> int:
-        return self.beneath.root_fd()
-
     def stat(self, path: str | os.PathLike[str], *, follow: bool = True) -> os.stat_result:
         """``stat`` (``lstat`` with ``follow=False``) of ``path`` beneath the root; opens nothing that blocks."""
         try:

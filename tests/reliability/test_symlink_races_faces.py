@@ -259,7 +259,7 @@ def _kv_evict_outside_only(s: Scene) -> Any:
 def _device_path(s: Scene) -> Any:
     from sfstore.paths.device import DevicePath
 
-    return DevicePath(s.root, mode="host")
+    return DevicePath(s.root, mode="staged")
 
 
 def _device_read(s: Scene) -> Any:
