@@ -176,10 +176,8 @@ def probe_memory() -> dict[str, Any]:
 # data directory
 
 
-# The O_DIRECT check's file: temp_names.temp_name(_PROBE_FINAL, _PROBE_KIND), removed at once; older versions
-# named it ``.sfstore-probe-{pid}`` (no host: taken for this host's)
+# The O_DIRECT check's file: temp_names.temp_name(_PROBE_FINAL, _PROBE_KIND), removed at once
 _PROBE_FINAL, _PROBE_KIND = "o_direct", "probe"
-_OLDER_PROBE = re.compile(r"^\.sfstore-probe-(?P<pid>\d+)$")
 
 
 def _remove_probe_leftovers(directory: str) -> None:
@@ -191,14 +189,10 @@ def _remove_probe_leftovers(directory: str) -> None:
         return  # the check itself says what is wrong with the directory
     for name in names:
         tn = temp_names.parse(name)
-        older = _OLDER_PROBE.match(name)
         path = os.path.join(directory, name)
         try:
-            if tn is not None and tn.final == _PROBE_FINAL and tn.kind == _PROBE_KIND:
-                gone = temp_names.is_leftover(tn, path)
-            else:
-                gone = older is not None and not _pid_alive(int(older["pid"]))
-            if gone:
+            if tn is not None and tn.final == _PROBE_FINAL and tn.kind == _PROBE_KIND and \
+                    temp_names.is_leftover(tn, path):
                 os.unlink(path)
         except OSError:
             pass  # removed by another probe, or not ours to remove
@@ -579,21 +573,15 @@ def quarantine_in_force(record: dict[str, Any], now: float | None = None) -> boo
     return record["host"] != host_name() or _pid_alive(record["pid"])
 
 
-# The temporary names older writers wrote records under, ``.{name}.tmp-{pid}-{rand}`` (no host: taken for this
-# host's); still read so that a killed writer's are removed at once
-_OLDER_TEMPORARY = re.compile(r"^\..+\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
-
-
 def _temporary_gone(dirfd: int, name: str) -> bool:
     """Whether the record's temporary file ``name`` was left by a writer that is gone."""
     tn = temp_names.parse(name)
-    if tn is not None:
-        try:
-            return temp_names.is_leftover(tn, name, dir_fd=dirfd)
-        except OSError:
-            return False  # gone meanwhile, or not statable: the minute's rule decides
-    m = _OLDER_TEMPORARY.match(name)
-    return m is not None and not _pid_alive(int(m["pid"]))
+    if tn is None:
+        return False
+    try:
+        return temp_names.is_leftover(tn, name, dir_fd=dirfd)
+    except OSError:
+        return False  # gone meanwhile, or not statable: the minute's rule decides
 
 
 def write_quarantine_record(directory: str, name: str, record: dict[str, Any]) -> None:

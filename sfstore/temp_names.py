@@ -12,13 +12,6 @@ download; ``image``: a block image being allocated), ``host`` and ``pid`` say wh
 writers of one process apart. :func:`parse` reads such a name back, and :func:`is_leftover` tells whether the
 process that made it is gone, so a cleanup removes a crashed writer's leftovers and never a live writer's work.
 
-Older sfstore versions recorded no host; their names may still be on disk, and :func:`parse` reads them too
-(``host`` is ``None``: they are taken for this host's, as the cleanups of those versions took them):
-
-- ``.{final}.sfstore-tmp-{pid}-{rand}``: a file path's file being written;
-- ``.sfstore-tmp-probe-{pid}-{rand}``: a file path's O_DIRECT probe file (``final`` is ``None``);
-- ``.{final}.sfstore-part-{pid}-{rand}``: a local download by the CLI or ``get``.
-
 This module imports nothing of sfstore's, so every layer may use it.
 """
 
@@ -41,21 +34,15 @@ _KIND = re.compile(r"[a-z]+")
 _CURRENT = re.compile(
     r"^\.(?P<final>.+)\.sfstore-(?P<kind>[a-z]+)-(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$"
 )
-# The names older writers left (see the module docs), read so their leftovers are still cleaned.
-_OLDER = (
-    re.compile(r"^\.(?P<final>.+)\.sfstore-(?P<kind>tmp|part)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$"),
-    re.compile(r"^\.sfstore-(?P<kind>tmp)-probe-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$"),
-)
 
 
 @dataclass(frozen=True)
 class TempName:
-    """What a temporary name says: the name it becomes (``None``: an older probe file's, which had none), the
-    kind of writer, its host (``None``: an older writer's, which recorded none) and its process id."""
+    """What a temporary name says: the name it becomes, the kind of writer, its host and its process id."""
 
-    final: str | None
+    final: str
     kind: str
-    host: str | None
+    host: str
     pid: int
 
 
@@ -75,16 +62,9 @@ def temp_name(final: str, kind: str) -> str:
 
 def parse(name: str) -> TempName | None:
     """What the temporary name ``name`` (a base name, or a path whose last component is read) says, ``None``
-    when it is not one; names older writers left are read too (see the module docs)."""
-    base = os.path.basename(name)
-    m = _CURRENT.match(base)
-    if m is not None:
-        return TempName(m["final"], m["kind"], m["host"], int(m["pid"]))
-    for pattern in _OLDER:
-        m = pattern.match(base)
-        if m is not None:
-            return TempName(m.groupdict().get("final"), m["kind"], None, int(m["pid"]))
-    return None
+    when it is not one."""
+    m = _CURRENT.match(os.path.basename(name))
+    return None if m is None else TempName(m["final"], m["kind"], m["host"], int(m["pid"]))
 
 
 def pid_alive(pid: int) -> bool:
@@ -104,10 +84,10 @@ def is_leftover(tn: TempName, name: str, *, dir_fd: int | None = None) -> bool:
     """Whether the writer that made ``tn`` (read from the entry ``name``, of the directory ``dir_fd`` when
     given) is gone, so what it left may be removed.
 
-    On this host (or for an older writer's name, which recorded no host) the writer is gone when its process
-    no longer runs. Another host's processes cannot be asked: its names are leftovers once the entry is
-    untouched for :data:`FOREIGN_STALE_SECONDS` (its ``lstat``, taken only then, may raise ``OSError``).
+    On this host the writer is gone when its process no longer runs. Another host's processes cannot be asked:
+    its names are leftovers once the entry is untouched for :data:`FOREIGN_STALE_SECONDS` (its ``lstat``, taken
+    only then, may raise ``OSError``).
     """
-    if tn.host is None or tn.host == host():
+    if tn.host == host():
         return not pid_alive(tn.pid)
     return time.time() - os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime >= FOREIGN_STALE_SECONDS

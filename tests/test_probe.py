@@ -369,16 +369,16 @@ def _dead_pid() -> int:
 
 
 def test_a_killed_record_writers_temporaries_are_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
-    """A quarantine record's temporary left by a killed writer, in the current naming (``temp_name``) and in
-    the older one (``.{name}.tmp-{pid}-{rand}``), is removed by the next cleaning read at once (not a minute
-    later); a live writer's (this process's) and another host's recent one are kept."""
+    """A quarantine record's temporary left by a killed writer (named by ``temp_name``) is removed by the next
+    cleaning read at once (not a minute later); a live writer's (this process's), another host's recent one and
+    a name sfstore does not write (a bare pid) are kept."""
     from sfstore import temp_names
 
     where = tmp_path / "q"
     where.mkdir()
     dead = _dead_pid()
-    gone = [f".a.json.sfstore-tmp-{temp_names.host()}-{dead}-0123456789ab", f".b.json.tmp-{dead}-ab12"]
-    kept = [temp_names.temp_name("c.json", "tmp"), f".d.json.tmp-{os.getpid()}-ab12",
+    gone = [f".a.json.sfstore-tmp-{temp_names.host()}-{dead}-0123456789ab"]
+    kept = [temp_names.temp_name("c.json", "tmp"), f".b.json.tmp-{dead}-ab12",
             f".e.json.sfstore-tmp-another_host-{dead}-0123456789ab"]
     for name in gone + kept:
         (where / name).write_bytes(b"{")
@@ -394,13 +394,13 @@ def test_a_killed_record_writers_temporaries_are_removed_and_a_live_ones_kept(tm
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="the O_DIRECT check runs only where O_DIRECT exists")
 def test_the_o_direct_checks_leftovers_of_a_killed_probe_are_removed(tmp_path: Path) -> None:
-    """The O_DIRECT check's file left by a killed probe, in the current naming and the older
-    ``.sfstore-probe-{pid}``, is removed by the next probe of the directory; a live probe's is kept."""
+    """The O_DIRECT check's file left by a killed probe is removed by the next probe of the directory; a live
+    probe's, another file's and names sfstore does not write are kept."""
     from sfstore import temp_names
 
     dead = _dead_pid()
-    gone = [f".o_direct.sfstore-probe-{temp_names.host()}-{dead}-0123456789ab", f".sfstore-probe-{dead}"]
-    kept = [temp_names.temp_name("o_direct", "probe"), f".sfstore-probe-{os.getpid()}", ".sfstore-probe-x",
+    gone = [f".o_direct.sfstore-probe-{temp_names.host()}-{dead}-0123456789ab"]
+    kept = [temp_names.temp_name("o_direct", "probe"), f".sfstore-probe-{dead}", ".sfstore-probe-x",
             f".other.sfstore-probe-{temp_names.host()}-{dead}-0123456789ab"]
     for name in gone + kept:
         (tmp_path / name).write_bytes(b"")

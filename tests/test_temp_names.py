@@ -1,5 +1,5 @@
-"""One temporary-name scheme: names round-trip, and cleanups remove dead writers' leftovers in the current and the
-older schemes while keeping live writers' work."""
+"""One temporary-name scheme: names round-trip, and cleanups remove dead writers' leftovers while keeping live
+writers' work."""
 
 from __future__ import annotations
 
@@ -39,19 +39,15 @@ def test_an_odd_host_name_still_parses(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tn is not None and tn.host == "node_7_cluster_example" and tn.pid == os.getpid()
 
 
-@pytest.mark.parametrize("name, expected", [
-    (".x.bin.sfstore-tmp-123-abcdef", TempName("x.bin", "tmp", None, 123)),
-    (".sfstore-tmp-probe-77-ab12", TempName(None, "tmp", None, 77)),
-    (".out.tar.sfstore-part-9-00ff", TempName("out.tar", "part", None, 9)),
-    (".ck.sfstore-staging-otherhost-1-cc", TempName("ck", "staging", "otherhost", 1)),
-])
-def test_names_older_writers_left_are_read(name: str, expected: TempName) -> None:
-    assert parse(name) == expected
+def test_another_hosts_name_is_read() -> None:
+    assert parse(".ck.sfstore-staging-otherhost-1-cc") == TempName("ck", "staging", "otherhost", 1)
 
 
 @pytest.mark.parametrize("name", [
     "x.bin", ".x.bin", ".x.sfstore-tmp-", ".x.sfstore-tmp-12", ".x.sfstore-tmp-ab-cd", ".x.sfstore-TMP-h-1-ab",
     ".x.sfstore-tmp-h-1-xyz", "x.sfstore-tmp-h-1-ab", ".x.tmp-12-ab",
+    # what sfstore 0.1's first builds wrote, without a host: a name sfstore does not write is not its temporary
+    ".x.bin.sfstore-tmp-123-abcdef", ".sfstore-tmp-probe-77-ab12",
 ])
 def test_other_names_are_not_temporary(name: str) -> None:
     assert parse(name) is None
@@ -63,17 +59,14 @@ def test_a_kind_is_lower_case_letters() -> None:
             temp_name("x", kind)
 
 
-def test_file_path_cleanup_removes_dead_writers_leftovers_in_both_schemes(tmp_path: Path) -> None:
+def test_file_path_cleanup_removes_dead_writers_leftovers(tmp_path: Path) -> None:
     fp = FilePath(tmp_path)
     host, dead, live = temp_names.host(), dead_pid(), os.getppid()
     gone = [
-        f".a.bin.sfstore-tmp-{dead}-ab",  # an older writer's
-        f".sfstore-tmp-probe-{dead}-cd",  # an older O_DIRECT probe's
         f".b.bin.sfstore-tmp-{host}-{dead}-ef",
         ".c.bin.sfstore-tmp-otherhost-1-ab",  # another host's, untouched for long
     ]
     kept = [
-        f".d.bin.sfstore-tmp-{live}-ab",
         f".e.bin.sfstore-tmp-{host}-{live}-ab",
         f".f.bin.sfstore-tmp-{host}-{os.getpid()}-ab",  # ours
         ".g.bin.sfstore-tmp-otherhost-1-ab",  # another host's, recent
@@ -83,10 +76,10 @@ def test_file_path_cleanup_removes_dead_writers_leftovers_in_both_schemes(tmp_pa
     for name in gone + kept:
         (tmp_path / name).write_bytes(b"x")
     long_ago = time.time() - temp_names.FOREIGN_STALE_SECONDS - 60
-    os.utime(tmp_path / gone[3], (long_ago, long_ago))
+    os.utime(tmp_path / gone[1], (long_ago, long_ago))
     assert fp.clean_stale_temporaries() == len(gone)
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
-    assert [n for n in kept if fp.is_temporary(n)] == kept[:4]
+    assert [n for n in kept if fp.is_temporary(n)] == kept[:3]
 
 
 def test_file_path_writes_under_the_scheme(tmp_path: Path) -> None:

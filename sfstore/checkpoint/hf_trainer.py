@@ -60,8 +60,6 @@ COMMIT_NAME = "sfstore-commit.json"
 _FORMAT = "sfstore.hf_trainer.commit"
 _VERSION = 1
 _COMMIT_KIND = "commit"  # the record's temporary name: temp_names.temp_name(COMMIT_NAME, "commit")
-# Older writers wrote the record under ``.{COMMIT_NAME}.tmp-{pid}`` (no host: taken for this host's)
-_OLDER_TEMP_PREFIX = f".{COMMIT_NAME}.tmp-"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers.trainer_utils' own pattern
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 
@@ -103,9 +101,7 @@ def _hash_file(path: str, buf: bytearray, *, sync: bool) -> tuple[int, str]:
 
 
 def _temporary(name: str) -> bool:
-    """Whether ``name`` is the commit record's temporary name (this writer's or an older one's)."""
-    if name.startswith(_OLDER_TEMP_PREFIX):
-        return True
+    """Whether ``name`` is the commit record's temporary name."""
     tn = temp_names.parse(name)
     return tn is not None and tn.final == COMMIT_NAME and tn.kind == _COMMIT_KIND
 
@@ -117,11 +113,8 @@ def _ours(name: str) -> bool:
 def _writer_gone(path: str, name: str) -> bool:
     """Whether the commit record's temporary ``name`` in ``path`` was left by a writer that is gone."""
     tn = temp_names.parse(name)
-    if tn is not None:
-        return tn.final == COMMIT_NAME and tn.kind == _COMMIT_KIND and temp_names.is_leftover(
-            tn, os.path.join(path, name))
-    pid = name[len(_OLDER_TEMP_PREFIX):]
-    return name.startswith(_OLDER_TEMP_PREFIX) and pid.isdigit() and not temp_names.pid_alive(int(pid))
+    return tn is not None and tn.final == COMMIT_NAME and tn.kind == _COMMIT_KIND and temp_names.is_leftover(
+        tn, os.path.join(path, name))
 
 
 def _remove_leftovers(path: str) -> None:

@@ -532,7 +532,7 @@ def cleanup(parent: int, *, fp: FilePath, full: str, remove: bool = True) -> int
         return 0
     for name, is_dir in sorted(entries):
         tn = parse_temp_name(name)
-        if tn is None or tn.kind not in _STAGING_KINDS or tn.final is None or not is_dir:
+        if tn is None or tn.kind not in _STAGING_KINDS or not is_dir:
             continue
         try:
             if not is_leftover(tn, name, dir_fd=parent):

@@ -63,9 +63,6 @@ _SUB = re.compile(r"^[0-9a-f]{2}$")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# The temporary names this module's records were written under by older writers, ``.{name}.tmp-{pid}-{rand}``
-# (no host: taken for this host's); still read so that a killed writer's are removed
-_OLDER_TEMPORARY = re.compile(r"^\..+\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
 
 
 def check_namespace(name: Any) -> str:
@@ -638,7 +635,7 @@ class SharedBudget:
             if rec is not None and probe.quarantine_in_force(rec, now):
                 found[name[:-len(".json")]] = {"name": name[:-len(".json")], **rec}
             elif clean and (rec is not None or (st is not None and now - st.st_mtime > 60.0) or (
-                    name.startswith(".") and self._temporary_gone(name, {}, now, 0.0, 60.0))):
+                    name.startswith(".") and self._temporary_gone(name, 0.0, 60.0))):
                 _unlink_entry(fd, name)
         mine = os.path.normpath(self.root)
         for rec in probe.read_quarantine_records(local_dir or probe.quarantine_dir()):
@@ -665,7 +662,7 @@ class SharedBudget:
             rec = WriterRecord.parse(data) if data is not None and not name.startswith(".") else None
             age = now - st.st_mtime if st is not None else 0.0
             if rec is None:
-                gone = name.startswith(".") and self._temporary_gone(name, {}, now, age, grace_s)
+                gone = name.startswith(".") and self._temporary_gone(name, age, grace_s)
                 gone = gone or (not name.startswith(".") and age > 60.0)  # torn or foreign, settled
             else:
                 gone = now - rec.heartbeat > self.stale_s or (
@@ -677,7 +674,7 @@ class SharedBudget:
         out["records_removed"] = removed_records
         try:  # a scan's base or a record whose writer was killed mid-write
             for name in self.fp.beneath.listdir(self._rel(META)):
-                if name.startswith(".") and self._temporary_gone(name, live, now, 0.0, grace_s):
+                if name.startswith(".") and self._temporary_gone(name, 0.0, grace_s):
                     out["temporaries_removed"] += self._unlink_at(META, name)
         except OSError:
             pass
@@ -686,7 +683,7 @@ class SharedBudget:
         for sub, name in found.evicting:
             out["evicting_removed"] += self._unlink_at(sub, name)
         for sub, name, st in found.temporaries:
-            if self._temporary_gone(name, live, now, now - st.st_mtime, grace_s):
+            if self._temporary_gone(name, now - st.st_mtime, grace_s):
                 out["temporaries_removed"] += self._unlink_at(sub, name)
         total = found.total
         out["bytes_before"], out["files_before"] = found.total, found.files
@@ -712,32 +709,16 @@ class SharedBudget:
         self.refresh()
         return out
 
-    def _temporary_gone(self, name: str, live: dict[int, list[WriterRecord]], now: float, age: float,
-                        grace_s: float) -> bool:
+    def _temporary_gone(self, name: str, age: float, grace_s: float) -> bool:
         """Whether a temporary file belongs to a writer that is gone: it is older than ``grace_s``, or its name
-        says this host (or no host: an older writer's) and a pid that is dead here, which no live record of
-        another host has either."""
+        says this host and a pid that is dead here."""
         if age > grace_s:
             return True
         tn = temp_names.parse(name)
-        if tn is not None:
-            if tn.host is not None and tn.host != temp_names.host():
-                return False  # another node's writer: its pid means nothing here (the grace period decides)
-            if not temp_names.is_leftover(tn, name):  # this host's (or no host's) pid: alive
-                return False
-            if tn.host is not None:
-                return True
-            pid = tn.pid
-        else:
-            m = _OLDER_TEMPORARY.match(name)
-            if m is None:
-                return False
-            pid = int(m.group("pid"))
-            if pid_alive(pid):
-                return False
-        # a name without a host (an older writer's) may be another node's: a live record of that pid there
-        # keeps it
-        return not any(r.host != self.host for r in live.get(pid, []))
+        if tn is None or tn.host != temp_names.host():
+            return False  # not a temporary name, or another node's writer: its pid means nothing here (the grace
+            # period decides)
+        return temp_names.is_leftover(tn, name)
 
     def _unlink_at(self, *parts: str) -> int:
         try:

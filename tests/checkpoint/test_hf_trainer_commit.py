@@ -410,17 +410,17 @@ def _dead_pid() -> int:
 
 
 def test_a_killed_commits_temporaries_are_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
-    """A commit record's temporary left by a killed writer, in the current naming (``temp_name(COMMIT_NAME,
-    "commit")``) and in the older one (``.{COMMIT_NAME}.tmp-{pid}``), is removed by the next commit; a live
-    writer's (this process's) and another host's recent one are kept; none of them is recorded as a file."""
+    """A commit record's temporary left by a killed writer (``temp_name(COMMIT_NAME, "commit")``) is removed by
+    the next commit; a live writer's (this process's) and another host's recent one are kept; none of them is
+    recorded as a file."""
     from sfstore import temp_names
 
     d = tmp_path / "checkpoint-3"
     d.mkdir()
     (d / "a.bin").write_bytes(b"abc")
     dead = _dead_pid()
-    gone = [f".{COMMIT_NAME}.sfstore-commit-{temp_names.host()}-{dead}-0123456789ab", f".{COMMIT_NAME}.tmp-{dead}"]
-    kept = [temp_names.temp_name(COMMIT_NAME, "commit"), f".{COMMIT_NAME}.tmp-{os.getpid()}",
+    gone = [f".{COMMIT_NAME}.sfstore-commit-{temp_names.host()}-{dead}-0123456789ab"]
+    kept = [temp_names.temp_name(COMMIT_NAME, "commit"),
             f".{COMMIT_NAME}.sfstore-commit-another_host-{dead}-0123456789ab"]
     for name in gone + kept:
         (d / name).write_bytes(b"{")

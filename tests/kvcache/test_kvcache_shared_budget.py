@@ -225,34 +225,32 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def test_kv_gc_removes_killed_writers_temporaries_in_both_namings_and_keeps_live_ones(
+def test_kv_gc_removes_killed_writers_temporaries_and_keeps_live_ones(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``sfstore kv gc`` removes the temporaries a killed writer left, named as ``temp_names.temp_name`` names
-    them and as older writers did (a record's ``.{name}.tmp-{pid}-{rand}``, a block file's
-    ``.{name}.sfstore-tmp-{pid}-{rand}``), at once (well within the grace period); a live writer's (this
-    process's) and another host's recent ones are kept."""
+    """``sfstore kv gc`` removes the temporaries a killed writer of this host left (named as
+    ``temp_names.temp_name`` names them) at once, well within the grace period; a live writer's (this process's),
+    another host's recent ones and names sfstore does not write (a bare pid, no host) are left to the grace
+    period."""
     shared = tmp_path / "shared"
     kv = w.open_store(str(shared), 0)
     for i in range(3):
         kv.put([w.key(kv, i)], [w.block(i)])
     kv.close()
     block = files_in(shared)[0]
-    dead, me, host = _dead_pid(), os.getpid(), temp_names.host()
+    dead, host = _dead_pid(), temp_names.host()
     planted: dict[Path, tuple[list[str], list[str]]] = {  # directory: (removed, kept)
-        block.parent: ([f".{block.name}.sfstore-tmp-{host}-{dead}-0123456789ab",
-                        f".{block.name}.sfstore-tmp-{dead}-0123456789ab"],
-                       [temp_names.temp_name(block.name, "tmp"),
+        block.parent: ([f".{block.name}.sfstore-tmp-{host}-{dead}-0123456789ab"],
+                       [temp_names.temp_name(block.name, "tmp"), f".{block.name}.sfstore-tmp-{dead}-0123456789ab",
                         f".{block.name}.sfstore-tmp-another_host-{dead}-0123456789ab"]),
-        shared / META / "writers": ([f".w.json.sfstore-tmp-{host}-{dead}-0123456789ab", f".w.json.tmp-{dead}-ab12"],
-                                    [temp_names.temp_name("w.json", "tmp"), f".w.json.tmp-{me}-ab12",
+        shared / META / "writers": ([f".w.json.sfstore-tmp-{host}-{dead}-0123456789ab"],
+                                    [temp_names.temp_name("w.json", "tmp"), f".w.json.tmp-{dead}-ab12",
                                      f".w.json.sfstore-tmp-another_host-{dead}-0123456789ab"]),
-        shared / META: ([f".base.json.sfstore-tmp-{host}-{dead}-0123456789ab", f".base.json.tmp-{dead}-ab12"],
-                        [temp_names.temp_name("base.json", "tmp"), f".base.json.tmp-{me}-ab12"]),
+        shared / META: ([f".base.json.sfstore-tmp-{host}-{dead}-0123456789ab"],
+                        [temp_names.temp_name("base.json", "tmp"), f".base.json.tmp-{dead}-ab12"]),
     }
     (shared / META / "quarantine").mkdir(exist_ok=True)
-    planted[shared / META / "quarantine"] = ([f".q.json.sfstore-tmp-{host}-{dead}-0123456789ab",
-                                              f".q.json.tmp-{dead}-ab12"],
-                                             [temp_names.temp_name("q.json", "tmp"), f".q.json.tmp-{me}-ab12"])
+    planted[shared / META / "quarantine"] = ([f".q.json.sfstore-tmp-{host}-{dead}-0123456789ab"],
+                                             [temp_names.temp_name("q.json", "tmp"), f".q.json.tmp-{dead}-ab12"])
     before = {d: set(os.listdir(d)) for d in planted}
     for d, (gone, kept) in planted.items():
         for name in gone + kept:
@@ -262,7 +260,7 @@ def test_kv_gc_removes_killed_writers_temporaries_in_both_namings_and_keeps_live
     for d, (_gone, kept) in planted.items():
         assert {n for n in os.listdir(d) if n.startswith(".")} - before[d] == set(kept), d
     (ns,) = report  # the default namespace's; the writers' directory's temporaries count as its records
-    assert (ns["temporaries_removed"], ns["records_removed"]) == (4, 2), ns
+    assert (ns["temporaries_removed"], ns["records_removed"]) == (2, 1), ns
     assert every_block_whole(shared) == 3
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from reliability_helpers import RaceRoot, Tally, check_race, race, tree_signature
 
-from sfstore import errors
+from sfstore import errors, temp_names
 from sfstore.fs import SFFileSystem
 
 INSIDE = b"INSIDE-" * 10  # 70 bytes
@@ -61,7 +61,7 @@ def _make_outside(out: Path) -> None:
     (out / "sub" / "g").write_bytes(OUTSIDE)
     (out / "sub" / "deep" / "h").write_bytes(OUTSIDE)
     (out / "only-outside.txt").write_bytes(OUTSIDE)
-    (out / ".x.bin.sfstore-tmp-999999999-abcdef").write_bytes(OUTSIDE)  # a dead writer's temporary
+    (out / f".x.bin.sfstore-tmp-{temp_names.host()}-999999999-abcdef").write_bytes(OUTSIDE)  # a dead writer's
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Scene(RaceRoot):
         (d / "f").write_bytes(INSIDE)
         (d / "sub" / "g").write_bytes(INSIDE)
         (d / "sub" / "deep" / "h").write_bytes(INSIDE)
-        (d / ".y.bin.sfstore-tmp-999999999-abcdef").write_bytes(INSIDE)
+        (d / f".y.bin.sfstore-tmp-{temp_names.host()}-999999999-abcdef").write_bytes(INSIDE)
         self.replace_top(new)
         for name in ("moved.bin", "copied.bin"):
             (self.root / name).unlink(missing_ok=True)
