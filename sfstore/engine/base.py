@@ -120,13 +120,13 @@ class EngineStats(Counters):
 
 
 def wait_seconds(timeout: Any, what: str = "timeout") -> float | None:
-    """A future's wait, in seconds: ``None`` or ``inf`` wait without end (``None``); a negative wait only looks
-    (``0.0``, as :mod:`concurrent.futures` and :mod:`threading` take it).
+    """A future's wait, in seconds: ``None`` or ``inf`` wait without end (``None``), ``0`` only looks. The rule of
+    every wait in sfstore (:func:`sfstore.arguments.check_timeout` says it for the others).
 
     Raises
     ------
     sfstore.errors.InvalidRequestError
-        ``timeout`` is NaN, a bool, or not a real number (named ``what`` in the message).
+        ``timeout`` is negative, NaN, a bool, or not a real number (named ``what`` in the message).
     """
     if timeout is None:
         return None
@@ -142,13 +142,11 @@ def wait_seconds(timeout: Any, what: str = "timeout") -> float | None:
     else:
         try:
             value = float(timeout)
-        except OverflowError:  # an int beyond any float: as good as forever
-            return None if timeout > 0 else 0.0
-    if math.isnan(value):
-        raise errors.InvalidRequestError(f"{what} must be a number of seconds or None, not NaN")
-    if math.isinf(value):
-        return None if value > 0 else 0.0
-    return max(0.0, value)
+        except OverflowError:  # an int beyond any float: as good as forever, or far below zero
+            value = math.inf if timeout > 0 else -math.inf
+    if math.isnan(value) or value < 0:
+        raise errors.InvalidRequestError(f"{what} must be seconds >= 0 or None, not {timeout!r}")
+    return None if math.isinf(value) else value
 
 
 class IOFuture(Future[list[int]]):

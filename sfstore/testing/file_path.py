@@ -320,8 +320,11 @@ class FilePathTests:
 
 
     def test_stale_temporaries_are_cleaned(self, fp: FilePath) -> None:
-        dead = os.path.join(fp.root, ".x.bin.sfstore-tmp-999999999-abcdef")
-        mine = os.path.join(fp.root, f".y.bin.sfstore-tmp-{os.getppid()}-abcdef")  # alive: kept
+        from sfstore import temp_names
+
+        host = temp_names.host()
+        dead = os.path.join(fp.root, f".x.bin.sfstore-tmp-{host}-999999999-abcdef")
+        mine = os.path.join(fp.root, f".y.bin.sfstore-tmp-{host}-{os.getppid()}-abcdef")  # alive: kept
         for p in (dead, mine):
             with open(p, "wb") as f:
                 f.write(b"partial")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import mmap
 import os
 import random
@@ -470,6 +471,27 @@ def test_negative_numbers(engine: IOEngine, tmp_path: Path, field: str) -> None:
             with pytest.raises(E.InvalidRequestError):
                 req = Request(op, fd, values["offset"], values["length"], bytearray(8), values["buffer_offset"])
                 engine.submit([req])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("timeout", [-1, -0.001, -math.inf, float("nan"), -(10 ** 400), True, "1"])
+def test_a_wait_takes_seconds_at_least_zero_as_every_wait_in_sfstore(engine: IOEngine, tmp_path: Path,
+                                                                     timeout: Any) -> None:
+    """One timeout rule for every future (the engine's, a path's, the checkpoint's): ``None`` or seconds >= 0,
+    ``inf`` without end, ``0`` only looks; anything else (a negative wait among it) is refused, never a poll."""
+    fd = os.open(tmp_path / "w.bin", os.O_RDWR | os.O_CREAT)
+    try:
+        fut = engine.submit([Request.write(fd, 0, 4, b"abcd")])
+        assert fut.wait(None) and fut.wait(0) and fut.wait(math.inf) and fut.wait(10 ** 400)
+        for call in (fut.wait, fut.get):
+            with pytest.raises(E.InvalidRequestError, match="seconds"):
+                call(timeout)
+        from sfstore.paths.file import FilePath
+
+        pf = FilePath(tmp_path).submit([])  # a path's future says the same
+        with pytest.raises(E.InvalidRequestError, match="seconds"):
+            pf.wait(timeout)
     finally:
         os.close(fd)
 
