@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,8 @@ __all__ = [
     "memory_capabilities",
     "free_page_reporting",
     "native_available",
+    "gather",
+    "scatter",
     "is_device_buffer",
     "device_nbytes",
     "copy_host_to_device",
@@ -80,6 +83,29 @@ def filled_bytes(data: bytes | bytearray, n: int) -> bytes:
     if isinstance(data, bytes) and len(data) == n:
         return data
     return bytes(memoryview(data)[:n])
+
+
+def gather(out: Any, sources: Sequence[Any], offset: int, nbytes: int) -> None:
+    """Copy ``nbytes`` at ``offset`` of each registered buffer in ``sources`` into ``out`` (writable memory of
+    ``len(sources) * nbytes`` bytes), one after the other, in one call into the native helper with the GIL
+    released (a layer of each of a load's blocks into one contiguous tensor)."""
+    _native_module("gather").gather(out, sources, offset, nbytes)
+
+
+def scatter(out: Any, sources: Sequence[Any], offset: int, out_offsets: Sequence[int], counts: Sequence[int],
+            out_strides: Sequence[int], src_strides: Sequence[int], run: int) -> None:
+    """Copy rows from each registered buffer in ``sources`` (from ``offset``) into strided places of ``out``: row
+    ``j`` to ``out_offsets[j]``, as ``counts``/``out_strides``/``src_strides`` runs of ``run`` bytes, in one call
+    into the native helper with the GIL released (a layer of a load's blocks straight into an engine's pages)."""
+    _native_module("scatter").scatter(out, sources, offset, out_offsets, counts, out_strides, src_strides, run)
+
+
+def _native_module(what: str) -> Any:
+    if _native is None:
+        from sfstore.errors import EngineUnavailableError
+
+        raise EngineUnavailableError(f"{what} of registered buffers needs sfstore._native: {_NATIVE_ERROR}")
+    return _native
 
 
 def native_available() -> tuple[bool, str]:

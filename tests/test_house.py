@@ -84,3 +84,52 @@ def test_the_rule_catches_what_it_says(tmp_path: Path, monkeypatch: pytest.Monke
     fake = ROOT / "_house_rule_probe.py"
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: source if self == fake else Path.read_text(self))
     assert len(_violations(fake)) == expected
+
+
+# -- layers: faces move bytes through paths, never through the engine or the native helper ---------------------------
+
+#: the faces: what users call (sf://, checkpoints, the KV cache and its engine adapters, hot blocks, the CLI)
+FACES = ("sfstore.fs", "sfstore.checkpoint", "sfstore.kvcache", "sfstore.blocks", "sfstore.cli",
+         "sfstore.integrations", "sfstore.demo")
+#: what a face may not import: the layers under the paths
+BELOW_PATHS = ("sfstore._native", "sfstore.engine")
+
+
+def _imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+    """The sfstore modules ``path`` imports (``from a import b`` counts as ``a.b`` and ``a``), with their lines."""
+    current = _module_name(path)
+    tree = ast.parse(source if source is not None else path.read_text(), str(path))
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = _resolve(node.module or "", node.level, current, path.name == "__init__.py")
+            out.append((node.lineno, mod))
+            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+    return [(line, m) for line, m in out if m.startswith("sfstore")]
+
+
+def _layer_violations(path: Path, source: str | None = None) -> list[str]:
+    module = _module_name(path)
+    if not any(module == f or module.startswith(f + ".") for f in FACES):
+        return []
+    return [f"{path.relative_to(ROOT.parent)}:{line}: {module} imports {m}" for line, m in _imports(path, source)
+            if any(m == b or m.startswith(b + ".") for b in BELOW_PATHS)]
+
+
+def test_faces_import_neither_the_engine_nor_the_native_helper() -> None:
+    found = [v for path in sorted(ROOT.rglob("*.py")) for v in _layer_violations(path)]
+    assert not found, "faces reaching under the paths:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module, source, expected", [
+    ("kvcache/x.py", "from sfstore import _native\n", 1),
+    ("kvcache/x.py", "def f():\n    import sfstore._native\n", 1),
+    ("checkpoint/x.py", "from sfstore.engine import get_engine\n", 2),
+    ("fs.py", "from .engine import Request\n", 2),
+    ("kvcache/x.py", "from sfstore.paths import beneath\nfrom sfstore import buffers\n", 0),
+    ("paths/x.py", "from sfstore import _native\nfrom sfstore.engine import get_engine\n", 0),  # not a face
+])
+def test_the_layer_rule_catches_what_it_says(module: str, source: str, expected: int) -> None:
+    assert len(_layer_violations(ROOT / module, source)) == expected

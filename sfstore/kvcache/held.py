@@ -8,7 +8,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from sfstore import errors
+from sfstore import buffers, errors
 from sfstore.arguments import check_timeout
 from sfstore.counters import Counters
 from sfstore.futures import Future
@@ -165,11 +165,9 @@ class HeldBlocks:
         self.wait_layer(layer)  # bounded: each read ends within its tier's deadline
         if self.load is not None and self.load.counters is not None and not self.load.done():
             self.load.counters.add(layers_copied_early=1)
-        from sfstore import _native  # present: the slots are its buffers
-
         if rows_at is not None:
             base, offsets, counts, out_strides, src_strides, run = self._scatter_plan(out, rows_at)
-            _native.scatter(base, self._buffers, layer * g.layer_bytes, offsets, counts, out_strides, src_strides, run)
+            buffers.scatter(base, self._buffers, layer * g.layer_bytes, offsets, counts, out_strides, src_strides, run)
             return
         if (type(out).__module__ or "").startswith("torch"):
             if out.device.type != "cpu" or not out.is_contiguous():
@@ -177,7 +175,7 @@ class HeldBlocks:
             import torch
 
             out = out.detach().view(-1).view(torch.uint8).numpy()  # the same memory, through the buffer protocol
-        _native.gather(out, self._buffers, layer * g.layer_bytes, g.layer_bytes)
+        buffers.gather(out, self._buffers, layer * g.layer_bytes, g.layer_bytes)
 
     def _scatter_plan(self, out: Any, rows_at: Sequence[int]) -> tuple[Any, list[int], list[int], list[int],
                                                                         list[int], int]:

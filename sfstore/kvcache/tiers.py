@@ -31,6 +31,7 @@ from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
 from sfstore.kvcache.shared_chunks import CHUNK_SUFFIX, ChunkFiles, Entry, parse_name
 from sfstore.kvcache.tier import KVBatch, KVTier, ReadStatus, WriteStatus, read_status
+from sfstore.paths import beneath
 from sfstore.paths.base import Range
 from sfstore.paths.file import AtomicWriter, FilePath, set_blocking
 
@@ -504,16 +505,11 @@ class SharedTier(KVTier):
 
     def _open(self, rel: str, flags: int) -> int:
         """Open ``rel`` beneath the tier's directory; ``OSError`` (``ENOENT``: not there) on failure."""
-        global _beneath
-        if _beneath is not None:
-            try:
-                return int(_beneath(self._dir(), rel, flags, 0))
-            except OSError as exc:
-                if exc.errno != errno.ENOSYS:
-                    raise
-                _beneath = None  # a kernel without openat2 (before 5.6): the walk of directory descriptors
-        # The file path's walk of descriptors, from its root through the tier's directory (never a name
-        # resolved ahead): confined to that root, where the kernel's lookup is confined to the directory.
+        fd = beneath.open_at(self._dir(), rel, flags)
+        if fd is not None:
+            return fd
+        # Without openat2: the file path's walk of descriptors, from its root through the tier's directory (never
+        # a name resolved ahead): confined to that root, where the kernel's lookup is confined to the directory.
         return self.fp.beneath.open(self.prefix + rel, flags)
 
     def _entry(self, key: bytes) -> tuple[str, str]:
@@ -582,15 +578,13 @@ class SharedTier(KVTier):
 
     def _regular(self, names: list[str]) -> list[bool]:
         """Whether a regular file is at each name (relative to the tier's directory)."""
-        many = _stat_many
-        if many is not None and len(names) >= 2:
+        if len(names) >= 2:
             try:
-                modes = [int(m) for m in many(self._dir(), names, _O_PATH, False)]
+                found = beneath.stat_many_at(self._dir(), names, _O_PATH, False)
             except OSError:  # the directory itself is not there (nothing written yet)
                 return [False] * len(names)
-            if not any(m == -errno.ENOSYS for m in modes):
-                return [m >= 0 and stat.S_ISREG(m) for m in modes]
-            _no_open_many()
+            if found is not None:
+                return [m >= 0 and stat.S_ISREG(m) for m in found]
         out = []
         for name in names:
             try:
@@ -620,18 +614,13 @@ class SharedTier(KVTier):
         """The mode of what is at each key's name (``-errno`` where nothing is), in one call into the native
         helper (one release of the GIL for the batch, where a lookup was three system calls per key from Python);
         ``None`` where the helper or the kernel's ``openat2`` is missing: the caller asks key by key."""
-        many = _stat_many
-        if many is None or len(keys) < 2:
+        if len(keys) < 2:
             return None
         try:
             dirfd = self._dir()
         except OSError:  # the directory itself is not there (nothing written yet): each key answers alone
             return None
-        modes = [int(m) for m in many(dirfd, [self._rel(k) for k in keys], _O_PATH, leading)]
-        if any(m == -errno.ENOSYS for m in modes):  # a kernel without openat2 (before 5.6): file by file
-            _no_open_many()
-            return None
-        return modes
+        return beneath.stat_many_at(dirfd, [self._rel(k) for k in keys], _O_PATH, leading)
 
     def _contains(self, key: bytes) -> bool:
         sub, base = self._entry(key)
@@ -699,19 +688,15 @@ class SharedTier(KVTier):
     def _open_blocks(self, keys: Sequence[bytes]) -> list[tuple[int | None, str, os.stat_result | None]]:
         """:meth:`_open_block` of each key; in one call into the native helper where the kernel resolves beneath
         a directory (``openat2``): one release of the GIL for the whole batch, not a few calls per file."""
-        many = _open_many
-        if many is None or len(keys) < 2:
+        if len(keys) < 2:
             return [self._open_block(k) for k in keys]
         names = [self._rel(k) for k in keys]
         try:
-            got = many(self._dir(), names, _READ_FLAGS, HEADER + self.geom.block_bytes, bool(self.fp.direct))
+            got = beneath.open_many_at(self._dir(), names, _READ_FLAGS, HEADER + self.geom.block_bytes,
+                                       bool(self.fp.direct))
         except OSError:  # the directory itself is not there (nothing written yet): each key answers alone
-            return [self._open_block(k) for k in keys]
-        if any(g[1] == errno.ENOSYS for g in got):  # a kernel without openat2 (before 5.6): file by file
-            _no_open_many()
-            for g in got:
-                if g[0] >= 0:
-                    os.close(g[0])
+            got = None
+        if got is None:  # (or a kernel without openat2, before 5.6): file by file
             return [self._open_block(k) for k in keys]
         out: list[tuple[int | None, str, os.stat_result | None]] = []
         for fd, err, mode, dev, ino, size, atime_ns, mtime_ns in got:
@@ -1378,26 +1363,6 @@ _SHARED_WAVE = 64
 _WRITE_THREADS = 8
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
-
-
-def _native_function(name: str) -> Any:
-    """The native helper's function ``name``, or ``None`` without the helper (or in a build without it)."""
-    try:
-        from sfstore import _native
-    except ImportError:
-        return None
-    return getattr(_native, name, None)
-
-
-_beneath = _native_function("open_beneath")
-_open_many = _native_function("open_files_beneath")
-_stat_many = _native_function("stat_files_beneath")
-
-
-def _no_open_many() -> None:
-    """The kernel has no ``openat2``: the batched opens and lookups go file by file from now on."""
-    global _open_many, _stat_many
-    _open_many = _stat_many = None
 
 
 class _Late(Exception):

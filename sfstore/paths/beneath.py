@@ -37,7 +37,7 @@ from typing import Any
 
 from sfstore import errors, forks
 
-__all__ = ["Beneath", "Location", "fold_parts"]
+__all__ = ["Beneath", "Location", "fold_parts", "open_at", "open_many_at", "stat_many_at"]
 
 _O_PATH = getattr(os, "O_PATH", 0)
 _DIR_FLAGS = _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
@@ -52,12 +52,77 @@ _WALK_INSTEAD = frozenset(
 )
 
 
-def _native_openat2() -> Any:
+def _native_function(name: str) -> Any:
+    """The native helper's function ``name``, or ``None`` without the helper (or in a build without it)."""
     try:
         from sfstore import _native
     except ImportError:
         return None
-    return getattr(_native, "open_beneath", None)
+    return getattr(_native, name, None)
+
+
+def _native_openat2() -> Any:
+    return _native_function("open_beneath")
+
+
+# Lookups of names beneath one directory descriptor, for callers that hold one (a tier's directory): openat2 in the
+# native helper, many names in one call (one release of the GIL for a batch). None without the helper; a kernel
+# without openat2 (before 5.6) switches them off for the process, and the callers go name by name with a walk.
+_open_at = _native_openat2()
+_open_many = _native_function("open_files_beneath")
+_stat_many = _native_function("stat_files_beneath")
+
+
+def _no_openat2() -> None:
+    global _open_at, _open_many, _stat_many
+    _open_at = _open_many = _stat_many = None
+
+
+def open_at(dirfd: int, rel: str, flags: int) -> int | None:
+    """``rel`` opened beneath the directory ``dirfd`` (``openat2(RESOLVE_BENEATH)``): its descriptor, or ``None``
+    where the helper or the kernel has no such call (the caller walks instead); ``OSError`` for a failed open
+    (``ENOENT``: not there; ``EXDEV``/``ELOOP``: a link out of the directory)."""
+    call = _open_at
+    if call is None:
+        return None
+    try:
+        return int(call(dirfd, rel, flags, 0))
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+        _no_openat2()
+        return None
+
+
+def open_many_at(dirfd: int, names: list[str], flags: int, size: int, direct: bool) -> list[tuple[int, ...]] | None:
+    """Each of ``names`` opened beneath ``dirfd`` in one call: per name ``(fd, errno, mode, dev, ino, size,
+    atime_ns, mtime_ns)`` (``fd`` < 0 where ``errno`` says why; a regular file of ``size`` bytes is switched to
+    O_DIRECT with ``direct``); ``None`` where the helper or the kernel has no openat2 (nothing is left open).
+    ``OSError`` when ``dirfd`` itself fails."""
+    call = _open_many
+    if call is None:
+        return None
+    got = [tuple(int(v) for v in g) for g in call(dirfd, names, flags, size, direct)]
+    if any(g[1] == errno.ENOSYS for g in got):
+        for g in got:
+            if g[0] >= 0:
+                os.close(g[0])
+        _no_openat2()
+        return None
+    return got
+
+
+def stat_many_at(dirfd: int, names: list[str], flags: int, leading: bool) -> list[int] | None:
+    """The mode of what is at each of ``names`` beneath ``dirfd`` (``-errno`` where nothing is; with ``leading``,
+    the list stops after the first miss), in one call; ``None`` where the helper or the kernel has no openat2."""
+    call = _stat_many
+    if call is None:
+        return None
+    modes = [int(m) for m in call(dirfd, names, flags, leading)]
+    if any(m == -errno.ENOSYS for m in modes):
+        _no_openat2()
+        return None
+    return modes
 
 
 class Location:

@@ -315,21 +315,21 @@ def test_a_lookup_answers_each_name_as_it_is(tmp_path: Path, batched: bool, monk
     """A lookup of many keys asks for them in one native call (``stat_files_beneath``, beneath the directory) or,
     without it, key by key: both answer the same. Only a regular file counts; a link out of the directory, a FIFO
     and a directory at a block's name are not blocks, and nothing is opened for reading (the FIFO waits for none)."""
-    import sfstore.kvcache.tiers as tiers
+    import sfstore.paths.beneath as beneath
 
     calls: list[int] = []
     if not batched:
-        monkeypatch.setattr(tiers, "_stat_many", None)
-    elif tiers._stat_many is None:
+        monkeypatch.setattr(beneath, "_stat_many", None)
+    elif beneath._stat_many is None:
         pytest.skip("no native helper with stat_files_beneath here")
     else:
-        real = tiers._stat_many
+        real = beneath._stat_many
 
         def noted(dirfd: int, paths: list[str], flags: int, leading: bool) -> list[int]:
             calls.append(len(paths))
             return real(dirfd, paths, flags, leading)
 
-        monkeypatch.setattr(tiers, "_stat_many", noted)
+        monkeypatch.setattr(beneath, "_stat_many", noted)
     shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
     keys = _publish(shared, {0: 0, 1: 1, 6: 6})
     _publish(elsewhere, {2: 2})

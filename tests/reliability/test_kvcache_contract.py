@@ -137,10 +137,10 @@ def make_store(
     """Stores over real tiers; ``walk``: as on a kernel without openat2 (before 5.6), where the shared tier
     resolves names with a walk of directory descriptors."""
     if request.param == "walk":
-        import sfstore.kvcache.tiers as tiers
         import sfstore.paths.beneath as beneath
 
-        monkeypatch.setattr(tiers, "_beneath", None)
+        for name in ("_open_at", "_open_many", "_stat_many"):  # a tier's lookups beneath its directory
+            monkeypatch.setattr(beneath, name, None)
         monkeypatch.setattr(beneath, "_native_openat2", lambda: None)
     # No deadlines: on a loaded machine (a full CI run's disk traffic) a 500 ms deadline can be missed, the tier
     # quarantined and a put dropped, which is not what these tests are about (tests/kvcache/test_kvcache_deadlines.py

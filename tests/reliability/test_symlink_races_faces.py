@@ -41,7 +41,6 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 from sfstore import checkpoint  # noqa: E402
 from sfstore.checkpoint import dcp as sf_dcp  # noqa: E402
 from sfstore.kvcache import KVCacheStore, KVGeometry  # noqa: E402
-from sfstore.kvcache import tiers as kv_tiers  # noqa: E402
 
 INSIDE, OUTSIDE = 1.0, 7.0  # the value of every tensor inside the root, and of every decoy outside it
 GEOM = KVGeometry(num_layers=1, block_tokens=16, num_kv_heads=1, head_dim=64, dtype="bfloat16")  # 4 KiB blocks
@@ -334,12 +333,12 @@ def _set_walk(scene: Scene, walked: bool, saved: dict[str, Any]) -> None:
     """Switch ``openat2`` off (``walked``) or back on, for every resolution a face makes."""
     beneath_mod._native_openat2 = (lambda: None) if walked else saved["native"]  # type: ignore[assignment]
     scene.fp.beneath._openat2 = None if walked else saved["fp"]
-    kv_tiers._beneath = None if walked else saved["kv"]  # type: ignore[attr-defined]
+    beneath_mod._open_at = None if walked else saved["kv"]  # a KV tier's opens beneath its directory
 
 
 def _race(scene: Scene, op: Callable[[Scene], Any], mutates: bool, seconds: float) -> Tally:
     saved = {"native": beneath_mod._native_openat2, "fp": scene.fp.beneath._openat2,
-             "kv": getattr(kv_tiers, "_beneath", None)}
+             "kv": beneath_mod._open_at}
     return race(scene, op, mutates, seconds, set_walk=lambda walked: _set_walk(scene, walked, saved), leaks=_leaks)
 
 
