@@ -36,9 +36,8 @@ from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, TextIO
 
 import sfstore
-from sfstore import errors
+from sfstore import errors, records
 from sfstore.errors import SfstoreError
-from sfstore.temp_names import temp_name
 
 if TYPE_CHECKING:
     from sfstore.fs import SFFileSystem
@@ -430,15 +429,13 @@ def _write_local(path: str, data: bytes) -> None:
             os.close(fd)
         return
     head, tail = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(head, temp_name(tail, "part"))
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        # named as the file asked for, never its temporary name
+        dirfd = os.open(head, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            records.write_atomically(dirfd, tail, data, kind="part")
+        finally:
+            os.close(dirfd)
+    except OSError as exc:  # named as the file asked for, never its temporary name
         raise errors.os_error(exc.errno or errno.EIO, "cannot write", path) from None
 
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from glob import has_magic
 from typing import Any, TypeVar
 
-from sfstore import errors
+from sfstore import errors, records
 from sfstore._optional import require
 from sfstore.buffers import bytes_for_filling, filled_bytes
 from sfstore.futures import Future, MappedFuture
@@ -39,7 +39,6 @@ from sfstore.integrations import webdataset_gopen
 from sfstore.paths.base import Range
 from sfstore.paths.beneath import fold_parts
 from sfstore.paths.file import AtomicWriter, FilePath, OpenFile
-from sfstore.temp_names import temp_name
 
 require("fsspec", "data", "sf:// (sfstore.fs)")
 
@@ -904,21 +903,19 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 return
             os.makedirs(os.path.dirname(lpath), exist_ok=True)
             head, tail = os.path.split(lpath)
-            tmp = os.path.join(head, temp_name(tail, "part"))
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            except OSError as exc:  # named as the file asked for, not its temporary name
+                dirfd = os.open(head, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as exc:  # named as the file asked for
                 raise errors.os_error(exc.errno or errno.EIO, "cannot write", lpath) from None
             try:
-                try:
+                with contextlib.ExitStack() as stack:
+                    try:
+                        fd = stack.enter_context(records.atomic_file(dirfd, tail, kind="part"))
+                    except OSError as exc:  # named as the file asked for, not its temporary name
+                        raise errors.os_error(exc.errno or errno.EIO, "cannot write", lpath) from None
                     self._pump(self._sf_source(f), size, self._local_sink(fd), callback)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, lpath)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-                raise
+            finally:
+                os.close(dirfd)
 
     @_in_sf_terms
     def cp_file(self, path1: Any, path2: Any, **kwargs: Any) -> None:

@@ -1,41 +1,60 @@
-"""Small record files kept beside the data (usage and quarantine records): written whole or not at all, and read
-without ever waiting on a FIFO, following a symlink or reading more than a bound.
+"""Local files written whole or not at all (records kept beside the data, the CLI's and ``get``'s downloads, the
+Trainer's commit record), and small records read without ever waiting on a FIFO, following a symlink or reading
+more than a bound.
 
-Both act relative to a directory descriptor, so a directory swapped for a symlink meanwhile is never acted on by
-name (the callers open it beneath their root).
+Everything acts relative to a directory descriptor, so a directory swapped for a symlink meanwhile is never acted
+on by name (the callers open it beneath their root, or open the local directory they were given).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections.abc import Iterator
 
 from sfstore import temp_names
 
-__all__ = ["write_atomically", "read_small"]
+__all__ = ["atomic_file", "write_atomically", "fsync_dir_fd", "read_small"]
 
 
-def write_atomically(dirfd: int, name: str, data: bytes) -> None:
-    """Write ``data`` as the file ``name`` in the directory ``dirfd``: into a temporary name
-    (:func:`sfstore.temp_names.temp_name`, created exclusively, never through a symlink), then renamed over
-    ``name``, so a reader sees the old file or the new one whole. Not fsynced: for records that are rewritten
-    often and rebuilt when lost. The temporary is removed when anything fails."""
-    tmp = temp_names.temp_name(name, "tmp")
+@contextlib.contextmanager
+def atomic_file(dirfd: int, name: str, *, kind: str = "tmp", fsync: bool = False) -> Iterator[int]:
+    """A descriptor to write the file ``name`` of the directory ``dirfd`` through: a temporary name
+    (:func:`sfstore.temp_names.temp_name` of ``kind``, created exclusively, never through a symlink), renamed over
+    ``name`` when the block ends, so a reader sees the old file or the new one whole. With ``fsync`` the file is
+    fsynced before the rename and the directory after it (durable once this returns). The temporary is removed
+    when anything fails; the descriptor is closed either way."""
+    tmp = temp_names.temp_name(name, kind)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dirfd)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            yield fd
+            if fsync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.rename(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dirfd)
-        except OSError:
-            pass
         raise
+    if fsync:
+        fsync_dir_fd(dirfd)
+
+
+def write_atomically(dirfd: int, name: str, data: bytes, *, kind: str = "tmp", fsync: bool = False) -> None:
+    """Write ``data`` as the file ``name`` in the directory ``dirfd`` with :func:`atomic_file`. Without ``fsync``
+    (the default) for records that are rewritten often and rebuilt when lost."""
+    with atomic_file(dirfd, name, kind=kind, fsync=fsync) as fd:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+
+def fsync_dir_fd(dirfd: int) -> None:
+    """``fsync`` a directory: a rename or a new file in it is durable once this returns."""
+    os.fsync(dirfd)
 
 
 def read_small(dirfd: int, name: str, limit: int) -> tuple[bytes | None, os.stat_result | None]:

@@ -34,7 +34,6 @@ callback warns about it at the start of training. Keep ``save_total_limit >= 2``
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -46,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from sfstore import defaults, errors, temp_names
+from sfstore import defaults, errors, records, temp_names
 from sfstore.paths.file import fsync_dir
 
 if TYPE_CHECKING:
@@ -204,22 +203,14 @@ def commit_checkpoint(directory: str | os.PathLike[str]) -> str:
     record = {"format": _FORMAT, "version": _VERSION, "checkpoint": os.path.basename(path),
               "step": int(m.group(1)), "checksum": "xxh3-64", "files": files}
     body = json.dumps(record, indent=1, sort_keys=True).encode() + b"\n"
-    temp = os.path.join(path, temp_names.temp_name(COMMIT_NAME, _COMMIT_KIND))
     final = os.path.join(path, COMMIT_NAME)
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        dirfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            view = memoryview(body)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+            records.write_atomically(dirfd, COMMIT_NAME, body, kind=_COMMIT_KIND, fsync=True)
         finally:
-            os.close(fd)
-        os.rename(temp, final)
-        fsync_dir(path)
+            os.close(dirfd)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
         raise _os_error(exc, "commit_checkpoint: cannot publish the commit record", final) from None
     return final
 
