@@ -133,3 +133,30 @@ def test_faces_import_neither_the_engine_nor_the_native_helper() -> None:
 ])
 def test_the_layer_rule_catches_what_it_says(module: str, source: str, expected: int) -> None:
     assert len(_layer_violations(ROOT / module, source)) == expected
+
+
+#: the runtime faces: they move data; the probe (a report of the host, for people and the CLI) is above them
+RUNTIME_FACES = ("sfstore.fs", "sfstore.checkpoint", "sfstore.kvcache", "sfstore.blocks", "sfstore.integrations")
+
+
+def _probe_violations(path: Path, source: str | None = None) -> list[str]:
+    module = _module_name(path)
+    if not any(module == f or module.startswith(f + ".") for f in RUNTIME_FACES):
+        return []
+    return [f"{path.relative_to(ROOT.parent)}:{line}: {module} imports {m}" for line, m in _imports(path, source)
+            if m == "sfstore.probe" or m.startswith("sfstore.probe.")]
+
+
+def test_runtime_faces_do_not_import_the_probe() -> None:
+    found = [v for path in sorted(ROOT.rglob("*.py")) for v in _probe_violations(path)]
+    assert not found, "runtime modules importing the probe:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module, source, expected", [
+    ("kvcache/x.py", "from sfstore import probe\n", 1),
+    ("kvcache/x.py", "from sfstore.probe import quarantine_rows\n", 2),
+    ("kvcache/x.py", "from sfstore import quarantine_records\n", 0),
+    ("cli.py", "from sfstore.probe import probe\n", 0),  # the CLI reports it
+])
+def test_the_probe_rule_catches_what_it_says(module: str, source: str, expected: int) -> None:
+    assert len(_probe_violations(ROOT / module, source)) == expected

@@ -14,6 +14,7 @@ import pytest
 
 import sfstore
 from sfstore import probe as probe_mod
+from sfstore import quarantine_records
 from sfstore.mounts import mount_for, parse_mountinfo
 from sfstore.probe import (
     SECTIONS,
@@ -315,13 +316,13 @@ def test_probe_command_shows_routing_per_data_class(tmp_path: Path) -> None:
 
 
 def test_kvcache_section_lists_the_quarantines_in_force_and_removes_the_others(tmp_path: Path) -> None:
-    where = probe_mod.quarantine_dir(str(tmp_path))
+    where = quarantine_records.quarantine_dir(str(tmp_path))
     assert where == str(tmp_path / ".kvcache-state" / "quarantine")
     assert probe_mod.probe_kvcache(str(tmp_path)) == {"status": "ok", "state_dir": where, "quarantined": []}
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)
     now = time.time()
-    me = probe_mod.host_name()
+    me = quarantine_records.host_name()
     base = {"host": me, "pid": os.getpid(), "tier": "shared", "target": "/mnt/kv", "namespace": "",
             "since": now - 3, "until": now + 60, "reason": "a read missed its deadline of 500 ms", "abandoned": 1,
             "deadline_ms": 500, "written": now}
@@ -332,7 +333,7 @@ def test_kvcache_section_lists_the_quarantines_in_force_and_removes_the_others(t
         "dead": {**base, "pid": int(dead.stdout)},  # its process is gone: its quarantine with it
     }
     for name, rec in records.items():
-        probe_mod.write_quarantine_record(where, name, rec)
+        quarantine_records.write_quarantine_record(where, name, rec)
     (Path(where) / "torn.json").write_bytes(b'{"v": 1, "host": ')
     (Path(where) / "fresh-torn.json").write_bytes(b'{"v": 1, "host": ')  # a writer may still be writing it
     (Path(where) / ".x.json.tmp-1-ab").write_bytes(b"{")
@@ -348,18 +349,18 @@ def test_kvcache_section_lists_the_quarantines_in_force_and_removes_the_others(t
     assert lines[:2] == ["kvcache  ok", "    quarantined  2 tier(s)"]
     assert lines[2].split() == ["HOST", "PID", "TIER", "TARGET", "SINCE", "LEFT", "STUCK", "REASON"]
     assert lines[4].split()[:4] == ["node-b", "1", "shared", "(llama)"] and "missed its deadline" in lines[3]
-    probe_mod.remove_quarantine_record(where, "live")
-    probe_mod.remove_quarantine_record(where, "live")  # gone already: nothing
-    assert [r["name"] for r in probe_mod.read_quarantine_records(where)] == ["elsewhere"]
+    quarantine_records.remove_quarantine_record(where, "live")
+    quarantine_records.remove_quarantine_record(where, "live")  # gone already: nothing
+    assert [r["name"] for r in quarantine_records.read_quarantine_records(where)] == ["elsewhere"]
 
 
 def test_a_quarantine_record_round_trips_and_foreign_ones_are_refused() -> None:
     rec = {"host": "h", "pid": 7, "tier": "block", "target": "/dev/nvme1n1", "namespace": "", "since": 1.5,
            "until": 2.5, "reason": "r", "abandoned": 0, "deadline_ms": 500, "written": 1.5}
-    assert probe_mod.parse_quarantine(probe_mod.encode_quarantine(rec)) == rec
+    assert quarantine_records.parse_quarantine(quarantine_records.encode_quarantine(rec)) == rec
     for bad in (b"", b"[]", b'{"v": 2}', b'{"v": 1, "host": "h"}', b"\xff", b'{"v": 1, "pid": "x"}'):
-        assert probe_mod.parse_quarantine(bad) is None, bad
-    assert not probe_mod.quarantine_in_force(rec)  # ended long ago
+        assert quarantine_records.parse_quarantine(bad) is None, bad
+    assert not quarantine_records.quarantine_in_force(rec)  # ended long ago
 
 
 def _dead_pid() -> int:
@@ -382,11 +383,11 @@ def test_a_killed_record_writers_temporaries_are_removed_and_a_live_ones_kept(tm
             f".e.json.sfstore-tmp-another_host-{dead}-0123456789ab"]
     for name in gone + kept:
         (where / name).write_bytes(b"{")
-    assert probe_mod.read_quarantine_records(str(where)) == []
+    assert quarantine_records.read_quarantine_records(str(where)) == []
     assert sorted(os.listdir(where)) == sorted(gone + kept)  # a read that does not clean removes nothing
-    assert probe_mod.read_quarantine_records(str(where), clean=True) == []
+    assert quarantine_records.read_quarantine_records(str(where), clean=True) == []
     assert sorted(os.listdir(where)) == sorted(kept)
-    probe_mod.write_quarantine_record(str(where), "r", {
+    quarantine_records.write_quarantine_record(str(where), "r", {
         "host": "h", "pid": 1, "tier": "shared", "target": "", "namespace": "", "since": 0.0, "until": 1e12,
         "reason": "", "abandoned": 0, "deadline_ms": 1, "written": 0.0})
     assert sorted(os.listdir(where)) == sorted([*kept, "r.json"])  # its own temporary is renamed away

@@ -16,7 +16,7 @@ tier stays quarantined, and says so, until some of them return.
 A quarantine is this process's state, so the guard also publishes it, through a :class:`QuarantineRecorder`,
 as a small record other processes read (``sfstore probe``, ``sfstore kv du``): host, pid, tier, its directory
 or device, since, until (when this process probes the tier again), reason, workers stuck. The record goes to
-this host's data directory (:func:`sfstore.probe.quarantine_dir`) and, for a shared tier, to the tier's own
+this host's data directory (:func:`sfstore.quarantine_records.quarantine_dir`) and, for a shared tier, to the tier's own
 directory as well (``.sfkv/quarantine/`` of the namespace's root, where other nodes see it), each written by a
 thread of its own: the caller never waits for either, and a write stuck in the stalled mount holds that one
 thread only, while later states wait (only the newest kept) for it to return. It is rewritten when the
@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sfstore import forks, probe
+from sfstore import forks, quarantine_records
 from sfstore.counters import Counters
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ class QuarantineRecorder:
     shared : SharedBudget, optional
         The shared tier's budget: the record is written in its namespace's ``.sfkv/quarantine/`` too.
     state_dir : str, optional
-        Where this host's records go (default: :func:`sfstore.probe.quarantine_dir` at the first record).
+        Where this host's records go (default: :func:`sfstore.quarantine_records.quarantine_dir` at the first record).
     """
 
     def __init__(self, tier: str, *, target: str = "", namespace: str = "", shared: SharedBudget | None = None,
@@ -191,7 +191,7 @@ class QuarantineRecorder:
         """The record's name: host, pid, tier and a token (two tiers of one process never share one)."""
         with self._lock:
             if not self._name:
-                self._name = f"{probe.host_name()}-{os.getpid()}-{self.tier}-{secrets.token_hex(4)}"
+                self._name = f"{quarantine_records.host_name()}-{os.getpid()}-{self.tier}-{secrets.token_hex(4)}"
             return self._name
 
     @property
@@ -215,14 +215,14 @@ class QuarantineRecorder:
 
     def _dir(self) -> str:
         if self.state_dir is None:  # resolved on the caller's thread, with the settings it has
-            self.state_dir = probe.quarantine_dir()
+            self.state_dir = quarantine_records.quarantine_dir()
         return self.state_dir
 
     def _write_local(self, name: str, record: dict[str, Any]) -> None:
-        probe.write_quarantine_record(self._dir(), name, record)
+        quarantine_records.write_quarantine_record(self._dir(), name, record)
 
     def _remove_local(self, name: str) -> None:
-        probe.remove_quarantine_record(self._dir(), name)
+        quarantine_records.remove_quarantine_record(self._dir(), name)
 
     def publish(self, state: dict[str, Any] | None) -> None:
         """Record the tier's quarantine (``since``, ``until``: wall clock, ``reason``, ``abandoned``,
@@ -231,7 +231,7 @@ class QuarantineRecorder:
         self._dir()
         self._out = self._out or state is not None
         record = None if state is None else {
-            "host": probe.host_name(), "pid": os.getpid(), "tier": self.tier, "target": self.target,
+            "host": quarantine_records.host_name(), "pid": os.getpid(), "tier": self.tier, "target": self.target,
             "namespace": self.namespace, "written": time.time(), **state}
         _local_writer.put(name, self._write_local, self._remove_local, record)
         if self._shared is not None and self._shared_budget is not None:

@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfstore import errors, forks, probe, records, temp_names
+from sfstore import errors, forks, quarantine_records, records, temp_names
 from sfstore.paths.file import FilePath
 from sfstore.temp_names import pid_alive
 
@@ -605,11 +605,11 @@ class SharedBudget:
 
     # -- quarantine records ----------------------------------------------------------------------------------------
     def write_quarantine(self, name: str, record: dict[str, Any]) -> None:
-        """Write a quarantine record (:func:`sfstore.probe.parse_quarantine`'s fields) as
+        """Write a quarantine record (:func:`sfstore.quarantine_records.parse_quarantine`'s fields) as
         ``.sfkv/quarantine/<name>.json``, atomically."""
         fd = self._open_dir(self._rel(META, "quarantine"), create=True)
         try:
-            records.write_atomically(fd, f"{name}.json", probe.encode_quarantine(record))
+            records.write_atomically(fd, f"{name}.json", quarantine_records.encode_quarantine(record))
         finally:
             os.close(fd)
 
@@ -622,23 +622,24 @@ class SharedBudget:
 
     def quarantines(self, *, clean: bool = False, local_dir: str | None = None) -> list[dict[str, Any]]:
         """The quarantines of this namespace's tier in force now, by any process of any node: the records in
-        ``.sfkv/quarantine/``, and this host's own (``local_dir``, default :func:`sfstore.probe.quarantine_dir`)
-        that name this root (a process writes both; one whose write to the shared directory is stuck, the
-        stalled mount being what quarantined it, has only the local one). ``clean``: remove the shared records
+        ``.sfkv/quarantine/``, and this host's own (``local_dir``, default
+        :func:`sfstore.quarantine_records.quarantine_dir`) that name this root (a process writes both; one whose
+        write to the shared directory is stuck, the stalled mount being what quarantined it, has only the local
+        one). ``clean``: remove the shared records
         that ended (or whose process, on this host, is dead), torn ones a minute old, and temporary files a
         minute old or whose writer, on this host, is dead."""
         found: dict[str, dict[str, Any]] = {}
         now = time.time()
         for fd, name, data, st in self._entries(META, "quarantine"):
-            rec = (probe.parse_quarantine(data) if data is not None and not name.startswith(".")
+            rec = (quarantine_records.parse_quarantine(data) if data is not None and not name.startswith(".")
                    and name.endswith(".json") else None)
-            if rec is not None and probe.quarantine_in_force(rec, now):
+            if rec is not None and quarantine_records.quarantine_in_force(rec, now):
                 found[name[:-len(".json")]] = {"name": name[:-len(".json")], **rec}
             elif clean and (rec is not None or (st is not None and now - st.st_mtime > 60.0) or (
                     name.startswith(".") and self._temporary_gone(name, 0.0, 60.0))):
                 _unlink_entry(fd, name)
         mine = os.path.normpath(self.root)
-        for rec in probe.read_quarantine_records(local_dir or probe.quarantine_dir()):
+        for rec in quarantine_records.read_quarantine_records(local_dir or quarantine_records.quarantine_dir()):
             if rec["target"] == mine and rec["namespace"] == self.namespace:
                 old = found.get(rec["name"])
                 if old is None or old["written"] < rec["written"]:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sfstore import cli, defaults, probe
+from sfstore import cli, defaults, probe, quarantine_records
 from sfstore.blocks import BlockStore
 from sfstore.kvcache import KVCacheStore
 from sfstore.kvcache.deadline import QuarantineRecorder, TierGuard
@@ -103,7 +103,7 @@ def test_a_stalled_shared_tier_misses_within_the_deadline_and_recovers(tmp_path:
         assert q["late_returns"] == 100 + slow_probes
         assert kv.stats()["deadline_misses"] == 100 + slow_probes and kv.stats()["misses"] >= 200
         assert guard.recorder is not None and guard.recorder.flush(10.0)
-        assert not list(Path(probe.quarantine_dir()).glob("*.json"))  # each recovery withdrew its record
+        assert not list(Path(quarantine_records.quarantine_dir()).glob("*.json"))  # each recovery withdrew its record
     finally:
         kv.close()
 
@@ -314,7 +314,7 @@ def test_the_probe_and_kv_du_report_a_quarantine_until_it_is_lifted(tmp_path: Pa
                               text=True, env=env, cwd=REPO, timeout=120, check=False)
         assert done.returncode == 0, done.stderr
         (rec,) = json.loads(done.stdout)["kvcache"]["quarantined"]
-        assert (rec["host"], rec["pid"], rec["tier"]) == (probe.host_name(), p.pid, "shared")
+        assert (rec["host"], rec["pid"], rec["tier"]) == (quarantine_records.host_name(), p.pid, "shared")
         assert rec["target"] == str(shared) and rec["deadline_ms"] == DEADLINE_MS and "deadline" in rec["reason"]
         assert rec["since"] <= time.time() < rec["until"] <= rec["since"] + 2.5
         table = subprocess.run([sys.executable, "-m", "sfstore.cli", "probe"], capture_output=True, text=True,
@@ -332,7 +332,7 @@ def test_the_probe_and_kv_du_report_a_quarantine_until_it_is_lifted(tmp_path: Pa
         # lifted: both records are gone, and neither command reports it
         assert probe.probe_kvcache()["quarantined"] == [] and _du(shared, capsys) == []
         assert not list((shared / META / "quarantine").glob("*.json"))
-        assert not list(Path(probe.quarantine_dir()).glob("*.json"))
+        assert not list(Path(quarantine_records.quarantine_dir()).glob("*.json"))
         conn.send("close")
         p.join(60)
         assert p.exitcode == 0
@@ -352,10 +352,10 @@ def test_a_quarantine_killed_with_its_process_is_ignored_and_cleaned(tmp_path: P
     os.kill(p.pid, signal.SIGKILL)
     p.join()
     # its records outlive it, but a dead process's quarantine holds no more: ignored, then removed
-    assert len(list(Path(probe.quarantine_dir()).glob("*.json"))) == 1
+    assert len(list(Path(quarantine_records.quarantine_dir()).glob("*.json"))) == 1
     assert _du(shared, capsys) == []
     assert probe.probe_kvcache()["quarantined"] == []
-    assert not list(Path(probe.quarantine_dir()).glob("*.json"))  # the probe cleaned this host's
+    assert not list(Path(quarantine_records.quarantine_dir()).glob("*.json"))  # the probe cleaned this host's
     assert len(list((shared / META / "quarantine").glob("*.json"))) == 1
     assert cli.main(["kv", "gc", str(shared), "--json"]) == 0  # gc cleans the directory's
     assert json.loads(capsys.readouterr().out)[0]["quarantined"] == []
@@ -409,7 +409,7 @@ def test_the_record_never_waits_for_the_stalled_mount(tmp_path: Path) -> None:
             wait_for(lambda: len(list((tmp_path / "shared" / META / "quarantine").glob("*.json"))) == 1)
     finally:
         kv.close()
-    wait_for(lambda: not list(Path(probe.quarantine_dir()).glob("*.json")))  # closed: withdrawn
+    wait_for(lambda: not list(Path(quarantine_records.quarantine_dir()).glob("*.json")))  # closed: withdrawn
 
 
 # -- the default deadline ----------------------------------------------------------------------------------------
@@ -449,7 +449,7 @@ def test_the_record_follows_the_quarantine_stuck_workers_back_off_and_recovery(t
 
     def records() -> list[dict[str, Any]]:
         assert rec.flush(10.0)
-        return probe.read_quarantine_records(where)
+        return quarantine_records.read_quarantine_records(where)
 
     try:
         t0 = time.time()
@@ -561,7 +561,7 @@ def test_a_forked_child_guards_and_records_its_own_quarantine(tmp_path: Path) ->
     try:
         assert g.run(release.wait) == ("timeout", None)  # the parent's worker is stuck: quarantined
         assert rec.flush(10.0)
-        (parent_rec,) = probe.read_quarantine_records(where)
+        (parent_rec,) = quarantine_records.read_quarantine_records(where)
         assert parent_rec["pid"] == os.getpid() and f"-{os.getpid()}-" in rec.name
 
         def check() -> dict[str, Any]:
@@ -571,7 +571,7 @@ def test_a_forked_child_guards_and_records_its_own_quarantine(tmp_path: Path) ->
             flushed = rec.flush(10.0)
             return {"ok": list(ok), "missed": list(missed), "flushed": flushed, "me": os.getpid(),
                     "name": rec.name, "abandoned": g.describe()["abandoned_now"],
-                    "pids": sorted(r["pid"] for r in probe.read_quarantine_records(where))}
+                    "pids": sorted(r["pid"] for r in quarantine_records.read_quarantine_records(where))}
 
         # as threads of the parent may hold them at the fork
         with deadline._local_writer._cond, g._lock, rec._lock:
@@ -581,7 +581,7 @@ def test_a_forked_child_guards_and_records_its_own_quarantine(tmp_path: Path) ->
         assert f"-{out['me']}-" in out["name"] and out["abandoned"] == 1  # its own worker, not the parent's
         assert out["pids"] == sorted([os.getpid(), out["me"]])
         # the child is gone: its record no longer holds; the parent's does
-        assert [r["pid"] for r in probe.read_quarantine_records(where)] == [os.getpid()]
+        assert [r["pid"] for r in quarantine_records.read_quarantine_records(where)] == [os.getpid()]
         assert f"-{os.getpid()}-" in rec.name and g.describe()["abandoned_now"] == 1  # the parent's state
     finally:
         release.set()
