@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sfstore.cli import Progress
+from sfstore.cli.files import Progress
 
 
 def sfstore(*args: str, root: Path) -> subprocess.CompletedProcess[str]:

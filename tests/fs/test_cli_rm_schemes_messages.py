@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from sfstore import errors
-from sfstore.cli import Progress, build_parser, main
+from sfstore.cli import build_parser, main
+from sfstore.cli.files import Progress
 from sfstore.fs import SFFileSystem
 
 OP_NAMES = r"(?:info|makedirs|mkdir|stat|open|ls|rm|rmdir|touch|mv)"
