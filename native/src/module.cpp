@@ -15,12 +15,14 @@
 #include <system_error>
 #include <unordered_map>
 
+#include "beneath.hpp"
 #include "buffer_pool.hpp"
 #include "checksum.hpp"
 #include "common.hpp"
 #include "cuda_host.hpp"
 #include "dlpack.hpp"
 #include "io_engine.hpp"
+#include "layer_copy.hpp"
 #include "pyerrors.hpp"
 
 namespace nb = nanobind;
@@ -592,20 +594,6 @@ std::vector<std::string> path_list(nb::handle paths, const std::string& what) {
     return names;
 }
 
-// openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS): the kernel refuses (EXDEV) any resolution that would leave
-// dirfd, symlinks and ".." included, in one system call (Linux 5.6+; ENOSYS before). The descriptor, or -errno.
-// Called without the GIL.
-int openat2_beneath(int dirfd, const char* path, int flags, unsigned mode) noexcept {
-    struct {
-        uint64_t flags, mode, resolve;
-    } how{static_cast<uint64_t>(flags | O_CLOEXEC), flags & O_CREAT ? mode : 0, 0x08 | 0x02};
-    int fd;
-    do {
-        fd = static_cast<int>(syscall(437 /* SYS_openat2 */, dirfd, path, &how, sizeof how));
-    } while (fd < 0 && errno == EINTR);
-    return fd < 0 ? -errno : fd;
-}
-
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -839,47 +827,16 @@ NB_MODULE(_native, m) {
     m.def(
         "open_files_beneath",
         [](int dirfd, nb::handle paths, int flags, int64_t size, bool direct) {
-            // Many open_beneath calls in one, for a batch of reads (one GIL release for all): each path is
-            // opened with `flags` (O_NONBLOCK: a FIFO does not wait), fstat'ed, and kept only as a regular file
-            // of exactly `size` bytes, then made blocking (O_DIRECT where `direct` and the file takes it).
-            // Per path: (fd, errno, st_mode, st_dev, st_ino, st_size, st_atime_ns, st_mtime_ns); fd -1 when not
-            // kept: errno from the open or fstat, or 0 with the status of what is there (not a regular file of
-            // that size: the caller decides what it is).
+            // Many open_beneath calls in one, for a batch of reads (beneath.hpp). Per path: (fd, errno, st_mode,
+            // st_dev, st_ino, st_size, st_atime_ns, st_mtime_ns).
             std::vector<std::string> names = path_list(paths, "open_files_beneath");
-            struct Got {
-                int fd = -1, err = 0;
-                struct stat st {};
-            };
-            std::vector<Got> got(names.size());
+            std::vector<OpenedFile> got;
             {
                 NoGil nogil;
-                for (size_t i = 0; i < names.size(); ++i) {
-                    Got& g = got[i];
-                    int fd = openat2_beneath(dirfd, names[i].c_str(), flags, 0);
-                    if (fd < 0) {
-                        g.err = -fd;
-                        continue;
-                    }
-                    if (fstat(fd, &g.st) != 0) {
-                        g.err = errno;
-                        close(fd);
-                        continue;
-                    }
-                    if (!S_ISREG(g.st.st_mode) || g.st.st_size != size) {
-                        close(fd);
-                        continue;
-                    }
-                    int fl = direct ? O_DIRECT : 0;
-                    if (fcntl(fd, F_SETFL, fl) != 0 && (!direct || fcntl(fd, F_SETFL, 0) != 0)) {
-                        g.err = errno;
-                        close(fd);
-                        continue;
-                    }
-                    g.fd = fd;
-                }
+                got = open_files_beneath(dirfd, names, flags, size, direct);
             }
             nb::list out;
-            for (const Got& g : got) {
+            for (const OpenedFile& g : got) {
                 auto ns = [](const struct timespec& t) { return static_cast<int64_t>(t.tv_sec) * 1000000000LL + t.tv_nsec; };
                 out.append(nb::make_tuple(g.fd, g.err, static_cast<int64_t>(g.st.st_mode),
                                           static_cast<uint64_t>(g.st.st_dev), static_cast<uint64_t>(g.st.st_ino),
@@ -891,28 +848,12 @@ NB_MODULE(_native, m) {
     m.def(
         "stat_files_beneath",
         [](int dirfd, nb::handle paths, int flags, bool leading) {
-            // Whether each path is there, for a batch of lookups (one GIL release for all): opened beneath dirfd
-            // with `flags` (O_PATH: nothing is read, a FIFO does not wait), fstat'ed and closed. Per path its
-            // st_mode, or -errno where the open or fstat failed; with `leading`, the list stops after the first
-            // path that is not a regular file (a lookup counts the blocks present from the first).
+            // Whether each path is there, for a batch of lookups (beneath.hpp): its st_mode or -errno.
             std::vector<std::string> names = path_list(paths, "stat_files_beneath");
             std::vector<int64_t> modes;
-            modes.reserve(names.size());
             {
                 NoGil nogil;
-                for (const std::string& name : names) {
-                    int fd = openat2_beneath(dirfd, name.c_str(), flags, 0);
-                    struct stat st {};
-                    int64_t got;
-                    if (fd < 0) {
-                        got = fd;
-                    } else {
-                        got = fstat(fd, &st) == 0 ? static_cast<int64_t>(st.st_mode) : -static_cast<int64_t>(errno);
-                        close(fd);
-                    }
-                    modes.push_back(got);
-                    if (leading && (got < 0 || !S_ISREG(static_cast<mode_t>(got)))) break;
-                }
+                modes = stat_files_beneath(dirfd, names, flags, leading);
             }
             nb::list out;
             for (int64_t m : modes) out.append(m);
@@ -966,8 +907,7 @@ NB_MODULE(_native, m) {
     m.def(
         "gather",
         [](nb::handle out, nb::handle sources, Py_ssize_t offset, Py_ssize_t nbytes) {
-            // out[i * nbytes : (i + 1) * nbytes] = sources[i][offset : offset + nbytes], for every source: one call
-            // for what would be one Python-level copy per source (an engine's per-layer loads), the GIL released
+            // One call for what would be one Python-level copy per source (layer_copy.hpp), the GIL released
             // around the copies (every view is held until they are done).
             if (offset < 0 || nbytes < 0) raise_sf("invalid", EINVAL, "gather: offset and nbytes must be >= 0");
             Py_ssize_t n = sequence_length(sources, "gather");
@@ -977,12 +917,11 @@ NB_MODULE(_native, m) {
                 raise_sf("invalid", EINVAL, "gather: out holds " + std::to_string(h.out.len) + " bytes, not " +
                                                 std::to_string(n) + " x " + std::to_string(nbytes));
             hold_sources(h, sources, n, offset, nbytes, "gather");
+            std::vector<const char*> srcs;
+            for (const Py_buffer& v : h.sources) srcs.push_back(static_cast<const char*>(v.buf));
             {
                 NoGil nogil;
-                char* d = static_cast<char*>(h.out.buf);
-                for (Py_ssize_t i = 0; i < n; ++i)
-                    std::memcpy(d + i * nbytes, static_cast<const char*>(h.sources[static_cast<size_t>(i)].buf) + offset,
-                                static_cast<size_t>(nbytes));
+                gather_rows(static_cast<char*>(h.out.buf), srcs, static_cast<size_t>(offset), static_cast<size_t>(nbytes));
             }
         },
         "out"_a, "sources"_a, "offset"_a, "nbytes"_a,
@@ -992,32 +931,14 @@ NB_MODULE(_native, m) {
         [](nb::handle out, nb::handle sources, Py_ssize_t offset, std::vector<Py_ssize_t> out_offsets,
            std::vector<Py_ssize_t> counts, std::vector<Py_ssize_t> out_strides, std::vector<Py_ssize_t> src_strides,
            Py_ssize_t run) {
-            // For each source i and each (a, b, c) < counts: `run` bytes from
-            //   sources[i] + offset + a*src_strides[0] + b*src_strides[1] + c*src_strides[2]
-            // to out + out_offsets[i] + a*out_strides[0] + b*out_strides[1] + c*out_strides[2].
-            // One call copies a layer of many blocks straight into strided pages (an engine's paged KV cache), where
-            // gather + a permuting copy would pass every byte twice. Every extent is checked before any byte moves.
+            // A layer of many blocks straight into strided pages (layer_copy.hpp); every extent is checked before
+            // any byte moves.
             auto bad = [](const std::string& msg) { raise_sf("invalid", EINVAL, "scatter: " + msg); };
-            if (counts.size() != 3 || out_strides.size() != 3 || src_strides.size() != 3)
-                bad("counts, out_strides and src_strides must have 3 entries each");
-            if (offset < 0 || run < 0) bad("offset and run must be >= 0");
-            constexpr Py_ssize_t kLimit = Py_ssize_t(1) << 48;  // no product below can overflow
-            Py_ssize_t out_extent = run, src_extent = run;
-            for (int k = 0; k < 3; ++k) {
-                if (counts[k] < 0 || counts[k] > kLimit || out_strides[k] < 0 || out_strides[k] > kLimit ||
-                    src_strides[k] < 0 || src_strides[k] > kLimit)
-                    bad("counts and strides must be in [0, 2**48]");
-            }
-            bool empty = run == 0 || counts[0] == 0 || counts[1] == 0 || counts[2] == 0;
-            if (!empty) {
-                for (int k = 0; k < 3; ++k) {
-                    __int128 o = static_cast<__int128>(counts[k] - 1) * out_strides[k];
-                    __int128 q = static_cast<__int128>(counts[k] - 1) * src_strides[k];
-                    if (o > kLimit || q > kLimit) bad("an extent is too large");
-                    out_extent += static_cast<Py_ssize_t>(o);
-                    src_extent += static_cast<Py_ssize_t>(q);
-                }
-            }
+            if (offset < 0) bad("offset and run must be >= 0");
+            Py_ssize_t out_extent = 0, src_extent = 0;
+            bool empty = true;
+            std::string why = scatter_extents(run, counts, out_strides, src_strides, &out_extent, &src_extent, &empty);
+            if (!why.empty()) bad(why);
             Py_ssize_t n = sequence_length(sources, "scatter");
             if (static_cast<size_t>(n) != out_offsets.size())
                 bad(std::to_string(n) + " sources but " + std::to_string(out_offsets.size()) + " out_offsets");
@@ -1031,18 +952,11 @@ NB_MODULE(_native, m) {
             }
             hold_sources(h, sources, n, offset, empty ? -1 : src_extent, "scatter");
             if (!empty) {
+                std::vector<const char*> srcs;
+                for (const Py_buffer& v : h.sources) srcs.push_back(static_cast<const char*>(v.buf) + offset);
                 NoGil nogil;
-                char* d = static_cast<char*>(h.out.buf);
-                const size_t r = static_cast<size_t>(run);
-                for (Py_ssize_t i = 0; i < n; ++i) {
-                    const char* src = static_cast<const char*>(h.sources[static_cast<size_t>(i)].buf) + offset;
-                    char* base = d + out_offsets[static_cast<size_t>(i)];
-                    for (Py_ssize_t a = 0; a < counts[0]; ++a)
-                        for (Py_ssize_t b = 0; b < counts[1]; ++b)
-                            for (Py_ssize_t c = 0; c < counts[2]; ++c)
-                                std::memcpy(base + a * out_strides[0] + b * out_strides[1] + c * out_strides[2],
-                                            src + a * src_strides[0] + b * src_strides[1] + c * src_strides[2], r);
-                }
+                scatter_rows(static_cast<char*>(h.out.buf), srcs, out_offsets, counts, out_strides, src_strides,
+                             static_cast<size_t>(run));
             }
         },
         "out"_a, "sources"_a, "offset"_a, "out_offsets"_a, "counts"_a, "out_strides"_a, "src_strides"_a, "run"_a,
