@@ -30,7 +30,6 @@ import os
 import platform
 import resource
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,7 +37,8 @@ import sfstore
 from sfstore import defaults, nvme, temp_names
 from sfstore.errors import ConfigError
 from sfstore.mounts import MountInfo, mount_for, read_mountinfo
-from sfstore.quarantine_records import quarantine_dir, read_quarantine_records
+from sfstore.quarantine_records import quarantine_dir, quarantine_rows, read_quarantine_records
+from sfstore.text_tables import cell, grid
 
 __all__ = [
     "SECTIONS",
@@ -54,7 +54,6 @@ __all__ = [
     "probe_gpus",
     "probe_kvcache",
     "format_table",
-    "quarantine_rows",
 ]
 
 SECTIONS = ("system", "engine", "memory", "data_dir", "rdma", "nfs", "nvmeof", "gds", "gpus", "kvcache")
@@ -555,33 +554,11 @@ def probe(data_dir: str | None = None) -> dict[str, Any]:
 # the table that `sfstore probe` prints
 
 
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, (list, tuple)):
-        return ", ".join(_fmt(v) for v in value) or "-"
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={_fmt(v)}" for k, v in value.items()) or "-"
-    return str(value)
-
-
-def grid(header: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "    ") -> list[str]:
-    """``rows`` under ``header`` in left-aligned columns two spaces apart, each line indented (the probe's and
-    the CLI's tables)."""
-    cells = [list(header)] + [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-
-
 def _pairs(items: Sequence[tuple[str, Any]], indent: str = "    ") -> list[str]:
     if not items:
         return []
     width = max(len(k) for k, _ in items)
-    return [f"{indent}{k.ljust(width)}  {_fmt(v)}" for k, v in items]
+    return [f"{indent}{k.ljust(width)}  {cell(v)}" for k, v in items]
 
 
 def _flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
@@ -639,15 +616,6 @@ def _section_rows(name: str, section: dict[str, Any]) -> list[str]:
         return lines
     items = [kv for k, v in section.items() if k not in ("status", "reason") for kv in _flatten(k, v)]
     return _pairs(items)
-
-
-def quarantine_rows(records: Sequence[dict[str, Any]], now: float | None = None) -> list[list[Any]]:
-    """Table rows of quarantine records: host, pid, tier, target, since (UTC), seconds left, stuck workers,
-    reason."""
-    t = time.time() if now is None else now
-    return [[r["host"], r["pid"], r["tier"] + (f" ({r['namespace']})" if r["namespace"] else ""),
-             r["target"] or "-", time.strftime("%H:%M:%S", time.gmtime(r["since"])),
-             f"{max(0.0, r['until'] - t):.1f} s", r["abandoned"], r["reason"]] for r in records]
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -14,13 +14,14 @@ import os
 import re
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from sfstore import defaults, records, temp_names
 
 __all__ = ["QUARANTINE_VERSION", "QUARANTINE_SUBDIR", "host_name", "quarantine_dir", "encode_quarantine",
            "parse_quarantine", "quarantine_in_force", "write_quarantine_record", "remove_quarantine_record",
-           "read_quarantine_records"]
+           "read_quarantine_records", "quarantine_rows"]
 
 QUARANTINE_VERSION = 1
 QUARANTINE_SUBDIR = os.path.join(".kvcache-state", "quarantine")  # under the data directory
@@ -135,3 +136,12 @@ def read_quarantine_records(directory: str, *, clean: bool = False) -> list[dict
     finally:
         os.close(dirfd)
     return sorted(out, key=lambda r: (r["since"], r["name"]))
+
+
+def quarantine_rows(records: Sequence[dict[str, Any]], now: float | None = None) -> list[list[Any]]:
+    """Table rows of quarantine records: host, pid, tier, target, since (UTC), seconds left, stuck workers,
+    reason."""
+    t = time.time() if now is None else now
+    return [[r["host"], r["pid"], r["tier"] + (f" ({r['namespace']})" if r["namespace"] else ""),
+             r["target"] or "-", time.strftime("%H:%M:%S", time.gmtime(r["since"])),
+             f"{max(0.0, r['until'] - t):.1f} s", r["abandoned"], r["reason"]] for r in records]

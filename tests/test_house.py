@@ -154,7 +154,7 @@ def test_runtime_faces_do_not_import_the_probe() -> None:
 
 @pytest.mark.parametrize("module, source, expected", [
     ("kvcache/x.py", "from sfstore import probe\n", 1),
-    ("kvcache/x.py", "from sfstore.probe import quarantine_rows\n", 2),
+    ("kvcache/x.py", "from sfstore.probe import format_table\n", 2),
     ("kvcache/x.py", "from sfstore import quarantine_records\n", 0),
     ("cli.py", "from sfstore.probe import probe\n", 0),  # the CLI reports it
 ])

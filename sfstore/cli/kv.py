@@ -55,7 +55,8 @@ def _kv_each(args: argparse.Namespace, call: Callable[[str, Any], dict[str, Any]
 
 
 def _cmd_kv_du(args: argparse.Namespace) -> int:
-    from sfstore.probe import grid, quarantine_rows
+    from sfstore.quarantine_records import quarantine_rows
+    from sfstore.text_tables import grid
 
     rows = _kv_each(args, lambda top, b: {**b.du(), "directory": os.path.join(b.fp.root, top)})
     if args.json:
@@ -81,7 +82,7 @@ def _cmd_kv_du(args: argparse.Namespace) -> int:
 
 
 def _cmd_kv_gc(args: argparse.Namespace) -> int:
-    from sfstore.probe import grid
+    from sfstore.text_tables import grid
 
     rows = _kv_each(args, lambda _top, b: b.gc(grace_s=args.grace))
     if args.json:

@@ -24,7 +24,7 @@ def _nvme_target(args: argparse.Namespace) -> Any:
 
 
 def _print_controllers(ctrls: Sequence[Any]) -> None:
-    from sfstore.probe import grid
+    from sfstore.text_tables import grid
 
     rows = []
     for c in ctrls:
@@ -51,7 +51,7 @@ def _cmd_nvme_list(args: argparse.Namespace) -> int:
 
 def _cmd_nvme_discover(args: argparse.Namespace) -> int:
     from sfstore import nvme
-    from sfstore.probe import grid
+    from sfstore.text_tables import grid
 
     target = _nvme_target(args)
     entries = nvme.discover(target, timeout=args.timeout)
