@@ -44,7 +44,6 @@ from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, desc
 from sfstore.paths.beneath import Beneath, Location
 from sfstore.temp_names import is_leftover, temp_name
 from sfstore.temp_names import parse as parse_temp_name
-from sfstore.temp_names import pid_alive as pid_alive  # importable from here too, where its users had it
 
 __all__ = ["FilePath", "MountFacts", "AtomicWriter", "OpenFile", "ReadFuture", "file_kind"]
 
