@@ -32,7 +32,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from sfstore import forks, quarantine_records
 from sfstore.counters import Counters
@@ -42,7 +42,12 @@ if TYPE_CHECKING:
 
 __all__ = ["TierGuard", "QuarantineRecorder", "late", "OK", "TIMEOUT", "QUARANTINED"]
 
-OK, TIMEOUT, QUARANTINED = "ok", "timeout", "quarantined"
+Outcome = Literal["ok", "timeout", "quarantined"]
+"""How a guarded operation ended: it ran (``ok``), it missed its deadline (``timeout``), or it did not run because
+the tier is quarantined (``quarantined``)."""
+OK: Final[Outcome] = "ok"
+TIMEOUT: Final[Outcome] = "timeout"
+QUARANTINED: Final[Outcome] = "quarantined"
 _BACKOFF_CAP = 64  # the longest back-off, in units of the first
 _COUNTERS = ("calls", "deadline_misses", "quarantine_skips", "probes", "recoveries", "abandoned_total",
              "late_returns", "slow_unjudged")
@@ -447,7 +452,7 @@ class TierGuard:
 
     # -- running -----------------------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, on_late: Callable[[], None] | None = None,
-            what: str = "an operation", judges: bool = True) -> tuple[str, Any]:
+            what: str = "an operation", judges: bool = True) -> tuple[Outcome, Any]:
         """Run ``fn(*args)`` within the deadline: ``("ok", its result)`` (its exception is raised here),
         ``("timeout", None)`` past the deadline (``on_late`` then runs on the worker once ``fn`` returns, if
         it ever does), or ``("quarantined", None)`` when the tier is quarantined (``fn`` did not run).
@@ -489,7 +494,7 @@ class TierGuard:
         return OK, task.result
 
     def run_holding(self, release: Callable[[], None] | None, fn: Callable[..., Any], *args: Any,
-                    what: str = "an operation") -> tuple[str, Any]:
+                    what: str = "an operation") -> tuple[Outcome, Any]:
         """:meth:`run` of an operation on memory the caller lends it (pinned slots, staging buffers): ``release``
         gives that memory back once, when the operation is done with it: before this returns, or, past the
         deadline, when the abandoned worker returns."""

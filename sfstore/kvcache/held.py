@@ -13,12 +13,13 @@ from sfstore.arguments import check_timeout
 from sfstore.counters import Counters
 from sfstore.futures import Future
 from sfstore.kvcache.geometry import KVGeometry
+from sfstore.kvcache.tier import TierName
 from sfstore.kvcache.tiers import Lease, release_all
 
 __all__ = ["HeldBlocks", "LayerLoad"]
 
 
-class LayerLoad(Future[list[str | None]]):
+class LayerLoad(Future[list[TierName | None]]):
     """Reads from the lower tiers that fill some rows of a :class:`HeldBlocks` in the background.
 
     A tier that reads layer by layer (chunk files in the shared tier) announces each layer of a row once it is
@@ -31,7 +32,7 @@ class LayerLoad(Future[list[str | None]]):
     within its tier's deadline, as a hit or a miss.
     """
 
-    def __init__(self, layers: int, tiers: list[str | None], pending: Sequence[int],
+    def __init__(self, layers: int, tiers: list[TierName | None], pending: Sequence[int],
                  counters: Counters | None = None) -> None:
         self.layers = layers
         #: where :meth:`HeldBlocks.copy_layer_into` counts ``layers_copied_early``: layers copied out while
@@ -50,7 +51,7 @@ class LayerLoad(Future[list[str | None]]):
                     self._in[r] = layer + 1
             self._cond.notify_all()
 
-    def finish(self, rows: Sequence[int], tiers: Sequence[str | None]) -> None:
+    def finish(self, rows: Sequence[int], tiers: Sequence[TierName | None]) -> None:
         """The reads of ``rows`` have ended: each row's tier (``None``: a miss)."""
         with self._cond:
             for r, t in zip(rows, tiers, strict=True):
@@ -78,7 +79,7 @@ class LayerLoad(Future[list[str | None]]):
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending, timeout)
 
-    def get(self, timeout: float | None = None) -> list[str | None]:
+    def get(self, timeout: float | None = None) -> list[TierName | None]:
         if not self.wait(timeout):
             raise self._timed_out(timeout, "loading held blocks")
         return list(self._tiers)
@@ -99,10 +100,10 @@ class HeldBlocks:
     the tier cannot give to another block.
     """
 
-    def __init__(self, geometry: KVGeometry, leases: Sequence[Lease | None], tiers: Sequence[str | None],
+    def __init__(self, geometry: KVGeometry, leases: Sequence[Lease | None], tiers: Sequence[TierName | None],
                  load: LayerLoad | None = None) -> None:
         self.geometry = geometry
-        self._tiers: list[str | None] = list(tiers)
+        self._tiers: list[TierName | None] = list(tiers)
         self.rows: list[int] = [i for i, lease in enumerate(leases) if lease is not None]
         self._leases: list[Lease] | None = [lease for lease in leases if lease is not None]
         self._buffers = [lease.slot.buffer for lease in self._leases]
@@ -114,12 +115,12 @@ class HeldBlocks:
         return len(self._leases or ())
 
     @property
-    def tiers(self) -> list[str | None]:
+    def tiers(self) -> list[TierName | None]:
         """Per key asked for, the tier its block came from (``None``: a miss); waits for :attr:`load`."""
         return self.load.get() if self.load is not None else list(self._tiers)
 
     @property
-    def tiers_of_rows(self) -> list[str | None]:
+    def tiers_of_rows(self) -> list[TierName | None]:
         """The tier each row was found in, in row order (waits for :attr:`load`)."""
         tiers = self.tiers
         return [tiers[i] for i in self.rows]

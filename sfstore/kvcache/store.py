@@ -32,7 +32,7 @@ from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry, chained_keys
 from sfstore.kvcache.held import HeldBlocks, LayerLoad
 from sfstore.kvcache.load_or_recompute import LoadOrRecompute
 from sfstore.kvcache.shared_budget import check_namespace
-from sfstore.kvcache.tier import KVBatch, KVTier, ReadStatus
+from sfstore.kvcache.tier import KVBatch, KVTier, ReadStatus, TierName
 from sfstore.kvcache.tiers import Lease, PinnedTier, SharedTier, Slot, release_all
 from sfstore.paths.file import FilePath
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KVCacheStore", "TIERS"]
 
-TIERS = ("pinned", "block", "shared")
+TIERS: tuple[TierName, ...] = ("pinned", "block", "shared")
 _COUNTERS = (
     "puts", "gets", "misses", "hits_pinned", "hits_block", "hits_shared", "promotions", "evictions",
     "bytes_put", "bytes_got", "bytes_device_staged", "corrupt_dropped", "unreadable", "lower_tier_errors",
@@ -709,7 +709,7 @@ class KVCacheStore:
                 )
         return ks
 
-    def get_layer_into(self, keys: Sequence[bytes], layer: int, tensors: Sequence[Any]) -> list[str | None]:
+    def get_layer_into(self, keys: Sequence[bytes], layer: int, tensors: Sequence[Any]) -> list[TierName | None]:
         """Copy layer ``layer`` of each block into ``tensors`` (``geometry.layer_shape``, any strides, CPU or
         CUDA); blocks not in the pinned tier are fetched first (call :meth:`prefetch` early to overlap)."""
         g = self.geometry
@@ -732,7 +732,7 @@ class KVCacheStore:
     def get_into(
         self, keys: Sequence[bytes], blocks: Sequence[Any], *, keep_on_miss: bool = True,
         on_layer: Callable[[list[int], int], None] | None = None,
-    ) -> list[str | None]:
+    ) -> list[TierName | None]:
         """Copy each block into ``blocks`` (caller-owned, ``block_bytes`` each, CPU or CUDA); return for each key
         the tier it came from (``"pinned"``, ``"block"``, ``"shared"``) or ``None`` for a miss.
 
@@ -775,7 +775,7 @@ class KVCacheStore:
         self._lat["get"].append(time.perf_counter() - t0)
         return tiers
 
-    def _get_direct(self, keys: list[bytes], views: list[memoryview], keep: bool) -> list[str | None]:
+    def _get_direct(self, keys: list[bytes], views: list[memoryview], keep: bool) -> list[TierName | None]:
         """get_into without a pinned tier: from the lower tiers into the caller's host buffers.
 
         With ``keep`` each block lands in the caller's buffer only once verified (through staging or scratch
@@ -786,21 +786,21 @@ class KVCacheStore:
         self._count_gets(tiers)
         return tiers
 
-    def _count_gets(self, tiers: list[str | None]) -> None:
+    def _count_gets(self, tiers: list[TierName | None]) -> None:
         n = self.geometry.block_bytes
         self.count_loads(tiers)
         self.counters.add(bytes_got=n * (len(tiers) - tiers.count(None)))
 
     def _load(self, keys: list[bytes], dests_for: Callable[[list[int]], KVBatch],
               finish: Callable[[list[int], KVBatch, list[ReadStatus] | None], None] | None = None
-              ) -> list[str | None]:
+              ) -> list[TierName | None]:
         """The lower tiers as one loop: each is asked, highest first, for the blocks the tiers above did not
         answer (a tier that answers from memory only of those it has); the first that has a block answers, and
         its hits are promoted to the lower tiers above it. ``dests_for(indices)`` gives the destinations of a
         tier's read; ``finish(indices, dests, statuses)`` runs after each read (statuses ``None``: it raised).
         Returns the tier each block came from (``None``: a miss); counts what failed verification or could not
         be read."""
-        tiers: list[str | None] = [None] * len(keys)
+        tiers: list[TierName | None] = [None] * len(keys)
         corrupt = unreadable = 0
         for depth, tier in enumerate(self.lower):
             need = [i for i, t in enumerate(tiers) if t is None]
@@ -975,7 +975,7 @@ class KVCacheStore:
         if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
             raise errors.InvalidRequestError(f"hold_async: parts must be an int >= 1, not {parts!r}")
         leases: list[Lease | None] = [self.pinned.lease(k) for k in ks]
-        tiers: list[str | None] = ["pinned" if lease is not None else None for lease in leases]
+        tiers: list[TierName | None] = ["pinned" if lease is not None else None for lease in leases]
         missing = [i for i, lease in enumerate(leases) if lease is None]
         try:
             for i in missing:
@@ -1009,7 +1009,7 @@ class KVCacheStore:
                 if answers is not None and answers[j] == "hit":
                     self.pinned.insert(keys[i], slots[i], dests.checksums[j] or 0)
 
-        tiers: list[str | None] = [None] * len(keys)
+        tiers: list[TierName | None] = [None] * len(keys)
         try:
             tiers = self._load(keys, batch.pick, finish)
         except Exception:  # a miss each: the caller recomputes them
@@ -1020,7 +1020,7 @@ class KVCacheStore:
             if count:
                 self.count_loads(tiers)
 
-    def prefetch(self, keys: Sequence[bytes], *, count: bool = False) -> SfFuture[list[str | None]]:
+    def prefetch(self, keys: Sequence[bytes], *, count: bool = False) -> SfFuture[list[TierName | None]]:
         """Bring the blocks into the pinned tier in the background; ``.get()`` gives the tier of each.
 
         ``count``: count the blocks in ``gets`` / ``hits_*`` / ``misses``, for callers whose reads that follow
@@ -1032,23 +1032,23 @@ class KVCacheStore:
         self._check_open()  # (an empty batch is a valid no-op, as in every call)
         ks = self._check_keys(keys)
         if all(k in self.pinned for k in ks):
-            tiers: list[str | None] = ["pinned"] * len(ks)
+            tiers: list[TierName | None] = ["pinned"] * len(ks)
             if count:
                 self.count_loads(tiers)
             return DoneFuture(tiers)
 
-        def run() -> list[str | None]:
+        def run() -> list[TierName | None]:
             leases, tiers = self._fetch(ks, count=bool(count))
             release_all(leases)
             return tiers
 
         return ExecutorFuture(self._executor.submit(run))
 
-    def _fetch(self, keys: list[bytes], count: bool) -> tuple[list[Lease | None], list[str | None]]:
+    def _fetch(self, keys: list[bytes], count: bool) -> tuple[list[Lease | None], list[TierName | None]]:
         """Leases (the caller's to release) on pinned slots holding each block, read from the lower tiers into
         fresh slots (made resident) where the pinned tier lacks them."""
         leases: list[Lease | None] = [self.pinned.lease(k) for k in keys]
-        resident = ["pinned" if lease is not None else None for lease in leases]
+        resident: list[TierName | None] = ["pinned" if lease is not None else None for lease in leases]
 
         def fresh(indices: list[int]) -> KVBatch:
             return KVBatch("slots", [self.pinned.take() for _ in indices])
@@ -1075,7 +1075,7 @@ class KVCacheStore:
             self.count_loads(tiers)
         return leases, tiers
 
-    def count_loads(self, tiers: Sequence[str | None]) -> None:
+    def count_loads(self, tiers: Sequence[TierName | None]) -> None:
         """Count blocks a caller loaded from an uncounted :meth:`prefetch` (``count=False``), once it used them:
         ``gets``, ``misses`` (``None``) and ``hits_*`` by the tier each came from, as the prefetch answered. For a
         prefetch started ahead that may never be used (an engine's scheduler reading ahead for a request that can
@@ -1124,7 +1124,7 @@ class KVCacheStore:
             self._write_through(ks, KVBatch("device", list(blocks), device=dp))
 
     def _get_device(self, ks: list[bytes], dests: list[Any], keep: bool,
-                    on_layer: Callable[[list[int], int], None] | None = None) -> list[str | None]:
+                    on_layer: Callable[[list[int], int], None] | None = None) -> list[TierName | None]:
         """get_into GPU buffers without a pinned tier: each lower tier on the device path's route for it
         (verified on the GPU, or in host memory and then copied up); per-layer ranges from chunk files."""
         batch = KVBatch("device", list(dests), device=self._device_path(), keep=keep, on_layer=on_layer)

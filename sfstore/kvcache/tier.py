@@ -24,7 +24,7 @@ from typing import Any, Literal
 from sfstore.kvcache.deadline import TierGuard
 
 __all__ = ["KVTier", "KVBatch", "ReadStatus", "WriteStatus", "BatchKind", "read_status", "READ_STATUSES",
-           "WRITE_STATUSES"]
+           "WRITE_STATUSES", "TierName"]
 
 ReadStatus = Literal["hit", "missing", "corrupt", "unreadable", "timeout", "quarantined"]
 """How a read of one block ended: ``hit`` (verified and delivered), ``missing`` (not there), ``corrupt`` (there
@@ -40,6 +40,9 @@ READ_STATUSES: tuple[ReadStatus, ...] = ("hit", "missing", "corrupt", "unreadabl
 WRITE_STATUSES: tuple[WriteStatus, ...] = ("written", "exists", "dropped")
 
 BatchKind = Literal["slots", "host", "device"]
+
+TierName = Literal["pinned", "block", "shared"]
+"""A tier of the KV cache, from the top: the pinned memory tier, the block store (NVMe), the shared directory."""
 
 
 def read_status(status: str) -> ReadStatus:
@@ -110,7 +113,7 @@ class KVTier(ABC):
     """One tier of the KV cache (see the module). Batches are answered key by key, each as if alone."""
 
     #: the tier's name in statistics and results (``"pinned"``, ``"block"``, ``"shared"``)
-    name: str
+    name: TierName
     #: the deadline and quarantine of the tier's I/O (``None``: it does none that can stall)
     guard: TierGuard | None = None
 
