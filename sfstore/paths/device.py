@@ -38,19 +38,20 @@ from sfstore.engine import IOEngine, Request, get_engine
 from sfstore.futures import Future, MappedFuture
 from sfstore.mounts import mount_for
 from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, descriptor_of, split_ranges
-from sfstore.paths.device_runtime import CudaRuntime, DeviceFile, DeviceRuntime, KvikioLeg
+from sfstore.paths.device_runtime import CudaRuntime, DeviceFile, DeviceRuntime, KvikioLeg, Route
 from sfstore.paths.file import FilePath, enable_direct
 
 __all__ = ["DevicePath", "TargetFacts", "cufile_accepts", "choose_route", "device_mode", "ROUTES"]
 
 ROUTES = ("gds", "compat", "staged")
 _MODES = ("auto", "gds", "compat", "staged")
+_ROUTE_OF: dict[str, Route] = {"gds": "gds", "compat": "compat", "staged": "staged"}
 _STAGE = 8 << 20  # bytes per pinned staging buffer
 _GDS_LOCAL_FS = ("ext4", "xfs")
 _GDS_PARALLEL_FS = ("lustre", "wekafs", "gpfs", "beegfs", "fuse.wekafs")
 
 
-def device_mode() -> tuple[str, str]:
+def device_mode() -> tuple[Route, str]:
     """``(mode, why)`` of this host: ``gds`` (cuFile + nvidia-fs), ``compat`` (kvikio through host memory) or
     ``staged`` (sfstore's pinned buffers)."""
     return CudaRuntime().mode()
@@ -111,7 +112,7 @@ def cufile_accepts(t: TargetFacts) -> tuple[bool, str]:
     return False, f"{t.fstype or 'an unknown filesystem'} ({t.source}): not a filesystem cuFile supports"
 
 
-def choose_route(mode: str, mode_why: str, target: TargetFacts) -> tuple[str, str]:
+def choose_route(mode: Route, mode_why: str, target: TargetFacts) -> tuple[Route, str]:
     """The route GPU ranges to ``target`` take on a host in ``mode``, and why: ``gds`` where cuFile is there and
     accepts the target, ``compat`` where kvikio is there, ``staged`` otherwise."""
     if mode == "staged":
@@ -248,10 +249,11 @@ class DevicePath(StoragePath):
             raise errors.ConfigError(f"DevicePath mode must be one of {', '.join(_MODES)}, not {mode!r}")
         self.runtime = runtime or CudaRuntime()
         found, why = self.runtime.mode()
-        rank = {"staged": 0, "compat": 1, "gds": 2}
-        if mode != "auto" and rank[mode] > rank[found]:
+        rank: dict[Route, int] = {"staged": 0, "compat": 1, "gds": 2}
+        asked: Route = found if mode == "auto" else _ROUTE_OF[mode]
+        if rank[asked] > rank[found]:
             raise errors.NotSupportedOnHostError(f"device path mode {mode!r} is not available here: {why}")
-        self.mode = found if mode == "auto" else mode
+        self.mode: Route = asked
         self.why = why if mode in ("auto", found) else f"mode {mode!r} asked for ({found} is there: {why})"
         if self.mode != "gds":
             self.fallbacks.append(f"device path {self.mode}: {self.why}")
@@ -260,7 +262,7 @@ class DevicePath(StoragePath):
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._files: dict[tuple[int, int], tuple[int, DeviceFile]] = {}  # (dev, ino) -> (our dup, kvikio handle)
-        self._routes: dict[tuple[int, int], tuple[str, str, str]] = {}  # (dev, ino) -> (route, why, name)
+        self._routes: dict[tuple[int, int], tuple[Route, str, str]] = {}  # (dev, ino) -> (route, why, name)
         self._stage: RegisteredBufferPool | None = None
         self._stage_pool: ThreadPoolExecutor | None = None
         self._registered: dict[int, Any] = {}
@@ -285,7 +287,7 @@ class DevicePath(StoragePath):
                 self._engine = get_engine()
             return self._engine
 
-    def route_for(self, fd: int, name: str = "") -> tuple[str, str]:
+    def route_for(self, fd: int, name: str = "") -> tuple[Route, str]:
         """``(route, why)`` of GPU ranges to the open file ``fd`` (decided once per file, then remembered)."""
         key = _route_key(os.fstat(fd))
         with self._lock:

@@ -16,14 +16,14 @@ import importlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Literal
 
 from sfstore import errors
 from sfstore.buffers import device_nbytes, is_device_buffer
 from sfstore.checksums import KVSUM_WORD, kvsum64_finish
 from sfstore.futures import deadline_after, remaining
 
-__all__ = ["DeviceRuntime", "DeviceFile", "CudaRuntime", "KvikioLeg"]
+__all__ = ["DeviceRuntime", "DeviceFile", "CudaRuntime", "KvikioLeg", "Route"]
 
 _MASK = (1 << 64) - 1
 
@@ -48,13 +48,18 @@ class DeviceFile(ABC):
         """Release the handle (cuFile deregisters it)."""
 
 
+Route = Literal["gds", "compat", "staged"]
+"""How GPU memory meets storage: ``gds`` (cuFile, no host copy), ``compat`` (kvikio through host memory) or
+``staged`` (sfstore's pinned buffers, then a CUDA copy)."""
+
+
 class DeviceRuntime(ABC):
     """The GPU side of the device path (see the module)."""
 
     name: str = ""
 
     @abstractmethod
-    def mode(self) -> tuple[str, str]:
+    def mode(self) -> tuple[Route, str]:
         """``(mode, why)``: ``"gds"`` (cuFile is there), ``"compat"`` (kvikio without cuFile) or ``"staged"``
         (no kvikio: sfstore's pinned staging)."""
 
@@ -200,16 +205,16 @@ class CudaRuntime(DeviceRuntime):
     name = "cuda"
 
     def __init__(self) -> None:
-        self._mode: tuple[str, str] | None = None
+        self._mode: tuple[Route, str] | None = None
         self._kvikio: Any = None
         self._weights: dict[tuple[Any, int], Any] = {}
 
-    def mode(self) -> tuple[str, str]:
+    def mode(self) -> tuple[Route, str]:
         if self._mode is None:
             self._mode = self._find_mode()
         return self._mode
 
-    def _find_mode(self) -> tuple[str, str]:
+    def _find_mode(self) -> tuple[Route, str]:
         try:
             ctypes.CDLL("libcuda.so.1")
         except OSError:

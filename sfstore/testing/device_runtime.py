@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from sfstore.paths.device_runtime import DeviceFile, DeviceRuntime
+from sfstore.paths.device_runtime import DeviceFile, DeviceRuntime, Route
 
 __all__ = ["EmulatedGPUArray", "EmulatedDeviceRuntime", "gpu_array"]
 
@@ -91,8 +91,8 @@ class EmulatedDeviceRuntime(DeviceRuntime):
 
     name = "emulated"
 
-    def __init__(self, mode: str = "gds", *, compat_files: bool | None = False) -> None:
-        self._mode = mode
+    def __init__(self, mode: Route = "gds", *, compat_files: bool | None = False) -> None:
+        self._mode: Route = mode
         self.compat_files = compat_files
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="emulated-kvikio")
         self.calls: list[tuple[str, int]] = []
@@ -100,7 +100,7 @@ class EmulatedDeviceRuntime(DeviceRuntime):
         self.copies_from_host = 0
         self.registered: list[int] = []
 
-    def mode(self) -> tuple[str, str]:
+    def mode(self) -> tuple[Route, str]:
         return self._mode, f"emulated GPU runtime in mode {self._mode} (a test double: no GPU on this machine)"
 
     def is_device(self, buf: Any) -> bool:
