@@ -54,15 +54,14 @@ MiB = 1 << 20
 _ENV_KEYS = ("SFSTORE_ROOT", "SFSTORE_CONFIG", "SFSTORE_DATA_DIR", "XDG_DATA_HOME", "XDG_CONFIG_HOME")
 
 
-def _default_file_path(config: str | None) -> FilePath:
-    """The FilePath ``sf://`` uses when no root is given: the router's ``dataset`` path.
-
-    Its root is ``SFSTORE_ROOT``, else the config file's ``root`` (``[classes.dataset]`` may override it), else
-    the embedded data directory (``SFSTORE_DATA_DIR``); see :mod:`sfstore.router`.
-    """
+def _file_path(root: str | None, config: str | None) -> FilePath:
+    """The FilePath ``sf://`` uses: the router's path at ``root`` when one is given (made if missing), else its
+    ``dataset`` path, whose root is ``SFSTORE_ROOT``, else the config file's ``root`` (``[classes.dataset]`` may
+    override it), else the embedded data directory (``SFSTORE_DATA_DIR``); see :mod:`sfstore.router`."""
     from sfstore import router
 
-    return router.open(config).file_path("dataset")
+    opened = router.open(config)
+    return opened.location(root, create=True) if root is not None else opened.file_path("dataset")
 
 
 class _ConfigToken:
@@ -208,8 +207,7 @@ def local_path(url: str | os.PathLike[str], *, root: str | None = None, config: 
     if "://" in text and not text.startswith("sf://"):
         raise errors.InvalidRequestError(f"local_path takes sf:// urls (or root-relative names), not {text!r}")
     name = SFFileSystem._strip_protocol(text)
-    fp = FilePath(root) if root is not None else _default_file_path(config)
-    return fp.resolve(name)
+    return _file_path(root, config).resolve(name)
 
 
 def writes_in_place(lpath: str) -> bool:
@@ -343,7 +341,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     def __init__(self, root: str | None = None, config: str | None = None, **storage_options: Any) -> None:
         super().__init__(**storage_options)
-        self.file_path: FilePath = FilePath(root) if root is not None else _default_file_path(config)
+        self.file_path: FilePath = _file_path(root, config)
         self.root: str = self.file_path.root
         chunk = self.file_path.chunk_size
         self.blocksize = min(32 * MiB, 4 * chunk)  # readahead window of open() files, block of copies

@@ -151,6 +151,7 @@ class Router:
                 table["subdir"] = os.path.normpath(table["subdir"])
             self._classes[name] = table
         self._paths: dict[str, StoragePath] = {}
+        self._locations: dict[tuple[Any, ...], FilePath] = {}
         self._attached: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.closed = False
@@ -298,10 +299,30 @@ class Router:
             self.closed = True
             stores, self._attached = list(self._attached.values()), {}
             paths, self._paths = list(self._paths.values()), {}
+            paths += list(self._locations.values())
+            self._locations = {}
         for st in stores:
             st.close()
         for p in paths:
             p.close()
+
+    def location(self, root: str | os.PathLike[str], *, create: bool = False, **options: Any) -> FilePath:
+        """The :class:`FilePath` rooted at the host directory ``root`` (``create``: made if missing) with these
+        :class:`FilePath` ``options`` (``direct``, ``chunk_size``, ``parallelism``): one per directory and options
+        in this router, made again when its root was removed. What faces reach by an absolute location (a
+        checkpoint at ``/abs/dir``, a DCP directory) moves through these, and :meth:`describe` shows their
+        counters beside the data classes'."""
+        key = (os.path.abspath(os.fspath(root)), bool(create), tuple(sorted(options.items())))
+        with self._lock:
+            fp = self._locations.get(key)
+            if fp is not None and os.path.isdir(fp.root):
+                return fp
+        made = FilePath(root, create=create, **options)
+        with self._lock:
+            fp = self._locations.get(key)
+            if fp is None or not os.path.isdir(fp.root):
+                fp = self._locations[key] = made
+        return fp
 
     def file_path(self, data_class: str = "dataset") -> FilePath:
         """The :class:`FilePath` serving ``data_class`` (``dataset`` by default)."""
@@ -358,6 +379,15 @@ class Router:
                                                          f"{self._elsewhere(name)}")
             if d.get("root_route"):  # the device path: how GPU memory reaches files under its root, and why
                 out["classes"][name]["gpu_route"] = d["root_route"]
+        with self._lock:
+            located = list(self._locations.values())
+        # absolute locations faces reached (a checkpoint at /abs/dir, a DCP directory): what moved there
+        out["locations"] = {}
+        for fp in located:
+            d = fp.describe()
+            got = out["locations"].setdefault(fp.root, {"transport": d["transport"], "counters": {}})
+            for k, v in d["counters"].items():
+                got["counters"][k] = got["counters"].get(k, 0) + v
         return out
 
     def counters(self) -> dict[str, dict[str, int]]:

@@ -24,12 +24,10 @@ import os
 import platform
 import posixpath
 import stat
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 from sfstore import errors
-from sfstore.environment import validate_environment
 from sfstore.paths.base import Range
 from sfstore.paths.file import FilePath, file_kind
 from sfstore.temp_names import FOREIGN_STALE_SECONDS as FOREIGN_STALE_SECONDS
@@ -67,10 +65,6 @@ RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347, "riscv64": 276}
 
-_fp_cache: dict[tuple[str, bool], FilePath] = {}
-_fp_lock = threading.Lock()
-
-
 @dataclass(frozen=True)
 class Location:
     """A checkpoint directory: the file path it lives on, its parent directory (absolute, for messages and
@@ -102,16 +96,11 @@ def open_dir(fp: FilePath, rel: str, full: str) -> int:
 
 
 def file_path(root: str, create: bool) -> FilePath:
-    """The file path rooted at the host directory ``root`` (``create``: made if missing), one per directory
-    and process, made again when its root was removed."""
-    validate_environment()  # the cached path was checked when made: the variables may have changed since
-    key = (os.path.abspath(root), create)
-    with _fp_lock:
-        fp = _fp_cache.get(key)
-        if fp is None or not os.path.isdir(fp.root):
-            fp = FilePath(root, create=create)
-            _fp_cache[key] = fp
-        return fp
+    """The file path rooted at the host directory ``root`` (``create``: made if missing): the router's
+    (:meth:`~sfstore.router.Router.location`), so its counters are the process's."""
+    import sfstore
+
+    return sfstore.open().location(root, create=create)
 
 
 def _class_root(data_class: str, write: bool) -> FilePath:

@@ -460,8 +460,10 @@ class SharedTier(KVTier):
     ) -> None:
         self.geom = geom
         ns = namespace_prefix(namespace)
-        if on is None:
-            self.fp = FilePath(directory)
+        if on is None:  # the router's path at the directory: its counters are the process's (describe())
+            import sfstore
+
+            self.fp = sfstore.open().location(directory, create=True)
             self.prefix = ns
         else:  # a directory under an existing file path (the router's): its counters show this tier's bytes
             self.fp = on

@@ -105,3 +105,24 @@ def test_dcp_items_are_one_range_each_split_by_the_path(tmp_path: Path) -> None:
     assert read["bytes_read"] == item_bytes + metadata
     assert read["files"] == 2  # the data file and the metadata
     assert read["requests"] >= math.ceil(sd["big"].numel() * 4 / CHUNK) + 1
+
+
+def test_absolute_checkpoints_and_dcp_are_counted_where_the_router_describes(tmp_path: Path) -> None:
+    """A checkpoint at an absolute directory and a DCP save move through the router's paths (its registry of
+    locations), so ``sfstore.open().describe()`` shows what they wrote; two saves to one place share one path."""
+    import sfstore
+
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from sfstore.checkpoint.dcp import StorageWriter
+
+    sd = _state()
+    checkpoint.save(sd, tmp_path / "ck")
+    first = _path_of(tmp_path / "ck", saving=True)
+    checkpoint.save(sd, tmp_path / "ck2")
+    assert _path_of(tmp_path / "ck2", saving=True) is first  # one path for the parent directory
+    dcp.save(sd, storage_writer=StorageWriter(str(tmp_path / "dcp")))
+    where = sfstore.open().describe()["locations"]
+    shards = sum(p.stat().st_size for d in ("ck", "ck2") for p in (tmp_path / d).iterdir())
+    assert where[str(tmp_path)]["counters"]["bytes_written"] >= shards
+    tensor_bytes = sum(t.numel() * t.element_size() for t in sd.values())  # (its data file aligns items: holes)
+    assert where[str(tmp_path / "dcp")]["counters"]["bytes_written"] >= tensor_bytes > 0

@@ -181,6 +181,12 @@ def stat_in(ck: CheckpointDir, name: str, *, by_name: bool = False) -> os.stat_r
         raise errors.os_error(exc.errno or errno.EIO, "stat", ck.full(name)) from None
 
 
+def _router() -> Any:
+    import sfstore
+
+    return sfstore.open()
+
+
 def open_checkpoint_dir(url: str, *, create: bool, direct: str | None, chunk_size: int | None,
                         parallelism: int | None) -> CheckpointDir:
     """The checkpoint directory ``url`` names, on a file path with these options; ``create`` makes it (and its
@@ -190,13 +196,13 @@ def open_checkpoint_dir(url: str, *, create: bool, direct: str | None, chunk_siz
     if kind == location.ABSOLUTE:
         if not create and not os.path.isdir(where):
             raise errors.os_error(errno.ENOENT, f"no checkpoint at {url!r} (directory missing)", where)
-        return CheckpointDir(FilePath(where, create=create, **options), "")
+        return CheckpointDir(_router().location(where, create=create, **options), "")
     root = location.root_for(kind, write=create)
     parts = root.beneath.parts(where)  # '..' above the root refused; symlinks are met beneath it, at each use
     if not parts:
         raise errors.PathEscapeError(f"checkpoint url {url!r} resolves to the root {root.root} itself")
     prefix = "/".join(parts)
-    fp = FilePath(root.root, create=False, **options)
+    fp = _router().location(root.root, create=False, **options)
     try:
         if create:
             fp.beneath.mkdir(prefix, parents=True, exist_ok=True)
