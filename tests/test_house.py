@@ -123,16 +123,6 @@ def test_faces_import_neither_the_engine_nor_the_native_helper() -> None:
     assert not found, "faces reaching under the paths:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("module, source, expected", [
-    ("kvcache/x.py", "from sfstore import _native\n", 1),
-    ("kvcache/x.py", "def f():\n    import sfstore._native\n", 1),
-    ("checkpoint/x.py", "from sfstore.engine import get_engine\n", 2),
-    ("fs.py", "from .engine import Request\n", 2),
-    ("kvcache/x.py", "from sfstore.paths import beneath\nfrom sfstore import buffers\n", 0),
-    ("paths/x.py", "from sfstore import _native\nfrom sfstore.engine import get_engine\n", 0),  # not a face
-])
-def test_the_layer_rule_catches_what_it_says(module: str, source: str, expected: int) -> None:
-    assert len(_layer_violations(ROOT / module, source)) == expected
 
 
 #: the runtime faces: they move data; the probe (a report of the host, for people and the CLI) is above them
@@ -152,11 +142,21 @@ def test_runtime_faces_do_not_import_the_probe() -> None:
     assert not found, "runtime modules importing the probe:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("module, source, expected", [
-    ("kvcache/x.py", "from sfstore import probe\n", 1),
-    ("kvcache/x.py", "from sfstore.probe import format_table\n", 2),
-    ("kvcache/x.py", "from sfstore import quarantine_records\n", 0),
-    ("cli.py", "from sfstore.probe import probe\n", 0),  # the CLI reports it
+LAYER_RULES = {"faces above the paths": _layer_violations, "runtime faces below the probe": _probe_violations}
+
+
+@pytest.mark.parametrize("rule, module, source, expected", [
+    ("faces above the paths", "kvcache/x.py", "from sfstore import _native\n", 1),
+    ("faces above the paths", "kvcache/x.py", "def f():\n    import sfstore._native\n", 1),
+    ("faces above the paths", "checkpoint/x.py", "from sfstore.engine import get_engine\n", 2),
+    ("faces above the paths", "fs.py", "from .engine import Request\n", 2),
+    ("faces above the paths", "kvcache/x.py", "from sfstore.paths import beneath\nfrom sfstore import buffers\n", 0),
+    ("faces above the paths", "paths/x.py", "from sfstore import _native\nfrom sfstore.engine import get_engine\n",
+     0),  # not a face
+    ("runtime faces below the probe", "kvcache/x.py", "from sfstore import probe\n", 1),
+    ("runtime faces below the probe", "kvcache/x.py", "from sfstore.probe import format_table\n", 2),
+    ("runtime faces below the probe", "kvcache/x.py", "from sfstore import quarantine_records\n", 0),
+    ("runtime faces below the probe", "cli.py", "from sfstore.probe import probe\n", 0),  # the CLI reports it
 ])
-def test_the_probe_rule_catches_what_it_says(module: str, source: str, expected: int) -> None:
-    assert len(_probe_violations(ROOT / module, source)) == expected
+def test_each_layer_rule_catches_what_it_says(rule: str, module: str, source: str, expected: int) -> None:
+    assert len(LAYER_RULES[rule](ROOT / module, source)) == expected

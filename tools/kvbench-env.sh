@@ -16,13 +16,9 @@
 # Re-running is cheap: pip skips what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
-VENV=${KVBENCH_VENV:-$ROOT/.venv-kvbench}
-MAIN=${SFSTORE_VENV:-$ROOT/.venv}
-
 . tools/lib.sh
 
-side_venv "$VENV" "$MAIN"
+side_venv "${KVBENCH_VENV:-.venv-kvbench}"  # sets ROOT and VENV
 # tools/constraints-dev.txt: the versions development uses, torch 2.13.0 (CPU) among them, for every install here
 PIP=("$VENV/bin/pip" install -q --disable-pip-version-check -c "$ROOT/tools/constraints-dev.txt")
 

@@ -39,19 +39,31 @@ retry() {  # retry a download-dependent command: registries are far away and som
   done
 }
 
-side_venv() {  # side_venv VENV MAIN: create VENV (if missing) with the interpreter of the main venv MAIN
-  local venv=$1 main=$2 py
-  # The same interpreter as the main venv, so the in-tree native helper (built for its ABI) imports here too.
+side_venv() {  # side_venv VENV: ROOT (the checkout: the working directory) and VENV (absolute) are set, and VENV
+  # is created (if missing) with the interpreter of the main venv ($SFSTORE_VENV, else .venv), so the in-tree native
+  # helper (built for its ABI) imports there too
+  ROOT=$(pwd)
+  VENV=$(cd "$ROOT" && realpath -m "$1")
+  local main=${SFSTORE_VENV:-$ROOT/.venv} py
   if [ -x "$main/bin/python" ]; then
     py=${PYTHON:-$("$main/bin/python" -c 'import sys; print(sys._base_executable)')}
   else
     py=${PYTHON:-python3}
     say "no $main: run tools/dev.sh setup first, so that sfstore's native helper is built in the tree"
   fi
-  if [ ! -x "$venv/bin/python" ]; then
-    say "creating $venv with $py"
-    "$py" -m venv "$venv"
+  if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV with $py"
+    "$py" -m venv "$VENV"
   fi
+}
+
+pinned_pip() {  # pinned_pip VENV PIN...: PIP (an array) becomes VENV's quiet pip install with the PINs as constraints
+  CONSTRAINTS=$(mktemp)
+  trap 'rm -f "$CONSTRAINTS"' EXIT
+  local venv=$1
+  shift
+  printf '%s\n' "$@" > "$CONSTRAINTS"
+  PIP=("$venv/bin/pip" install -q --disable-pip-version-check -c "$CONSTRAINTS")
 }
 
 link_checkout() {  # link_checkout VENV ROOT: sfstore from the checkout ROOT through a .pth file

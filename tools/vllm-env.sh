@@ -19,10 +19,6 @@
 # Re-running is cheap: pip skips what is there. About 2.1 GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
-VENV=${VLLM_VENV:-$ROOT/.venv-vllm}
-MAIN=${SFSTORE_VENV:-$ROOT/.venv}
-
 . tools/lib.sh
 
 VLLM=vllm==0.33.0
@@ -44,11 +40,8 @@ DEPS=(
   pytest==9.2.0 iniconfig==2.3.1 pluggy==1.7.0 Pygments==2.21.0
 )
 
-side_venv "$VENV" "$MAIN"
-CONSTRAINTS=$(mktemp)
-trap 'rm -f "$CONSTRAINTS"' EXIT
-printf '%s\n' "$TORCH" > "$CONSTRAINTS"
-PIP=("$VENV/bin/pip" install -q --disable-pip-version-check -c "$CONSTRAINTS")
+side_venv "${VLLM_VENV:-.venv-vllm}"  # sets ROOT and VENV
+pinned_pip "$VENV" "$TORCH"
 
 say "$TORCH (CPU) with its own dependencies"
 retry "${PIP[@]}" "$TORCH"

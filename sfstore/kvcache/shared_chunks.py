@@ -303,18 +303,8 @@ class ChunkFiles:
         ``on_layer(indices, layer)``: read layer by layer instead (one batch of headers, then one batch per
         layer, two in flight at a time), and call it once layer ``layer`` of the entries at ``indices`` is in
         their targets and verified, while the later layers are still being read."""
-        out = ["missing"] * len(entries)
-        lost: list[tuple[ChunkRun, os.stat_result]] = []
-        heads: list[Any] = []
-        files: list[_Open] = []
-        try:
-            files = self._open_runs(entries, out, lost)
-            self._read_steps(entries, targets, files, out, lost, heads, on_layer)
-        finally:
-            self._close_all(files, heads, lost)
-        if late():
-            return [s if s != "hit" else "timeout" for s in out]
-        return out
+        return self._reading(entries, lambda files, out, lost, heads: self._read_steps(
+            entries, targets, files, out, lost, heads, on_layer))
 
     def _open_runs(self, entries: Sequence[Entry], out: list[str],
                    lost: list[tuple[ChunkRun, os.stat_result]]) -> list[_Open]:
@@ -340,6 +330,25 @@ class ChunkFiles:
                 os.close(f.fd)
             raise
         return list(files.values())
+
+    def _reading(self, entries: Sequence[Entry],
+                 step: Callable[[list[_Open], list[str], list[tuple[ChunkRun, os.stat_result]], list[Any]], None],
+                 ) -> list[str]:
+        """Open the runs ``entries`` are in, then ``step(files, statuses, lost runs, buffers)``; every file closed
+        and buffer released after, whatever happened, and the runs found damaged dropped. A status per entry (a
+        hit past the deadline is a ``"timeout"``)."""
+        out = ["missing"] * len(entries)
+        lost: list[tuple[ChunkRun, os.stat_result]] = []
+        bufs: list[Any] = []
+        files: list[_Open] = []
+        try:
+            files = self._open_runs(entries, out, lost)
+            step(files, out, lost, bufs)
+        finally:
+            self._close_all(files, bufs, lost)
+        if late():
+            return [s if s != "hit" else "timeout" for s in out]
+        return out
 
     def _close_all(self, files: list[_Open], bufs: list[Any], lost: list[tuple[ChunkRun, os.stat_result]]) -> None:
         for f in files:
@@ -666,19 +675,12 @@ class ChunkFiles:
         which a GPU does not compute) is read by the file path into host memory, verified there and copied up
         (counted ``bytes_staged``). Statuses as :meth:`read`; ``on_layer`` as there (a later layer can still
         fail a block whose earlier layers were delivered)."""
-        out = ["missing"] * len(entries)
-        lost: list[tuple[ChunkRun, os.stat_result]] = []
-        bufs: list[Any] = []
-        files: list[_Open] = []
-        try:
-            files = self._open_runs(entries, out, lost)
+        def step(files: list[_Open], out: list[str], lost: list[tuple[ChunkRun, os.stat_result]],
+                 bufs: list[Any]) -> None:
             staged = self._device_heads(files, entries, out, lost, bufs, dests, device)
             self._device_steps(entries, dests, device, staged, out, lost, on_layer)
-        finally:
-            self._close_all(files, bufs, lost)
-        if late():
-            return [s if s != "hit" else "timeout" for s in out]
-        return out
+
+        return self._reading(entries, step)
 
     def _device_heads(self, files: list[_Open], entries: Sequence[Entry], out: list[str],
                       lost: list[tuple[ChunkRun, os.stat_result]], bufs: list[Any], dests: Sequence[Any],
