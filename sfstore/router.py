@@ -315,12 +315,12 @@ class Router:
         key = (os.path.abspath(os.fspath(root)), bool(create), tuple(sorted(options.items())))
         with self._lock:
             fp = self._locations.get(key)
-            if fp is not None and os.path.isdir(fp.root):
-                return fp
+        if fp is not None and _same_directory(fp):
+            return fp
         made = FilePath(root, create=create, **options)
         with self._lock:
             fp = self._locations.get(key)
-            if fp is None or not os.path.isdir(fp.root):
+            if fp is None or not _same_directory(fp):
                 fp = self._locations[key] = made
         return fp
 
@@ -413,6 +413,17 @@ class Router:
             if c.get("read_only"):
                 lines.append(f"{'':<11} read-only: {c['read_only']}")
         return "\n".join(lines)
+
+
+def _same_directory(fp: FilePath) -> bool:
+    """Whether ``fp``'s root still names the directory its descriptor holds (one removed and made again at the
+    same name is another directory: a path on the old one would write where nobody looks)."""
+    try:
+        st = os.stat(fp.root)
+        held = os.fstat(fp.beneath.root_fd())
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 _routers: dict[tuple[Any, ...], Router] = {}

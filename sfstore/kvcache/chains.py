@@ -19,7 +19,7 @@ CHAIN_KEYS = 1 << 17  # keys remembered (about 150 bytes each): 4 M tokens of 32
 
 
 class KeyChains:
-    """The chains of keys this process made, least recently noted forgotten first beyond ``limit`` keys.
+    """The chains of keys a store made, least recently noted forgotten first beyond ``limit`` keys.
 
     A key points to the longest chain noted through it (the same prompt later in its prefill, or a longer prompt
     that starts with it): the runs stored of that prompt hold its block too. Thread-safe.

@@ -539,6 +539,9 @@ def fuzz_kv(rng: random.Random, trail: list[str], root: Path, iterations: int) -
                 kv = open_kv()
                 if kv.shared is None:
                     pass  # the blocks stay on disk; the next store with a shared tier finds them again
+                # an engine makes each prompt's keys with the store it asks (keys_for): how the store finds the
+                # chunk files a block is in (docs/kvcache.md); the keys are the same
+                assert kv.keys_for(range(GEOM.block_tokens * 48)) == keys
                 tally["reopens"] += 1
         typed("final wait_for_puts", lambda: kv.wait_for_puts(30), trail)
         if kv.shared is not None:
