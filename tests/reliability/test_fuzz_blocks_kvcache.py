@@ -383,6 +383,7 @@ def fuzz_kv(rng: random.Random, trail: list[str], root: Path, iterations: int) -
 
     kv = open_kv()
     keys = kv.keys_for(range(GEOM.block_tokens * 48))
+    at = {k: i for i, k in enumerate(keys)}  # each key's position in the prompt
     stored: set[bytes] = set()  # put, and kept by the shared tier (no budget: never evicted by itself)
     put_once: set[bytes] = set()  # put at some point (a miss is allowed once evicted from the keeping tiers)
 
@@ -512,6 +513,12 @@ def fuzz_kv(rng: random.Random, trail: list[str], root: Path, iterations: int) -
                 if ok and isinstance(tiers, tuple) and "shared" in tiers:
                     for k in ks:
                         stored.discard(bytes(k))
+                        chunks = kv.shared.chunks if kv.shared is not None else None
+                        if chunks is not None and bytes(k) in at:
+                            # evicting a block removes the chunk files that hold it: its chunk's other blocks go
+                            # with it (docs/kvcache.md), so they are no longer promised
+                            first = at[bytes(k)] - at[bytes(k)] % chunks.per_chunk
+                            stored.difference_update(keys[first:first + chunks.per_chunk])
                 tally["errors"] += not ok
             elif op == "lookup":
                 tokens = rng.choice([list(range(GEOM.block_tokens * 5)), [], "abc", [1.5] * 8, [2**70] * 4,
