@@ -49,6 +49,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -151,7 +152,7 @@ class Router:
                 table["subdir"] = os.path.normpath(table["subdir"])
             self._classes[name] = table
         self._paths: dict[str, StoragePath] = {}
-        self._locations: dict[tuple[Any, ...], FilePath] = {}
+        self._locations: OrderedDict[tuple[Any, ...], FilePath] = OrderedDict()
         self._attached: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.closed = False
@@ -300,7 +301,7 @@ class Router:
             stores, self._attached = list(self._attached.values()), {}
             paths, self._paths = list(self._paths.values()), {}
             paths += list(self._locations.values())
-            self._locations = {}
+            self._locations = OrderedDict()
         for st in stores:
             st.close()
         for p in paths:
@@ -316,12 +317,20 @@ class Router:
         with self._lock:
             fp = self._locations.get(key)
         if fp is not None and _same_directory(fp):
+            with self._lock:
+                if key in self._locations:
+                    self._locations.move_to_end(key)
             return fp
         made = FilePath(root, create=create, **options)
         with self._lock:
             fp = self._locations.get(key)
             if fp is None or not _same_directory(fp):
                 fp = self._locations[key] = made
+            self._locations.move_to_end(key)
+            # A training run saves to a new directory every few steps: the least recently used beyond the bound
+            # leave the registry (each holds its root's descriptor, closed once nothing uses the path).
+            while len(self._locations) > _LOCATIONS_KEPT:
+                self._locations.popitem(last=False)
         return fp
 
     def file_path(self, data_class: str = "dataset") -> FilePath:
@@ -413,6 +422,9 @@ class Router:
             if c.get("read_only"):
                 lines.append(f"{'':<11} read-only: {c['read_only']}")
         return "\n".join(lines)
+
+
+_LOCATIONS_KEPT = 64  # absolute locations a router keeps paths (and their counters) for
 
 
 def _same_directory(fp: FilePath) -> bool:

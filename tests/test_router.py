@@ -344,3 +344,26 @@ def test_a_class_that_must_write_to_a_read_only_root_names_the_setting(ro_root: 
     cfg.write_text(f'[classes.checkpoint]\nroot = "{tmp_path / "ckpt"}"\n')
     checkpoint.save({"w": torch.ones(2)}, "step-2")
     assert (tmp_path / "ckpt" / "step-2").is_dir()
+
+
+def test_locations_are_one_path_each_made_again_for_a_new_directory_and_bounded(tmp_path: Path) -> None:
+    """Absolute locations (checkpoint and DCP directories) get one path each; a directory removed and made again
+    at the same name gets a new one (the old one's descriptor names the removed directory); a run that saves to a
+    new directory every few steps does not keep a path (and its descriptor) for each."""
+    import shutil
+
+    from sfstore import router as router_mod
+
+    r = sfstore.open()
+    a = r.location(tmp_path / "a", create=True)
+    assert r.location(str(tmp_path / "a"), create=True) is a
+    shutil.rmtree(tmp_path / "a")
+    (tmp_path / "a").mkdir()
+    again = r.location(tmp_path / "a", create=True)
+    assert again is not a
+    again.write("x.bin", b"abc")
+    assert (tmp_path / "a" / "x.bin").read_bytes() == b"abc"  # written where the name now points
+    for i in range(router_mod._LOCATIONS_KEPT + 10):
+        r.location(tmp_path / f"step-{i}", create=True)
+    assert len(r.describe()["locations"]) <= router_mod._LOCATIONS_KEPT
+    assert str(tmp_path / f"step-{router_mod._LOCATIONS_KEPT + 9}") in r.describe()["locations"]
