@@ -333,9 +333,9 @@ _SETTINGS_LIST = [
             "Deadline of every operation of a `KVCacheStore`'s block-store and shared tiers, in milliseconds (0: "
             "none: a stalled mount then holds the caller until it returns). Past it a get is a miss and a put is "
             "dropped (counted), the tier is quarantined, and the caller goes on: I/O runs on the tier's own "
-            "threads, and one stuck in a stalled mount is abandoned. One deadline covers a batch (up to 64 shared "
-            "blocks): raise it where a batch's bytes take longer than a tenth of it to read (slow links, large "
-            "blocks).", minimum=0, maximum=3_600_000),
+            "threads, and one stuck in a stalled mount is abandoned. One deadline covers a batch (up to 64 "
+            "shared-tier or 16 block-store blocks): raise it where a batch's bytes take longer than a tenth of it "
+            "to read (slow links, large blocks).", minimum=0, maximum=3_600_000),
     Setting("kvcache_quarantine_ms", "int", 1000,
             "First back-off of a KV tier that missed a deadline, in milliseconds: it is answered at once, without "
             "I/O, for this long, then probed; each miss in a row doubles it, to at most 64 times this.",

@@ -3,10 +3,10 @@ over RDMA on a cluster), behind the :class:`~sfstore.kvcache.tier.KVTier` contra
 
 The block store verifies each value against the checksum it holds (xxh3-64 of host bytes, or kvsum64 for a
 block written GPU-direct) and answers presence from its index in memory. Its calls run under the tier's own
-deadline (a fabric can stall too): past it a read is a miss and a write is dropped. Memory the caller gets back
-must never be touched by a call abandoned past its deadline, so under a deadline the caller's host memory is
-copied through registered staging buffers on the caller's thread (only leased pinned slots, kept from reuse by
-their leases, are filled and read in place).
+deadline (a fabric can stall too), 16 blocks a call: past it those are misses or dropped writes. Memory the
+caller gets back must never be touched by a call abandoned past its deadline, so under a deadline the caller's
+host memory is copied through registered staging buffers on the caller's thread (only leased pinned slots, kept
+from reuse by their leases, are filled and read in place).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from sfstore.kvcache.tiers import Lease, lease_again, release_all
 
 __all__ = ["BlockKVTier"]
 
-_STAGE_WAVE = 16  # blocks staged through host memory at a time (bounds the staging buffers held)
+# Blocks per block-store call: each call runs under its own deadline (a batch of any size is not one call that
+# must finish within it, all dropped or all missed past it), and the staging buffers held are bounded.
+_WAVE = 16
 
 
 class BlockKVTier(KVTier):
@@ -120,14 +122,16 @@ class BlockKVTier(KVTier):
 
     def _read_slots(self, keys: list[bytes], dests: KVBatch, present: list[int], out: list[ReadStatus]) -> None:
         n = self.geometry.block_bytes
-        leases: list[Lease] = [dests.items[i] for i in present]
-        status, got = self.run(self._get_views, [keys[i] for i in present], [lease.slot.data(n) for lease in leases],
-                               False, leases=leases, what="get")
-        if status != OK:
-            for i in present:
-                out[i] = read_status(status)
-            return
-        self._judge(keys, present, got[0], out)
+        for wave in _waves(len(present)):
+            idx = [present[j] for j in wave]
+            leases: list[Lease] = [dests.items[i] for i in idx]
+            status, got = self.run(self._get_views, [keys[i] for i in idx], [lease.slot.data(n) for lease in leases],
+                                   False, leases=leases, what="get")
+            if status != OK:
+                for i in idx:
+                    out[i] = read_status(status)
+                continue
+            self._judge(keys, idx, got[0], out)
 
     def _get_views(self, keys: list[bytes], views: list[memoryview], keep: bool) -> tuple[list[int | None], int]:
         return self.store.get_into_counting_drops(keys, views, keep_on_miss=keep)
@@ -192,15 +196,15 @@ class BlockKVTier(KVTier):
         n = self.geometry.block_bytes
         dp = dests.device
         direct = [i for i in present if self.store.sum_kind(keys[i]) is SumKind.KV64]
-        if direct:
-            status, got = self.run(
-                functools.partial(self.store.get_into_device, keep_on_miss=dests.keep, data_class="kvcache.block"),
-                [keys[i] for i in direct], [dests.items[i] for i in direct], dp, what="get")
+        get = functools.partial(self.store.get_into_device, keep_on_miss=dests.keep, data_class="kvcache.block")
+        for wave in _waves(len(direct)):
+            idx = [direct[j] for j in wave]
+            status, got = self.run(get, [keys[i] for i in idx], [dests.items[i] for i in idx], dp, what="get")
             if status != OK:
-                for i in direct:
+                for i in idx:
                     out[i] = read_status(status)
             else:
-                self._judge(keys, direct, got, out)
+                self._judge(keys, idx, got, out)
         done = set(direct)
         staged = [i for i in present if i not in done]
         for idx, bufs, lengths, status in self.staged_gets(keys, staged):
@@ -235,11 +239,13 @@ class BlockKVTier(KVTier):
 
     def _write_slots(self, keys: list[bytes], srcs: KVBatch) -> list[WriteStatus]:
         n = self.geometry.block_bytes
-        leases: list[Lease] = list(srcs.items)
-        status, _ = self.run(self.store.put_many, [(k, lease.slot.data(n)) for k, lease in zip(keys, leases,
-                                                                                                strict=True)],
-                             leases=leases, what="put")
-        return ["written" if status == OK else "dropped"] * len(keys)
+        out: list[WriteStatus] = []
+        for wave in _waves(len(keys)):
+            leases: list[Lease] = [srcs.items[i] for i in wave]
+            status, _ = self.run(self.store.put_many, [(keys[i], srcs.items[i].slot.data(n)) for i in wave],
+                                 leases=leases, what="put")
+            out += ["written" if status == OK else "dropped"] * len(wave)
+        return out
 
     def _write_host(self, keys: list[bytes], srcs: KVBatch) -> list[WriteStatus]:
         """From the caller's memory. Under a deadline it is copied into staging buffers first, on this thread: a
@@ -279,11 +285,13 @@ class BlockKVTier(KVTier):
         GPU-direct one may: sfstore cannot recall a DMA)."""
         n = self.geometry.block_bytes
         dp = srcs.device
-        if self.gpu_direct(dp):
-            status, _ = self.run(functools.partial(self.store.put_many_device, data_class="kvcache.block"),
-                                 list(zip(keys, srcs.items, strict=True)), dp, what="put")
-            return ["written" if status == OK else "dropped"] * len(keys)
         out: list[WriteStatus] = []
+        if self.gpu_direct(dp):
+            put = functools.partial(self.store.put_many_device, data_class="kvcache.block")
+            for wave in _waves(len(keys)):
+                status, _ = self.run(put, [(keys[i], srcs.items[i]) for i in wave], dp, what="put")
+                out += ["written" if status == OK else "dropped"] * len(wave)
+            return out
         for wave in _waves(len(keys)):
             bufs = [self._stage.acquire() for _ in wave]
             try:
@@ -322,4 +330,4 @@ class BlockKVTier(KVTier):
 
 
 def _waves(count: int) -> Iterator[range]:
-    return (range(i, min(count, i + _STAGE_WAVE)) for i in range(0, count, _STAGE_WAVE))
+    return (range(i, min(count, i + _WAVE)) for i in range(0, count, _WAVE))

@@ -654,7 +654,7 @@ class ChunkFiles:
         for layer in range(layers):
             for k, block in enumerate(blocks):
                 rt.copy(body, (layer * run.m + k) * lb, block, layer * lb, lb)
-        sums = [rt.checksum(body, i * lb, lb) for i in range(layers * run.m)]
+        sums = rt.checksums(body, [i * lb for i in range(layers * run.m)], lb)
         hdr = encode_header(self.geom, run, sums, SumKind.KV64)
         hb = chunk_header_bytes(self.geom, run.m)
         head = self._heads.acquire()
@@ -804,7 +804,7 @@ class ChunkFiles:
         rt, lb, m = device.runtime, self.geom.layer_bytes, f.run.m
         at = [(j, layer, layer * m + entries[j][2] - f.run.start) for j in f.entries for layer in layers]
         if f.kind is SumKind.KV64:
-            if any(rt.checksum(body, s * lb, lb) != sums[s] for _j, _layer, s in at):
+            if rt.checksums(body, [s * lb for _j, _layer, s in at], lb) != [sums[s] for _j, _layer, s in at]:
                 return False
             if not late():
                 for j, layer, s in at:

@@ -16,6 +16,7 @@ import importlib
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from sfstore import errors
@@ -103,13 +104,25 @@ class DeviceRuntime(ABC):
     def deregister(self, buf: Any) -> None:  # noqa: B027 - nothing registered by default
         """Undo :meth:`register`."""
 
+    def weighted_sums(self, buf: Any, offsets: Sequence[int], nbytes: int) -> list[int]:
+        """:meth:`weighted_sum` of ``nbytes`` bytes at each of ``offsets`` (runtimes answer them in one call)."""
+        return [self.weighted_sum(buf, o, nbytes) for o in offsets]
+
     def checksum(self, buf: Any, offset: int, nbytes: int) -> int:
         """:func:`sfstore.checksums.kvsum64` of ``nbytes`` bytes of GPU ``buf`` from ``offset``."""
-        if nbytes % KVSUM_WORD or offset % KVSUM_WORD:
+        return self.checksums(buf, [offset], nbytes)[0]
+
+    def checksums(self, buf: Any, offsets: Sequence[int], nbytes: int) -> list[int]:
+        """:func:`sfstore.checksums.kvsum64` of ``nbytes`` bytes of GPU ``buf`` at each of ``offsets``: one
+        answer from the GPU for all of them (a chunk's slices are checked layer by layer, hundreds at a time)."""
+        if nbytes % KVSUM_WORD or any(o % KVSUM_WORD for o in offsets):
             raise errors.InvalidRequestError(
-                f"a GPU-direct block checksum sums whole {KVSUM_WORD}-byte words: offset {offset}, {nbytes} bytes"
+                f"a GPU-direct block checksum sums whole {KVSUM_WORD}-byte words: offsets {list(offsets)[:4]}, "
+                f"{nbytes} bytes"
             )
-        return kvsum64_finish(self.weighted_sum(buf, offset, nbytes) & _MASK, nbytes)
+        if not offsets:
+            return []
+        return [kvsum64_finish(s & _MASK, nbytes) for s in self.weighted_sums(buf, offsets, nbytes)]
 
 
 class KvikioLeg:
@@ -280,24 +293,42 @@ class CudaRuntime(DeviceRuntime):
         flat[offset:offset + n].set(np.frombuffer(src, np.uint8))
 
     def weighted_sum(self, buf: Any, offset: int, nbytes: int) -> int:
-        flat = self._flat(buf)[offset:offset + nbytes]
+        # torch: int64 words, two's complement: products and sums wrap as uint64 would
+        return self.weighted_sums(buf, [offset], nbytes)[0]
+
+    def weighted_sums(self, buf: Any, offsets: Sequence[int], nbytes: int) -> list[int]:
+        # The slices stacked into one array (a copy in GPU memory, at its bandwidth) and summed by rows: one
+        # kernel and one transfer of the answers, where a sum per slice waits on the GPU once per slice.
+        flat = self._flat(buf)
+        rows = [flat[o:o + nbytes] for o in offsets]
         if type(flat).__module__.startswith("torch"):
             import torch
 
-            words = flat.view(torch.int64)  # two's complement: int64 products and sums wrap as uint64 would
-            key = (words.device, words.numel())
-            w = self._weights.get(key)
-            if w is None:
-                w = self._weights[key] = torch.arange(1, 2 * words.numel(), 2, dtype=torch.int64, device=words.device)
-            return int((words * w).sum().item()) & _MASK
+            words = torch.stack(rows).view(torch.int64)
+            w = self._weight_row(words.device, words.shape[1])
+            return [int(x) & _MASK for x in (words * w).sum(dim=1).tolist()]
         import cupy
 
-        words = flat.view(cupy.uint64)
-        key = (int(words.device.id), int(words.size))
+        words = cupy.stack(rows).view(cupy.uint64)
+        w = self._weight_row(words.device.id, words.shape[1])
+        return [int(x) & _MASK for x in (words * w).sum(axis=1).tolist()]
+
+    def _weight_row(self, device: Any, count: int) -> Any:
+        """The weights ``1, 3, 5, ...`` of ``count`` words on ``device`` (kept: the same few sizes recur)."""
+        key = (device, count)
         w = self._weights.get(key)
         if w is None:
-            w = self._weights[key] = cupy.arange(1, 2 * words.size, 2, dtype=cupy.uint64)
-        return int((words * w).sum()) & _MASK
+            if isinstance(device, int):
+                import cupy
+
+                with cupy.cuda.Device(device):
+                    w = cupy.arange(1, 2 * count, 2, dtype=cupy.uint64)
+            else:
+                import torch
+
+                w = torch.arange(1, 2 * count, 2, dtype=torch.int64, device=device)
+            self._weights[key] = w
+        return w
 
     def scratch(self, like: Any, nbytes: int) -> Any:
         if type(like).__module__.startswith("torch"):

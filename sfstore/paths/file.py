@@ -593,9 +593,18 @@ class FilePath(StoragePath):
             try:
                 for pos in range(0, n, self.chunk_size):
                     step = min(self.chunk_size, n - pos)
-                    piece = as_buffer(host[0:step])
-                    got = self._start_read(fd, full, size, piece, step, offset + pos, owns_fd=False).get()
-                    copy_host_to_device(buffer, pos, host[0:got])
+                    # A slice is a view the pooled buffer counts: each one is let go before the next step and
+                    # before the buffer goes back to the pool (release() refuses a buffer with live views).
+                    piece = host[0:step]
+                    try:
+                        got = self._start_read(fd, full, size, piece, step, offset + pos, owns_fd=False).get()
+                        filled = piece[0:got]
+                        try:
+                            copy_host_to_device(buffer, pos, filled)
+                        finally:
+                            filled.release()
+                    finally:
+                        piece.release()
                     total += got
                     self.counters.add(bytes_staged=got)
                     if got < step:

@@ -403,7 +403,7 @@ def test_gpu_tensors_round_trip(tmp_path: Path) -> None:
     assert all(v.is_cuda for v in on_gpu.values())
     assert same({k: v.cpu() for k, v in on_gpu.items()}, host)
     into = {k: torch.zeros_like(v) for k, v in state.items()}
-    into["strided"] = torch.zeros(48, 64, device="cuda").t()
+    into["strided"] = torch.zeros(64, 48, device="cuda").t()  # the saved tensor's shape (48, 64), not contiguous
     checkpoint.load(tmp_path / "ck", into=into)
     assert same({k: v.cpu() for k, v in into.items()}, host)
     fut = checkpoint.save_async(state, tmp_path / "async", max_shard_bytes=100_000)

@@ -93,3 +93,23 @@ def test_cuda_tensors_round_trip(tmp_path: Path) -> None:
         assert (c["bytes_gpu_direct"] if dp.mode == "gds" else c["bytes_staged"]) == 2 * x.numel() * 2
     finally:
         dp.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])])
+def test_batched_block_checksums_match_the_host_kvsum64(device: str) -> None:
+    # The CUDA runtime's sums run on a tensor's own device: on the CPU here every line but the GPU's runs
+    from sfstore.checksums import kvsum64
+    from sfstore.paths.device_runtime import CudaRuntime
+
+    gen = torch.Generator().manual_seed(7)
+    host = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=gen)
+    buf = host.to(device)
+    rt = CudaRuntime()
+    offsets = [0, 8, 4096, 60_000, 65_536 - 1024]
+    want = [kvsum64(host[o:o + 1024].numpy().tobytes()) for o in offsets]
+    assert rt.checksums(buf, offsets, 1024) == want
+    assert [rt.checksum(buf, o, 1024) for o in offsets] == want
+    assert rt.checksums(buf, [], 1024) == []
+    with pytest.raises(errors.InvalidRequestError, match="whole 8-byte words"):
+        rt.checksums(buf, [4], 1024)
