@@ -185,16 +185,17 @@ class SfstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             views.append(memoryview(self._bytes[off:off + int(size)]))
         return views
 
+    def _pages_whole(self, per_part: Sequence[bool], pages: int) -> list[bool]:
+        """Per page, whether every one of its parts is (``per_part``: the store's answer per part, in order)."""
+        return [all(per_part[i * self.parts:(i + 1) * self.parts]) for i in range(pages)]
+
     # -- the zero-copy interface (interface_v1) -------------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many of ``keys``, from the first, are stored (every part of each page)."""
         if not keys:
             return 0
-        found = self._need().contains_many(self._all_keys(keys))
-        for i in range(len(keys)):
-            if not all(found[i * self.parts:(i + 1) * self.parts]):
-                return i
-        return len(keys)
+        whole = self._pages_whole(self._need().contains_many(self._all_keys(keys)), len(keys))
+        return whole.index(False) if False in whole else len(keys)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Read the pages into the host pool at ``host_indices``, each verified there; ``False`` for a page not
@@ -202,7 +203,7 @@ class SfstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return []
         got = self._need().get_into(self._all_keys(keys), self._views(host_indices, len(keys)), keep_on_miss=False)
-        return [all(t is not None for t in got[i * self.parts:(i + 1) * self.parts]) for i in range(len(keys))]
+        return self._pages_whole([t is not None for t in got], len(keys))
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Write the pages at ``host_indices`` straight from the host pool; ``True`` for each page stored (an MLA
@@ -219,8 +220,7 @@ class SfstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         except errors.SfstoreError as exc:
             log.warning("sfstore's SGLang backend: a write of %d pages failed: %s", len(keys), exc)
             return [False] * len(keys)
-        found = store.contains_many(all_keys)
-        return [all(found[i * self.parts:(i + 1) * self.parts]) for i in range(len(keys))]
+        return self._pages_whole(store.contains_many(all_keys), len(keys))
 
     # -- the generic interface (flat page tensors) ----------------------------------------------------------------
     def _page_views(self, value: torch.Tensor) -> list[memoryview]:
@@ -250,8 +250,8 @@ class SfstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise errors.InvalidRequestError("sfstore's SGLang backend reads into the page tensors SGLang passes")
         views = [v for t in target_locations for v in self._page_views(t)]
         got = self._need().get_into(self._all_keys(keys), views, keep_on_miss=False)
-        return [t if all(g is not None for g in got[i * self.parts:(i + 1) * self.parts]) else None
-                for i, t in enumerate(target_locations)]
+        whole = self._pages_whole([g is not None for g in got], len(keys))
+        return [t if ok else None for t, ok in zip(target_locations, whole, strict=True)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
