@@ -8,9 +8,9 @@
 #   .whl/    wheels for that machine's python (kvikio-cu13, libkvikio-cu13, rapids-logger), installed to /tmp/site;
 #            fetch them here with tools/gpu-machine.sh --fetch (pip download for cp312, manylinux x86-64);
 #   .uring/  Debian's liburing-dev and liburing2 .debs (apt-get download), so the native engine has io_uring.
-# Then it builds sfstore's native helper for that python (cmake, into sfstore/), runs the tests marked gpu
-# (pytest -m gpu) and tools/gpu_check.py. Logs and the JSON go to $OUT (the device tool's folder), else /tmp/gpu-out.
-# The exit status is the worst of the two runs'.
+# Then it builds sfstore's native helper for that python (cmake, into sfstore/) and runs tools/gpu_check.py (the
+# tests marked gpu, then the gpu bench suite). Logs and the JSON go to $OUT (the device tool's folder), else
+# /tmp/gpu-out. The exit status is gpu_check's.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-out}
@@ -54,15 +54,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 "$PY" -c 'import sfstore, sfstore._native as n; print("sfstore", sfstore.__version__, "native", n.__file__)'
 
-say "pytest -m gpu"
-# Only the files that hold gpu tests: others import packages this image lacks (vLLM, webdataset, ...).
-gpu_files=$(grep -rl "mark.gpu" tests --include='*.py' | grep -v '^tests/vllm' | sort)
-timeout 300 "$PY" -m pytest -m gpu -p no:cacheprovider -q -o addopts="-ra --strict-markers" $gpu_files \
-  --junitxml="$OUT/pytest-gpu.xml" 2>&1 | tee "$OUT/pytest-gpu.log"
-rc_tests=${PIPESTATUS[0]}
-
 say "tools/gpu_check.py $*"
+# gpu_check runs the tests marked gpu (pytest -m gpu) and the gpu bench suite, each within its budget
 "$PY" tools/gpu_check.py --json "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
-rc_check=${PIPESTATUS[0]}
-say "pytest -m gpu exit $rc_tests, gpu_check exit $rc_check"
-[ "$rc_tests" -eq 0 ] && [ "$rc_check" -eq 0 ]
+exit "${PIPESTATUS[0]}"

@@ -17,7 +17,7 @@ import errno
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from sfstore import errors
 from sfstore.arguments import check_timeout
@@ -38,6 +38,8 @@ COUNTER_KEYS = (
     "errors",
 )
 
+
+_P = TypeVar("_P", bound="StoragePath")
 
 class PathCounters(Counters):
     """Counters of one path: requests, files, bytes read/written, direct vs bounced, GPU direct vs staged, errors.
@@ -439,7 +441,7 @@ class StoragePath(ABC):
     def close(self) -> None:  # noqa: B027 - a no-op is the right default for paths that hold nothing
         """Release what the path holds (descriptors, connections)."""
 
-    def __enter__(self) -> StoragePath:
+    def __enter__(self: _P) -> _P:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -188,6 +188,15 @@ def _errno_of(exc: BaseException) -> int:
     return int(err) if isinstance(err, int) and err > 0 else errno.EIO
 
 
+def _span(buf: Any, offset: int, size: int) -> Any:
+    """Bytes ``[offset, offset + size)`` of the GPU array ``buf`` as a flat uint8 view (``buf`` itself when that is
+    all of it)."""
+    flat = CudaRuntime.flat(buf)
+    if offset == 0 and size == flat.shape[0]:
+        return buf
+    return flat[offset:offset + size]
+
+
 class _KvikioFile(DeviceFile):
     def __init__(self, kvikio: Any, fd: int, full: str) -> None:
         # kvikio opens by name only: /proc/self/fd/N reopens the very inode this path's descriptor holds
@@ -202,11 +211,13 @@ class _KvikioFile(DeviceFile):
         except Exception:  # an older kvikio: it cannot say
             self.compat = None
 
+    # kvikio's pread/pwrite take (buf, size, file_offset, task_size): no offset into the buffer, so a range at
+    # an offset of it is passed as a view of those bytes (kvikio finds the allocation a view lies in itself)
     def pread(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> Any:
-        return self._f.pread(buf, size, file_offset, buf_offset)
+        return self._f.pread(_span(buf, buf_offset, size), size, file_offset)
 
     def pwrite(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> Any:
-        return self._f.pwrite(buf, size, file_offset, buf_offset)
+        return self._f.pwrite(_span(buf, buf_offset, size), size, file_offset)
 
     def close(self) -> None:
         self._f.close()
@@ -259,7 +270,8 @@ class CudaRuntime(DeviceRuntime):
         return _KvikioFile(self._kvikio, fd, full)
 
     @staticmethod
-    def _flat(buf: Any) -> Any:
+    def flat(buf: Any) -> Any:
+        """``buf`` (a torch tensor or cupy array) as a flat uint8 view of its bytes."""
         if type(buf).__module__.startswith("torch"):
             import torch
 
@@ -270,7 +282,7 @@ class CudaRuntime(DeviceRuntime):
 
     def to_host(self, buf: Any, offset: int, dst: memoryview) -> None:
         n = dst.nbytes
-        flat = self._flat(buf)
+        flat = self.flat(buf)
         if type(flat).__module__.startswith("torch"):
             import torch
 
@@ -282,7 +294,7 @@ class CudaRuntime(DeviceRuntime):
 
     def from_host(self, buf: Any, offset: int, src: memoryview) -> None:
         n = src.nbytes
-        flat = self._flat(buf)
+        flat = self.flat(buf)
         if type(flat).__module__.startswith("torch"):
             import torch
 
@@ -299,7 +311,7 @@ class CudaRuntime(DeviceRuntime):
     def weighted_sums(self, buf: Any, offsets: Sequence[int], nbytes: int) -> list[int]:
         # The slices stacked into one array (a copy in GPU memory, at its bandwidth) and summed by rows: one
         # kernel and one transfer of the answers, where a sum per slice waits on the GPU once per slice.
-        flat = self._flat(buf)
+        flat = self.flat(buf)
         rows = [flat[o:o + nbytes] for o in offsets]
         if type(flat).__module__.startswith("torch"):
             import torch
@@ -341,7 +353,7 @@ class CudaRuntime(DeviceRuntime):
             return cupy.empty(nbytes, dtype=cupy.uint8)
 
     def copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, nbytes: int) -> None:
-        d, s = self._flat(dst), self._flat(src)
+        d, s = self.flat(dst), self.flat(src)
         d[dst_offset:dst_offset + nbytes] = s[src_offset:src_offset + nbytes]
 
     def register(self, buf: Any) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -201,3 +202,59 @@ def test_emulated_gpu_describe_names_the_route_of_its_root(tmp_path: Path) -> No
         assert root["route"] == ("gds" if accepted else "compat") and why in root["why"]
     finally:
         dp.close()
+
+
+class _KvikioCuFileStandIn:
+    """kvikio.CuFile's Python signature (``pread(buf, size=None, file_offset=0, task_size=None)``: no offset into
+    the buffer), over host memory: kvikio itself needs a GPU."""
+
+    def __init__(self, path: str, flags: str = "r") -> None:
+        self.fd = os.open(path, os.O_RDWR)
+
+    def pread(self, buf: Any, size: int | None = None, file_offset: int = 0, task_size: int | None = None) -> Any:
+        view = buf.numpy() if hasattr(buf, "numpy") else buf
+        n = os.preadv(self.fd, [memoryview(view).cast("B")[:size]], file_offset)
+        return _Done(n)
+
+    def pwrite(self, buf: Any, size: int | None = None, file_offset: int = 0, task_size: int | None = None) -> Any:
+        view = buf.numpy() if hasattr(buf, "numpy") else buf
+        return _Done(os.pwrite(self.fd, memoryview(view).cast("B")[:size], file_offset))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Done:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def get(self) -> int:
+        return self.n
+
+    def done(self) -> bool:
+        return True
+
+
+def test_kvikio_ranges_at_buffer_offsets_move_those_bytes_kvikio_stand_in(tmp_path: Path) -> None:
+    # kvikio's pread/pwrite have no buffer offset (their 4th argument is task_size): a range at an offset of a
+    # GPU array must reach kvikio as a view of those bytes (a GPU run read every layer of a chunk into offset 0)
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from sfstore.paths.device_runtime import _KvikioFile
+
+    f = tmp_path / "f.bin"
+    f.write_bytes(bytes(range(256)) * 64)
+    fd = os.open(f, os.O_RDWR)
+    try:
+        kf = _KvikioFile(SimpleNamespace(CuFile=_KvikioCuFileStandIn), fd, str(f))
+        buf = torch.zeros(8192, dtype=torch.uint8)
+        assert kf.pread(buf, 1000, 300, 4096).get() == 1000
+        assert bytes(buf[4096:5096].numpy()) == (bytes(range(256)) * 64)[300:1300]
+        assert not buf[:4096].any() and not buf[5096:].any()
+        src = torch.arange(8192, dtype=torch.int64).view(torch.uint8)[:8192]
+        assert kf.pwrite(src, 512, 0, 1024).get() == 512
+        kf.close()
+        assert f.read_bytes()[:512] == bytes(src[1024:1536].numpy())
+    finally:
+        os.close(fd)
