@@ -396,7 +396,7 @@ def test_gpu_tensors_round_trip(tmp_path: Path) -> None:
         "bf16": torch.randn(333, device="cuda").to(torch.bfloat16),
         "cpu": torch.arange(10),
     }
-    host = {k: v.cpu() for k, v in state.items()}
+    host = {k: v.cpu().clone() for k, v in state.items()}  # (.cpu() of a CPU tensor is the tensor itself)
     checkpoint.save(state, tmp_path / "ck", max_shard_bytes=100_000)
     assert same(checkpoint.load(tmp_path / "ck"), host)
     on_gpu = checkpoint.load(tmp_path / "ck", device="cuda")
