@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.checksums import SHARED_CHUNK_SUMS, SumKind, kvsum64, xxh3_64, xxh3_64_many
 from sfstore.kvcache.deadline import late
+from sfstore.kvcache.device_verdict import damaged_on_storage, warn_disagreement
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.paths.base import Range
 from sfstore.paths.file import set_blocking
@@ -777,6 +778,10 @@ class ChunkFiles:
                     elif self._deliver(f, sums, body, wanted, entries, dests, device):
                         ready.extend(f.entries)
                         continue
+                    elif f.kind is SumKind.KV64 and not self._damaged(f, sums, wanted, entries):
+                        self.tier.counters.add(device_verify_disagreed=1)
+                        warn_disagreement(f"a shared-tier chunk file ({f.run.m} blocks)")
+                        status = "unreadable"
                     else:
                         lost.append((f.run, f.st))
                         status = "corrupt"
@@ -796,6 +801,14 @@ class ChunkFiles:
             for legs in pending:  # (an error above: no read may still write once the files close)
                 if legs is not None:
                     finish(legs)
+
+    def _damaged(self, f: _Open, sums: list[int], layers: range, entries: Sequence[Entry]) -> bool:
+        """Whether the slices of ``layers`` of ``f.entries`` that failed in GPU memory fail in host memory too
+        (:mod:`sfstore.kvcache.device_verdict`): only then is the file damaged and dropped."""
+        lb, m = self.geom.layer_bytes, f.run.m
+        hb = chunk_header_bytes(self.geom, m)
+        at = [layer * m + entries[j][2] - f.run.start for j in f.entries for layer in layers]
+        return damaged_on_storage(f.fd, [(hb + s * lb, lb, sums[s]) for s in at])
 
     def _deliver(self, f: _Open, sums: list[int], body: Any, layers: range, entries: Sequence[Entry],
                  dests: Sequence[Any], device: Any) -> bool:

@@ -1195,7 +1195,11 @@ class KVCacheStore:
         out["cache_namespace"] = self.cache_namespace
         # files the shared tier opened to read blocks (chunk files and block files): a hit of n tokens opens
         # about n / chunk_tokens of them
-        out["shared_opens"] = self.shared.counters.snapshot()["opens"] if self.shared is not None else 0
+        shared = self.shared.counters.snapshot() if self.shared is not None else {}
+        out["shared_opens"] = shared.get("opens", 0)
+        # GPU reads whose checksums failed on bytes that pass in host memory: files kept, read as misses (a
+        # defect between storage and GPU, not damage: kvcache/device_verdict.py)
+        out["device_verify_disagreed"] = shared.get("device_verify_disagreed", 0)
         out["chunk_tokens"] = self.chunk_tokens
         # the connector's load-or-recompute figures: each tier's load rate, the engine's prefill rate, decisions
         out["load_or_recompute"] = self.load_or_recompute.describe()

@@ -27,6 +27,7 @@ from sfstore.checksums import SHARED_FILE_SUMS, SumKind, sum_of, xxh3_64, xxh3_6
 from sfstore.counters import Counters
 from sfstore.kvcache.chains import KeyChains
 from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard, late
+from sfstore.kvcache.device_verdict import damaged_on_storage, warn_disagreement
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
 from sfstore.kvcache.shared_chunks import CHUNK_SUFFIX, ChunkFiles, Entry, parse_name
@@ -487,8 +488,10 @@ class SharedTier(KVTier):
         # blocks whose chain is known are stored in chunk files of ``chunk_blocks`` (see shared_chunks)
         self.chains = chains
         self.chunks = ChunkFiles(self, chunk_blocks) if chunk_blocks > 0 and chains is not None else None
-        # files opened to read blocks (chunk and block files): a hit of n blocks should open about n / chunk
-        self.counters = Counters(("opens",))
+        # opens: files opened to read blocks (chunk and block files: a hit of n blocks should open about n /
+        # chunk); device_verify_disagreed: GPU reads whose checksums failed on bytes that pass in host memory
+        # (kept, read as misses: kvcache/device_verdict.py)
+        self.counters = Counters(("opens", "device_verify_disagreed"))
 
     def file_name(self, key: bytes) -> str:
         """The block file's name under the file path's root."""
@@ -1058,6 +1061,10 @@ class SharedTier(KVTier):
                 self.fp.counters.add(errors=1)
                 return "unreadable", ""
             if got != n or device.runtime.checksum(target, 0, n) != checksum:
+                if got == n and not damaged_on_storage(fd, [(HEADER, n, checksum)]):
+                    self.counters.add(device_verify_disagreed=1)
+                    warn_disagreement(f"the shared-tier block file {base}")
+                    return "unreadable", ""
                 self._drop(sub, base, st)
                 return "corrupt", ""
             self.budget.touch(fd, st)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from sfstore import defaults
 from sfstore.blocks import BlockStore
 from sfstore.checksums import SHARED_CHUNK_SUMS, SumKind
 from sfstore.kvcache import KVCacheStore, KVGeometry
@@ -337,5 +339,62 @@ def test_emulated_gpu_chunks_are_read_across_memories_and_a_host_chunk_comes_up_
         assert kv.get_into(h_keys, gpu, on_layer=lambda idx, layer: seen.append(layer)) == ["shared"] * m
         assert seen == list(range(GEOM.num_layers))
         assert all(np.array_equal(a, b) for a, b in zip(h_src, gpu, strict=True))
+    finally:
+        kv.close()
+
+
+class _MisreadingRuntime(EmulatedDeviceRuntime):
+    """An emulated GPU whose reads on the device path garble one byte (a defect on the way: kvikio, a driver),
+    while the bytes on storage are sound: a stand-in, no GPU here."""
+
+    def __init__(self) -> None:
+        super().__init__("gds")
+        self.garble = False
+
+    def open(self, fd: int, full: str) -> Any:
+        f = super().open(fd, full)
+        rt = self
+        read = f.pread
+
+        def pread(buf: Any, size: int, file_offset: int, buf_offset: int) -> Any:
+            fut = read(buf, size, file_offset, buf_offset)
+            if rt.garble:
+                fut.get()
+                np.asarray(buf).reshape(-1).view(np.uint8)[buf_offset] ^= 0xFF
+            return fut
+
+        f.pread = pread  # type: ignore[method-assign]
+        return f
+
+
+@pytest.mark.parametrize("chunks", [True, False])
+def test_emulated_gpu_a_misread_on_the_way_is_a_miss_that_keeps_the_files_misreading_runtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: bool, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A GPU read that fails its checksum on bytes that pass in host memory is a defect between storage and this
+    # reader, not damage: dropping the file would lose it for every other reader (a GPU run read every layer of
+    # a chunk into the wrong place this way, and the store dropped the chunk)
+    rt = _MisreadingRuntime()
+    monkeypatch.setattr(device_mod, "cufile_accepts", lambda t: (True, "NFS over RDMA (test stand-in)"))
+    with defaults.set(kvcache_chunk_tokens=256 if chunks else 0):
+        kv = _store(tmp_path, rt)
+    m = 3
+    try:
+        src = _blocks(m, seed=31)
+        keys = kv.keys_for(list(range(m * GEOM.block_tokens)))
+        kv.put(keys, src)
+        files = sorted(p for p in (tmp_path / "shared").rglob("*") if p.is_file() and not p.is_symlink())
+        rt.garble = True
+        dst = [gpu_array(N, fill=5) for _ in range(m)]
+        with caplog.at_level("WARNING", logger="sfstore.kvcache"):
+            assert kv.get_into(keys, dst) == [None] * m
+        assert all((np.asarray(d) == 5).all() for d in dst)  # nothing unverified reached the caller
+        stats = kv.stats()
+        assert stats["corrupt_dropped"] == 0 and stats["device_verify_disagreed"] >= 1
+        assert "not in host memory" in caplog.text
+        assert sorted(p for p in (tmp_path / "shared").rglob("*") if p.is_file() and not p.is_symlink()) == files
+        rt.garble = False
+        assert kv.get_into(keys, dst) == ["shared"] * m  # the files were kept: the next sound read hits
+        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
     finally:
         kv.close()
