@@ -652,9 +652,8 @@ class ChunkFiles:
         rt = device.runtime
         lb, layers = self.geom.layer_bytes, self.geom.num_layers
         body = rt.scratch(blocks[0], run.m * self.geom.block_bytes)
-        for layer in range(layers):
-            for k, block in enumerate(blocks):
-                rt.copy(body, (layer * run.m + k) * lb, block, layer * lb, lb)
+        for k, block in enumerate(blocks):  # block k's layer L goes to row L * m + k of the body
+            rt.copy_rows(body, k * lb, run.m * lb, block, 0, lb, lb, layers)
         sums = rt.checksums(body, [i * lb for i in range(layers * run.m)], lb)
         hdr = encode_header(self.geom, run, sums, SumKind.KV64)
         hb = chunk_header_bytes(self.geom, run.m)
@@ -820,8 +819,10 @@ class ChunkFiles:
             if rt.checksums(body, [s * lb for _j, _layer, s in at], lb) != [sums[s] for _j, _layer, s in at]:
                 return False
             if not late():
-                for j, layer, s in at:
-                    rt.copy(dests[j], layer * lb, body, s * lb, lb)
+                for j in f.entries:  # the layers of block j: rows layer * m + k of the body
+                    k = entries[j][2] - f.run.start
+                    rt.copy_rows(dests[j], layers.start * lb, lb, body, (layers.start * m + k) * lb, m * lb, lb,
+                                 len(layers))
             return True
         with memoryview(body) as v:
             views = [v[s * lb:(s + 1) * lb] for _j, _layer, s in at]

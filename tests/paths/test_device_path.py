@@ -113,3 +113,27 @@ def test_batched_block_checksums_match_the_host_kvsum64(device: str) -> None:
     assert rt.checksums(buf, [], 1024) == []
     with pytest.raises(errors.InvalidRequestError, match="whole 8-byte words"):
         rt.checksums(buf, [4], 1024)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])])
+def test_strided_row_copies_move_what_a_copy_per_row_moves(device: str) -> None:
+    # a block's layers into a layer-major chunk body and back, as one strided copy (on the CPU here every line
+    # but the GPU's runs)
+    from sfstore.paths.device_runtime import CudaRuntime, DeviceRuntime
+
+    rt = CudaRuntime()
+    layers, m, lb = 6, 4, 1024
+    gen = torch.Generator().manual_seed(3)
+    blocks = [torch.randint(0, 256, (layers * lb,), dtype=torch.uint8, generator=gen).to(device) for _ in range(m)]
+    body = torch.zeros(layers * m * lb, dtype=torch.uint8, device=device)
+    looped = torch.zeros_like(body)
+    for k, b in enumerate(blocks):
+        rt.copy_rows(body, k * lb, m * lb, b, 0, lb, lb, layers)
+        DeviceRuntime.copy_rows(rt, looped, k * lb, m * lb, b, 0, lb, lb, layers)  # the row-by-row default
+    assert torch.equal(body, looped)
+    assert torch.equal(body[(2 * m + 1) * lb:(2 * m + 2) * lb], blocks[1][2 * lb:3 * lb])  # layer 2 of block 1
+    out = torch.zeros(layers * lb, dtype=torch.uint8, device=device)
+    rt.copy_rows(out, 2 * lb, lb, body, (2 * m + 3) * lb, m * lb, lb, 3)  # layers 2..4 of block 3
+    assert torch.equal(out[2 * lb:5 * lb], blocks[3][2 * lb:5 * lb]) and not out[:2 * lb].any()
+    assert not out[5 * lb:].any()
