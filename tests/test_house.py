@@ -142,7 +142,44 @@ def test_runtime_faces_do_not_import_the_probe() -> None:
     assert not found, "runtime modules importing the probe:\n" + "\n".join(found)
 
 
-LAYER_RULES = {"faces above the paths": _layer_violations, "runtime faces below the probe": _probe_violations}
+#: names the code gives a path (a file path, the device path): what is counted on one is the path's to count
+PATH_NAMES = {"fp", "dp", "device", "path", "file_path", "_fp", "_dp", "_device"}
+
+
+def _owner_name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _counter_violations(path: Path, source: str | None = None) -> list[str]:
+    """Calls outside sfstore/paths that change a path's counters (``fp.counters.add(...)``): faces tell the path
+    what happened (``file_done``, ``stage_to_gpu``) and the path counts."""
+    module = _module_name(path)
+    if module == "sfstore.paths" or module.startswith("sfstore.paths."):
+        return []
+    tree = ast.parse(source if source is not None else path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("add", "add_for", "reset")):
+            continue
+        counters = node.func.value
+        if isinstance(counters, ast.Attribute) and counters.attr == "counters" \
+                and _owner_name(counters.value) in PATH_NAMES:
+            found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_only_the_paths_change_a_paths_counters() -> None:
+    found = [v for path in sorted(ROOT.rglob("*.py")) for v in _counter_violations(path)]
+    assert not found, "a path's counters changed outside sfstore/paths:\n" + "\n".join(found)
+
+
+LAYER_RULES = {"faces above the paths": _layer_violations, "runtime faces below the probe": _probe_violations,
+               "only paths count": _counter_violations}
 
 
 @pytest.mark.parametrize("rule, module, source, expected", [
@@ -157,6 +194,10 @@ LAYER_RULES = {"faces above the paths": _layer_violations, "runtime faces below 
     ("runtime faces below the probe", "kvcache/x.py", "from sfstore.probe import format_table\n", 2),
     ("runtime faces below the probe", "kvcache/x.py", "from sfstore import quarantine_records\n", 0),
     ("runtime faces below the probe", "cli.py", "from sfstore.probe import probe\n", 0),  # the CLI reports it
+    ("only paths count", "kvcache/x.py", "self.fp.counters.add(files=1)\n", 1),
+    ("only paths count", "checkpoint/x.py", "fp.counters.add_for('c', errors=1)\ndp.counters.reset()\n", 2),
+    ("only paths count", "kvcache/x.py", "self.counters.add(opens=1)\nfp.file_done()\n", 0),  # its own counters
+    ("only paths count", "paths/x.py", "self.fp.counters.add(files=1)\n", 0),  # a path counting
 ])
 def test_each_layer_rule_catches_what_it_says(rule: str, module: str, source: str, expected: int) -> None:
     assert len(LAYER_RULES[rule](ROOT / module, source)) == expected

@@ -178,7 +178,7 @@ def check_written(got: int, length: int, path: str, fp: FilePath) -> None:
     :class:`~sfstore.errors.IOEngineError` (EIO). The path counts failed requests; a short one is the face's to
     judge."""
     if got != length:
-        fp.counters.add_for(DATA_CLASS, errors=1)
+        fp.file_failed(data_class=DATA_CLASS)
         raise errors.os_error(errno.EIO, f"short write ({got} of {length} bytes)", path, errors.IOEngineError)
 
 

@@ -180,7 +180,7 @@ class _ShardReader:
             got = fut.get()[0]
         finally:
             of.close()
-        self.fp.counters.add_for(DATA_CLASS, files=1)
+        self.fp.file_done(data_class=DATA_CLASS)
         self._fill()
         if got != shard.size:
             raise _corrupt(f"shard {shard.file} is truncated: read {got} of {shard.size} bytes", shard.file)
@@ -402,7 +402,7 @@ def _load_into(fp: FilePath, directory: str, manifest: Manifest, into: Any, veri
             got = fp.submit(ranges, data_class=DATA_CLASS).get() if ranges else []
         finally:
             of.close()
-        fp.counters.add_for(DATA_CLASS, files=1)
+        fp.file_done(data_class=DATA_CLASS)
         for rec, n in zip(ordered, got, strict=True):
             if n != rec.nbytes:
                 raise _corrupt(

@@ -278,7 +278,7 @@ def read_regular(fp: FilePath, path: str, *, limit: int, what: str) -> bytes:
             want = min(total, cap - total)
     finally:
         os.close(fd)
-    fp.counters.add_for(DATA_CLASS, files=1)
+    fp.file_done(data_class=DATA_CLASS)
     return b"".join(memoryview(buf)[:n] for buf, n in pieces)
 
 

@@ -345,7 +345,7 @@ class _Job:
                     sh.closed = True
                     self.fds.pop(sh.fd, None)
                     os.close(sh.fd)
-        self.fp.counters.add_for(DATA_CLASS, files=1)
+        self.fp.file_done(data_class=DATA_CLASS)
 
     def commit(self) -> CheckpointInfo:
         plan = self.plan

@@ -73,7 +73,7 @@ def file_round_trip(data_dir: str | None = None, size: int = 64 * MiB, chunk: in
             odd_ok = bytes(odd[3 : 3 + n_odd]) == _expected(seed, chunk, 12_345, n_odd)
         finally:
             os.close(fd)
-        fp.counters.add(files=1)
+        fp.file_done()
         for b in bufs:
             b.release()
         pool_stats = pool.stats()

@@ -212,13 +212,10 @@ class BlockKVTier(KVTier):
                 for i in idx:
                     out[i] = read_status(status)
                 continue
-            hits = 0
             for i, b, length in zip(idx, bufs, lengths, strict=True):
                 if length == n:  # verified by the block store: only then does it reach the caller
                     with memoryview(b) as mv:
-                        dp.runtime.from_host(dests.items[i], 0, mv[:n])
-                    hits += 1
-            dp.counters.add_for("kvcache.block", bytes_staged=n * hits)
+                        dp.stage_to_gpu(dests.items[i], 0, mv[:n], "kvcache.block")
             self._judge(keys, idx, lengths, out)
 
     # -- writes -----------------------------------------------------------------------------------------------
@@ -297,13 +294,12 @@ class BlockKVTier(KVTier):
             try:
                 for i, b in zip(wave, bufs, strict=True):
                     with memoryview(b) as mv:
-                        dp.runtime.to_host(srcs.items[i], 0, mv[:n])
+                        dp.stage_to_host(srcs.items[i], 0, mv[:n], "kvcache.block")
             except BaseException:
                 release_all(bufs)
                 raise
             status, _ = self.run(self._put_buffers, [keys[i] for i in wave], bufs, buffers=bufs, what="put")
             out += ["written" if status == OK else "dropped"] * len(wave)
-            dp.counters.add_for("kvcache.block", bytes_staged=n * len(wave))
         return out
 
     # -- housekeeping -----------------------------------------------------------------------------------------

@@ -451,14 +451,14 @@ class ChunkFiles:
                     if not header and n not in sums_of:
                         continue  # failed at an earlier step
                     if n in failed:
-                        self.tier.fp.counters.add(errors=1)
+                        self.tier.fp.file_failed()
                         for j in f.entries:
                             out[j] = "unreadable"
                         sums_of.pop(n, None)
                         continue
                     with memoryview(bufs[n]) as hv:
                         if header:
-                            self.tier.fp.counters.add(files=1)
+                            self.tier.fp.file_done()
                             sums = self._header(f, hv[:chunk_header_bytes(self.geom, f.run.m)], entries, out)
                         else:
                             sums = sums_of[n]
@@ -518,7 +518,7 @@ class ChunkFiles:
             set_blocking(fd, direct=self.tier.fp.direct)
         except OSError:
             os.close(fd)
-            self.tier.fp.counters.add(errors=1)
+            self.tier.fp.file_failed()
             return "unreadable", None, None
         return "open", _Open(run, fd, st), st
 
@@ -694,11 +694,11 @@ class ChunkFiles:
         good: list[tuple[_Open, list[int], Any]] = []
         for f, h, hb, n in zip(files, heads, sizes, got, strict=True):
             if n != hb:
-                self.tier.fp.counters.add(errors=1)
+                self.tier.fp.file_failed()
                 for j in f.entries:
                     out[j] = "unreadable"
                 continue
-            self.tier.fp.counters.add(files=1)
+            self.tier.fp.file_done()
             with memoryview(h) as hv:
                 sums = self._header(f, hv[:hb], entries, out)
             if sums is None:
@@ -772,7 +772,7 @@ class ChunkFiles:
                 for g in sorted(alive):
                     f, sums, body = files[g]
                     if g not in whole:
-                        self.tier.fp.counters.add(errors=1)
+                        self.tier.fp.file_failed()
                         status = "unreadable"
                     elif self._deliver(f, sums, body, wanted, entries, dests, device):
                         ready.extend(f.entries)
@@ -831,8 +831,7 @@ class ChunkFiles:
                     return False
                 if not late():
                     for (j, layer, _s), piece in zip(at, views, strict=True):
-                        rt.from_host(dests[j], layer * lb, piece)
-                    device.counters.add_for("kvcache.shared", bytes_staged=len(at) * lb)
+                        device.stage_to_gpu(dests[j], layer * lb, piece, "kvcache.shared")
             finally:
                 for piece in views:
                     piece.release()

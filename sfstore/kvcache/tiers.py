@@ -666,7 +666,7 @@ class SharedTier(KVTier):
             read: list[tuple[int, int, os.stat_result, tuple[int, SumKind] | None, memoryview]] = []
             for (i, fd, st), got in zip(opened, results, strict=True):
                 if got is None:  # the read failed (as an OSError of the single read would be)
-                    self.fp.counters.add(errors=1)
+                    self.fp.file_failed()
                     out[i] = ("unreadable", 0)
                     continue
                 found = read_header(views[i][0][:HEADER], self.geom, keys[i]) if got == HEADER + n else None
@@ -675,12 +675,12 @@ class SharedTier(KVTier):
             sums = iter(xxh3_64_many([b for _i, _fd, _st, f, b in read if f is not None and f[1] is SumKind.XXH3]))
             for i, fd, st, found, block in read:
                 if found is None or (next(sums) if found[1] is SumKind.XXH3 else sum_of(found[1], block)) != found[0]:
-                    self.fp.counters.add(files=1)
+                    self.fp.file_done()
                     out[i] = ("corrupt", 0)
                     drops.append((i, st))
                     continue
                 self.budget.touch(fd, st)  # an access record for the shared LRU, while the file is open
-                self.fp.counters.add(files=1)
+                self.fp.file_done()
                 # the tiers above keep xxh3-64 of host bytes
                 out[i] = ("hit", found[0] if found[1] is SumKind.XXH3 else xxh3_64(block))
         finally:
@@ -737,7 +737,7 @@ class SharedTier(KVTier):
             set_blocking(fd, direct=self.fp.direct)
         except OSError:
             os.close(fd)
-            self.fp.counters.add(errors=1)
+            self.fp.file_failed()
             return None, "unreadable", None
         return fd, "open", st
 
@@ -1058,7 +1058,7 @@ class SharedTier(KVTier):
             try:
                 got = device.submit([Range.read(HEADER, n, target, 0, fd)], data_class="kvcache.shared").get()[0]
             except errors.SfstoreOSError:
-                self.fp.counters.add(errors=1)
+                self.fp.file_failed()
                 return "unreadable", ""
             if got != n or device.runtime.checksum(target, 0, n) != checksum:
                 if got == n and not damaged_on_storage(fd, [(HEADER, n, checksum)]):
@@ -1072,10 +1072,10 @@ class SharedTier(KVTier):
                 return TIMEOUT, ""
             if keep:
                 device.runtime.copy(dest, 0, target, 0, n)
-            self.fp.counters.add(files=1)
+            self.fp.file_done()
             return "hit", route
         except OSError:
-            self.fp.counters.add(errors=1)
+            self.fp.file_failed()
             return "unreadable", ""
         finally:
             os.close(fd)
@@ -1090,9 +1090,9 @@ class SharedTier(KVTier):
                 got = self._read_file(fd, [view])
             except OSError:
                 del view
-                self.fp.counters.add(errors=1)
+                self.fp.file_failed()
                 return "unreadable", ""
-            self.fp.counters.add(files=1)
+            self.fp.file_done()
             if got != HEADER + n or xxh3_64(view[HEADER:HEADER + n]) != checksum:
                 del view
                 self._drop(sub, base, st)
@@ -1101,8 +1101,7 @@ class SharedTier(KVTier):
             if late():
                 del view
                 return TIMEOUT, ""
-            device.runtime.from_host(dest, 0, view[HEADER:HEADER + n])
-            device.counters.add_for("kvcache.shared", bytes_staged=n)
+            device.stage_to_gpu(dest, 0, view[HEADER:HEADER + n], "kvcache.shared")
             del view
         finally:
             buf.release()

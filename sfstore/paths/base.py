@@ -417,6 +417,16 @@ class StoragePath(ABC):
             misaligned range where bounce buffers are off).
         """
 
+    # What a face tells its path about a file it moved through it: the path keeps the counters (their names and
+    # classes are its own), so faces count nothing themselves.
+    def file_done(self, count: int = 1, data_class: str | None = None) -> None:
+        """``count`` files a face read or wrote whole (and checked) through this path: its ``files`` counter."""
+        self.counters.add_for(data_class, files=count)
+
+    def file_failed(self, count: int = 1, data_class: str | None = None) -> None:
+        """``count`` files a face could not read or write through this path: its ``errors`` counter."""
+        self.counters.add_for(data_class, errors=count)
+
     def refuse_device_buffers(self, ranges: Sequence[Range]) -> None:
         """Raise :class:`~sfstore.errors.InvalidRequestError` for the first range with a GPU buffer (for paths
         whose ``supports_device_buffers`` is false)."""

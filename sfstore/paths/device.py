@@ -447,6 +447,21 @@ class DevicePath(StoragePath):
                 self._stage = RegisteredBufferPool(_STAGE)
             return self._stage
 
+    # -- staging a face does through host memory ------------------------------------------------------------------
+    def stage_to_gpu(self, dst: Any, offset: int, src: memoryview, data_class: str | None = None) -> None:
+        """Copy host bytes a face has verified (``src``) into GPU ``dst`` at byte ``offset``, counted as
+        ``bytes_staged`` (under ``data_class`` too): the one host-to-GPU copy of faces that read into host
+        memory first (a block store's slots, files of host-put blocks)."""
+        self.runtime.from_host(dst, offset, src)
+        self.counters.add_for(data_class, bytes_staged=src.nbytes)
+
+    def stage_to_host(self, src: Any, offset: int, dst: memoryview, data_class: str | None = None) -> None:
+        """Copy ``dst.nbytes`` bytes of GPU ``src`` from byte ``offset`` into host ``dst``, counted as
+        ``bytes_staged`` (a face that writes GPU blocks from host memory: a deadline must never see it read
+        GPU memory the caller has got back)."""
+        self.runtime.to_host(src, offset, dst)
+        self.counters.add_for(data_class, bytes_staged=dst.nbytes)
+
     # -- registration ----------------------------------------------------------------------------------------
     def register(self, array: Any) -> bool:
         """Register a GPU array with cuFile for repeated transfers (once; a no-op outside ``gds``); whether it

@@ -246,7 +246,7 @@ class StorageReader(CheckpointStorage, _DcpStorageReader):
             raise errors.CorruptCheckpointError(f"{what} {full} is not a regular file", shard=name) from None
         with of:
             self._read_open_file(ck.fp, of, name, entries, planner)
-        ck.fp.counters.add_for(DATA_CLASS, files=1)
+        ck.fp.file_done(data_class=DATA_CLASS)
 
     def _read_open_file(self, fp: FilePath, of: OpenFile, name: str, entries: list[tuple[ReadItem, ItemLocation]],
                         planner: LoadPlanner) -> None:

@@ -393,7 +393,7 @@ class _RankFileWriter:
                 pass
             raise
         os.close(fd)
-        self.fp.counters.add_for(DATA_CLASS, files=1)
+        self.fp.file_done(data_class=DATA_CLASS)
         return results
 
     def _submit(self, batch: list[Range], keep: list[Any], inflight: deque[tuple[PathFuture | None, list[Any]]],
