@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sfstore import defaults
-from sfstore.errors import RegistrationError
+from sfstore.errors import InvalidRequestError, RegistrationError
 
 __all__ = [
     "RegisteredBufferPool",
@@ -42,7 +42,9 @@ __all__ = [
     "scatter",
     "is_device_buffer",
     "device_nbytes",
-    "copy_host_to_device",
+    "flat_bytes",
+    "copy_to_host",
+    "copy_from_host",
 ]
 
 try:
@@ -347,24 +349,64 @@ def device_nbytes(obj: Any) -> int:
     return int(obj.nbytes)
 
 
-def copy_host_to_device(dst: Any, dst_offset: int, src: Any) -> None:
-    """Copy the host bytes ``src`` into the GPU buffer ``dst`` at byte ``dst_offset`` (synchronous).
+def flat_bytes(buf: Any) -> Any:
+    """``buf`` (a torch tensor or a cupy array, contiguous) as a flat uint8 view of its bytes, where it lives."""
+    if type(buf).__module__.startswith("torch"):
+        import torch
 
-    ``src`` is page-locked (a registered buffer) for full-speed copies. torch CUDA tensors and cupy arrays
-    (contiguous) are supported.
-    """
-    n = memoryview(src).nbytes
+        return buf.detach().reshape(-1).view(torch.uint8)
+    import cupy
+
+    return cupy.asarray(buf).reshape(-1).view(cupy.uint8)
+
+
+# The one copy between host memory and a tensor or array (GPU or not): the device path's runtime, the file path's
+# bounce buffers and the KV cache's pinned slots all move GPU bytes through these two.
+def copy_to_host(src: Any, src_offset: int, dst: Any) -> None:
+    """Copy ``len(dst)`` bytes of the torch tensor or cupy array ``src`` from byte ``src_offset`` into the host
+    buffer ``dst`` (synchronous; from a GPU at full speed when ``dst`` is page-locked). A non-contiguous torch
+    tensor is copied whole (``src_offset`` 0)."""
+    view = memoryview(dst).cast("B")
+    n = view.nbytes
+    if type(src).__module__.startswith("torch"):
+        import torch
+
+        t = src.detach()
+        if not t.is_contiguous():
+            if src_offset:
+                raise InvalidRequestError("a part of a non-contiguous tensor cannot be copied out")
+            t = t.contiguous()
+        torch.frombuffer(view, dtype=torch.uint8, count=n).copy_(t.reshape(-1).view(torch.uint8)[
+            src_offset:src_offset + n])
+        return
+    import numpy as np
+
+    flat_bytes(src)[src_offset:src_offset + n].get(out=np.frombuffer(view, np.uint8))
+
+
+def copy_from_host(dst: Any, dst_offset: int, src: Any) -> None:
+    """Copy the host bytes ``src`` into the torch tensor or cupy array ``dst`` at byte ``dst_offset`` (synchronous;
+    to a GPU at full speed when ``src`` is page-locked). A non-contiguous torch tensor is filled whole
+    (``dst_offset`` 0, ``src`` its size); a tensor that requires grad is still just memory to fill."""
+    view = memoryview(src).cast("B")
+    n = view.nbytes
     if type(dst).__module__.startswith("torch"):
         import torch
 
-        flat = dst.detach().reshape(-1).view(torch.uint8)
-        flat[dst_offset : dst_offset + n].copy_(torch.frombuffer(src, dtype=torch.uint8, count=n))
+        if view.readonly:  # torch views only writable memory (it is only read here; the copy is for a bytes object)
+            view = memoryview(bytearray(view))
+        flat = torch.frombuffer(view, dtype=torch.uint8, count=n) if n else torch.empty(0, dtype=torch.uint8)
+        with torch.no_grad():
+            if dst.is_contiguous():
+                dst.reshape(-1).view(torch.uint8)[dst_offset:dst_offset + n].copy_(flat)
+            elif dst_offset == 0 and n == dst.numel() * dst.element_size():
+                dst.copy_(flat.view(dst.dtype).view(dst.shape))
+            else:
+                raise InvalidRequestError("a part of a non-contiguous tensor cannot be filled")
         return
-    import cupy
     import numpy as np
 
-    flat = cupy.asarray(dst).reshape(-1).view(cupy.uint8)
-    flat[dst_offset : dst_offset + n].set(np.frombuffer(src, dtype=np.uint8, count=n))
+    flat_bytes(dst)[dst_offset:dst_offset + n].set(np.frombuffer(view, np.uint8))
 
 
 def _read_meminfo(key: str) -> int | None:

@@ -306,3 +306,34 @@ def test_free_page_reporting_reads_the_balloon_feature_bits(tmp_path: Path) -> N
     assert isinstance(real["on"], bool) and real["reason"]
     caps = memory_capabilities()
     assert caps["free_page_reporting"] == real
+
+
+def test_the_one_host_copy_moves_tensor_bytes_both_ways_at_offsets() -> None:
+    # the copy every GPU path uses (the device path's runtime, the file path's bounce buffers, the KV cache's
+    # pinned slots); CPU tensors here, the same calls on CUDA ones (tests/gpu)
+    torch = pytest.importorskip("torch")
+    from sfstore.buffers import copy_from_host, copy_to_host
+
+    src = torch.arange(256, dtype=torch.int32)  # 1024 bytes
+    out = bytearray(100)
+    copy_to_host(src, 40, out)
+    assert bytes(out) == src.numpy().tobytes()[40:140]
+    strided = torch.arange(64, dtype=torch.int16).view(8, 8).t()
+    whole = bytearray(128)
+    copy_to_host(strided, 0, whole)  # a non-contiguous tensor is copied whole, in its logical order
+    assert bytes(whole) == strided.contiguous().numpy().tobytes()
+    with pytest.raises(errors.InvalidRequestError, match="non-contiguous"):
+        copy_to_host(strided, 2, bytearray(8))
+
+    dst = torch.zeros(256, dtype=torch.int32, requires_grad=False)
+    copy_from_host(dst, 40, bytes(range(100)))
+    raw = dst.numpy().tobytes()
+    assert raw[40:140] == bytes(range(100)) and not any(raw[:40]) and not any(raw[140:])
+    grad = torch.zeros(4, dtype=torch.float32, requires_grad=True)
+    copy_from_host(grad, 0, torch.ones(4).numpy().tobytes())  # still just memory to fill
+    assert grad.detach().tolist() == [1.0] * 4
+    target = torch.zeros(8, 8, dtype=torch.int16).t()
+    copy_from_host(target, 0, strided.contiguous().numpy().tobytes())
+    assert torch.equal(target, strided)
+    with pytest.raises(errors.InvalidRequestError, match="non-contiguous"):
+        copy_from_host(target, 2, b"\0" * 8)

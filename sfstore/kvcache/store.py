@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
 from sfstore.blocks import BlockStore
-from sfstore.buffers import as_buffer, is_device_buffer
+from sfstore.buffers import as_buffer, copy_from_host, copy_to_host, is_device_buffer
 from sfstore.counters import Counters
 from sfstore.futures import DoneFuture, ExecutorFuture
 from sfstore.futures import Future as SfFuture
@@ -389,24 +389,10 @@ class KVCacheStore:
     def _copy_in(self, slot: Slot, block: Any, device: bool, offset: int = 0, nbytes: int | None = None) -> None:
         n = self.geometry.block_bytes if nbytes is None else nbytes
         dst = slot.data(self.geometry.block_bytes)[offset:offset + n]
-        mod = type(block).__module__ or ""
-        if mod.startswith("torch"):
-            import torch
-
-            flat = torch.frombuffer(dst, dtype=torch.uint8, count=n)
-            src = block.detach()
-            if not src.is_contiguous():
-                src = src.contiguous()
-            flat.copy_(src.reshape(-1).view(torch.uint8))
+        if device or (type(block).__module__ or "").startswith("torch"):
+            copy_to_host(block, 0, dst)
             if device:
                 self.counters.add(bytes_device_staged=n)
-            return
-        if device:  # cupy or another CUDA array
-            import cupy
-            import numpy as np
-
-            cupy.asarray(block).reshape(-1).view(cupy.uint8).get(out=np.frombuffer(dst, np.uint8))
-            self.counters.add(bytes_device_staged=n)
             return
         dst[:] = memoryview(as_buffer(block)).cast("B")
 
@@ -440,25 +426,11 @@ class KVCacheStore:
     def _copy_out(self, slot: Slot, block: Any, offset: int = 0, nbytes: int | None = None) -> None:
         n = self.geometry.block_bytes if nbytes is None else nbytes
         src = slot.data(self.geometry.block_bytes)[offset:offset + n]
-        mod = type(block).__module__ or ""
-        if mod.startswith("torch"):
-            import torch
-
-            flat = torch.frombuffer(src, dtype=torch.uint8, count=n)
-            with torch.no_grad():  # a destination that requires grad is still just memory to fill
-                if block.is_contiguous():
-                    block.reshape(-1).view(torch.uint8).copy_(flat)
-                else:
-                    block.copy_(flat.view(block.dtype).view(block.shape))
-            if block.device.type != "cpu":
+        device = self._is_device(block)
+        if device or (type(block).__module__ or "").startswith("torch"):
+            copy_from_host(block, 0, src)
+            if device:
                 self.counters.add(bytes_device_staged=n)
-            return
-        if is_device_buffer(block):
-            import cupy
-            import numpy as np
-
-            cupy.asarray(block).reshape(-1).view(cupy.uint8).set(np.frombuffer(src, np.uint8))
-            self.counters.add(bytes_device_staged=n)
             return
         mv = memoryview(as_buffer(block))
         if mv.readonly:

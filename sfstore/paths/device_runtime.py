@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from sfstore import errors
-from sfstore.buffers import device_nbytes, is_device_buffer
+from sfstore.buffers import copy_from_host, copy_to_host, device_nbytes, flat_bytes, is_device_buffer
 from sfstore.checksums import KVSUM_WORD, kvsum64_finish
 from sfstore.futures import deadline_after, remaining
 
@@ -280,37 +280,13 @@ class CudaRuntime(DeviceRuntime):
     @staticmethod
     def flat(buf: Any) -> Any:
         """``buf`` (a torch tensor or cupy array) as a flat uint8 view of its bytes."""
-        if type(buf).__module__.startswith("torch"):
-            import torch
-
-            return buf.detach().reshape(-1).view(torch.uint8)
-        import cupy
-
-        return cupy.asarray(buf).reshape(-1).view(cupy.uint8)
+        return flat_bytes(buf)
 
     def to_host(self, buf: Any, offset: int, dst: memoryview) -> None:
-        n = dst.nbytes
-        flat = self.flat(buf)
-        if type(flat).__module__.startswith("torch"):
-            import torch
-
-            torch.frombuffer(dst, dtype=torch.uint8, count=n).copy_(flat[offset:offset + n])
-            return
-        import numpy as np
-
-        flat[offset:offset + n].get(out=np.frombuffer(dst, np.uint8))
+        copy_to_host(buf, offset, dst)
 
     def from_host(self, buf: Any, offset: int, src: memoryview) -> None:
-        n = src.nbytes
-        flat = self.flat(buf)
-        if type(flat).__module__.startswith("torch"):
-            import torch
-
-            flat[offset:offset + n].copy_(torch.frombuffer(src, dtype=torch.uint8, count=n))
-            return
-        import numpy as np
-
-        flat[offset:offset + n].set(np.frombuffer(src, np.uint8))
+        copy_from_host(buf, offset, src)
 
     def weighted_sum(self, buf: Any, offset: int, nbytes: int) -> int:
         # torch: int64 words, two's complement: products and sums wrap as uint64 would

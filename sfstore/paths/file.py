@@ -35,7 +35,7 @@ from typing import Any
 
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch
-from sfstore.buffers import as_buffer, bytes_for_filling, copy_host_to_device, filled_bytes, is_device_buffer
+from sfstore.buffers import as_buffer, bytes_for_filling, copy_from_host, filled_bytes, is_device_buffer
 from sfstore.engine import IOEngine, Request, describe_engines, get_engine
 from sfstore.environment import validate_environment
 from sfstore.futures import DoneFuture, Future, MappedFuture
@@ -600,7 +600,7 @@ class FilePath(StoragePath):
                         got = self._start_read(fd, full, size, piece, step, offset + pos, owns_fd=False).get()
                         filled = piece[0:got]
                         try:
-                            copy_host_to_device(buffer, pos, filled)
+                            copy_from_host(buffer, pos, filled)
                         finally:
                             filled.release()
                     finally:
