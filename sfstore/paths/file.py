@@ -29,13 +29,14 @@ import errno
 import fcntl
 import os
 import stat
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch
-from sfstore.buffers import as_buffer, bytes_for_filling, copy_from_host, filled_bytes, is_device_buffer
+from sfstore.buffers import as_buffer, bytes_for_filling, filled_bytes, is_device_buffer
 from sfstore.engine import IOEngine, Request, describe_engines, get_engine
 from sfstore.environment import validate_environment
 from sfstore.futures import DoneFuture, Future, MappedFuture
@@ -166,6 +167,8 @@ class FilePath(StoragePath):
         self.parallelism = int(parallelism or defaults.get("file_parallelism") or self.mount.default_parallelism())
         self._engine = engine
         self._small_engine: IOEngine | None = None
+        self._device: Any = None  # a DevicePath in staged mode, for GPU buffers given to the read calls
+        self._device_lock = threading.Lock()
         self._direct_mode = defaults.SETTINGS["direct_io"].parse(direct, "FilePath") if direct else None
         self.direct = self._probe_direct()
         if self.mount.transport == "tcp":
@@ -574,10 +577,10 @@ class FilePath(StoragePath):
             group.close()
 
     def _read_fd_into_device(self, fd: int, full: str, buffer: Any, offset: int, length: int | None) -> Future[int]:
-        # The file path takes host memory: a GPU buffer given to its read calls is filled through pinned
-        # registered buffers from one descriptor (the file opened beneath the root once); the device path
-        # (sfstore.paths.device) is the way without that copy.
-        from sfstore.buffers import RegisteredBufferPool, device_nbytes
+        # The file path takes host memory: a GPU buffer given to its read calls goes to a device path in staged
+        # mode (pinned staging buffers and this path's engine, counted on this path's counters), from the one
+        # descriptor opened beneath the root; the device path itself (sfstore.paths.device) can avoid the copy.
+        from sfstore.buffers import device_nbytes
 
         if "GPU buffers through pinned bounce buffers" not in " ".join(self.fallbacks):
             self.fallbacks.append("GPU buffers through pinned bounce buffers: no GPU-direct path here")
@@ -585,33 +588,29 @@ class FilePath(StoragePath):
         want = nbytes if length is None else length
         if want > nbytes:
             raise errors.BufferTooSmallError(f"a buffer of {nbytes} bytes cannot hold {want} bytes of {full}")
-        size = os.fstat(fd).st_size
-        n = max(0, min(want, size - offset))
-        total = 0
-        with RegisteredBufferPool(self.chunk_size) as pool:
-            host = pool.acquire()
-            try:
-                for pos in range(0, n, self.chunk_size):
-                    step = min(self.chunk_size, n - pos)
-                    # A slice is a view the pooled buffer counts: each one is let go before the next step and
-                    # before the buffer goes back to the pool (release() refuses a buffer with live views).
-                    piece = host[0:step]
-                    try:
-                        got = self._start_read(fd, full, size, piece, step, offset + pos, owns_fd=False).get()
-                        filled = piece[0:got]
-                        try:
-                            copy_from_host(buffer, pos, filled)
-                        finally:
-                            filled.release()
-                    finally:
-                        piece.release()
-                    total += got
-                    self.counters.add(bytes_staged=got)
-                    if got < step:
-                        break
-            finally:
-                host.release()
-        return DoneFuture(total)
+        n = max(0, min(want, os.fstat(fd).st_size - offset))
+        if n:
+            # waited for here: the caller closes the descriptor when this returns
+            self._staged_device().submit([Range.read(offset, n, buffer, 0, fd)]).get()
+        return DoneFuture(n)
+
+    def _staged_device(self) -> Any:
+        """The device path in staged mode that moves GPU buffers for this path's reads (made on first use)."""
+        with self._device_lock:
+            if self._device is None:
+                from sfstore.paths.device import DevicePath
+
+                dp = DevicePath(mode="staged", engine=self.engine)
+                dp.counters = self.counters  # one path's counts, whichever of its legs moved the bytes
+                self._device = dp
+            return self._device
+
+    def close(self) -> None:
+        """Release the device path made for GPU buffers, if any (the engine is shared: it stays)."""
+        with self._device_lock:
+            dp, self._device = self._device, None
+        if dp is not None:
+            dp.close()
 
     # -- writes ----------------------------------------------------------------------------------------------
 
