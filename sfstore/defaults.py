@@ -364,25 +364,58 @@ def _setting(name: str) -> Setting:
         raise ConfigError(f"unknown setting {name!r}; known: {', '.join(SETTINGS)}") from None
 
 
+# The settings of the configuration file an open router was made from (its [settings] and data_dir), a layer
+# below the environment: a variable, or defaults.set in code, still wins over the file. One layer: the router
+# opened last; closing it takes its layer away.
+_config_layer: dict[str, Any] = {}
+_config_source = ""
+_config_owner: object | None = None
+
+
 def get(name: str) -> Any:
-    """Return the value in force for ``name`` (override, else ``SFSTORE_<NAME>``, else the default)."""
+    """Return the value in force for ``name``: an override (:func:`set`), else ``SFSTORE_<NAME>``, else the open
+    configuration file's ``[settings]``, else the default."""
     setting = _setting(name)
     with _lock:
         if name in _overrides:
             return _overrides[name]
+        layered = _config_layer.get(name, _MISSING)
     raw = os.environ.get(setting.env)
     if raw is not None and raw != "":
         return setting.parse(raw, f"environment variable {setting.env}")
+    if layered is not _MISSING:
+        return layered
     return setting.default_value()
 
 
 def source(name: str) -> str:
-    """Say where the value in force for ``name`` comes from: ``"set"``, the variable's name, or ``"default"``."""
+    """Say where the value in force for ``name`` comes from: ``"set"``, the variable's name, ``"[settings] in
+    <config>"`` or ``"default"``."""
     setting = _setting(name)
     with _lock:
         if name in _overrides:
             return "set"
-    return setting.env if os.environ.get(setting.env) else "default"
+        layered = name in _config_layer
+        where = _config_source
+    if os.environ.get(setting.env):
+        return setting.env
+    return f"[settings] in {where}" if layered else "default"
+
+
+def apply_config(values: Mapping[str, Any], where: str, owner: object) -> None:
+    """Make ``values`` (parsed settings) the configuration layer, from ``where``, held by ``owner`` (the router):
+    it replaces the layer of any configuration opened before."""
+    global _config_layer, _config_source, _config_owner
+    with _lock:
+        _config_layer, _config_source, _config_owner = dict(values), where, owner
+
+
+def drop_config(owner: object) -> None:
+    """Take ``owner``'s configuration layer away (its router closed); a layer another router holds stays."""
+    global _config_layer, _config_source, _config_owner
+    with _lock:
+        if _config_owner is owner:
+            _config_layer, _config_source, _config_owner = {}, "", None
 
 
 class _Restore:
@@ -423,9 +456,11 @@ def set(**values: Any) -> _Restore:
 
 
 def reset() -> None:
-    """Drop every override made with :func:`set`."""
+    """Drop every override made with :func:`set`, and the open configuration's layer."""
+    global _config_layer, _config_source, _config_owner
     with _lock:
         _overrides.clear()
+        _config_layer, _config_source, _config_owner = {}, "", None
 
 
 def as_dict() -> dict[str, Any]:

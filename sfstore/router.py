@@ -10,8 +10,8 @@ file, the defaults. The config file is ``config`` when it is a path, else ``$SFS
 
     root = "/mnt/nfs-rdma/ai"         # file-path root for every file-backed class (SFSTORE_ROOT)
 
-    [settings]                         # any sfstore.defaults setting by name, for this process
-    queue_depth = 64                   # (a SFSTORE_* variable that is set still wins)
+    [settings]                         # any sfstore.defaults setting by name, while this router is open
+    queue_depth = 64                   # (a SFSTORE_* variable that is set, or defaults.set in code, still wins)
 
     [classes.dataset]
     path = "file"                      # datasets and checkpoints are files (NFS over RDMA on a cluster)
@@ -76,7 +76,7 @@ _WRITE_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 def _setting_origin(name: str) -> str:
     where = defaults.source(name)
-    return {"set": f"defaults.set or a config file's [settings] {name}", "default": "its default"}.get(where, where)
+    return {"set": "defaults.set", "default": "its default"}.get(where, where)
 
 
 def _ensure_directory(path: str, what: str, elsewhere: str) -> None:
@@ -128,9 +128,7 @@ class Router:
         problems = [p for p in check_document(raw, source) if p.severity == "error"]
         if problems:
             raise errors.ConfigError(problems_text(problems))
-        self._apply_settings(raw.get("settings", {}))
-        if "data_dir" in raw and not os.environ.get("SFSTORE_DATA_DIR"):
-            defaults.set(data_dir=raw["data_dir"])
+        self._apply_settings(raw.get("settings", {}), raw.get("data_dir"))
         env_root = os.environ.get("SFSTORE_ROOT")
         # The root as configured (it must exist), and who configured it; None: the embedded default (created).
         self._root_origin: str | None
@@ -157,15 +155,21 @@ class Router:
         self._lock = threading.Lock()
         self.closed = False
 
-    def _apply_settings(self, settings: Mapping[str, Any]) -> None:
+    def _apply_settings(self, settings: Mapping[str, Any], data_dir: Any) -> None:
+        """The config's ``[settings]`` (and ``data_dir``) as the process's configuration layer while this router
+        is open: below ``SFSTORE_*`` variables and ``defaults.set`` in code, taken away when it closes."""
         chosen: dict[str, Any] = {}
         for name, value in settings.items():
-            setting = defaults.SETTINGS[name]
-            parsed = setting.parse(value, f"{self._source}: [settings] {name}")
-            if not os.environ.get(setting.env):
-                chosen[name] = parsed
-        if chosen:
-            defaults.set(**chosen)
+            chosen[name] = defaults.SETTINGS[name].parse(value, f"{self._source}: [settings] {name}")
+        if data_dir is not None:
+            chosen["data_dir"] = defaults.SETTINGS["data_dir"].parse(data_dir, f"{self._source}: data_dir")
+        self._settings = chosen
+        self.hold_settings()
+
+    def hold_settings(self) -> None:
+        """Make this router's config settings the process's configuration layer (again)."""
+        if self._settings:
+            defaults.apply_config(self._settings, self._source, self)
 
     def _elsewhere(self, data_class: str) -> str:
         """Which setting points ``data_class`` at another directory, in words."""
@@ -306,6 +310,7 @@ class Router:
             st.close()
         for p in paths:
             p.close()
+        defaults.drop_config(self)
 
     def location(self, root: str | os.PathLike[str], *, create: bool = False, **options: Any) -> FilePath:
         """The :class:`FilePath` rooted at the host directory ``root`` (``create``: made if missing) with these
@@ -467,14 +472,11 @@ def open(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> Ro
         if got is not None and not got.closed:
             return got
     made = Router(config)
-    # A config file's [settings] (and data_dir) are applied to the process's settings by Router(): the key the
-    # next call computes includes them, so the router is found under that key too (else every first call after
-    # the file appears, or changes, would make a second router: two block stores on one image, split counters).
-    after = _cache_key(config)
     with _routers_lock:
         got = _routers.get(key)
         if got is not None and not got.closed:
+            made.close()  # another thread made one first: it is the one, with its settings
+            got.hold_settings()
             return got
         _routers[key] = made
-        _routers[after] = made
     return made

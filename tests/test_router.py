@@ -367,3 +367,33 @@ def test_locations_are_one_path_each_made_again_for_a_new_directory_and_bounded(
         r.location(tmp_path / f"step-{i}", create=True)
     assert len(r.describe()["locations"]) <= router_mod._LOCATIONS_KEPT
     assert str(tmp_path / f"step-{router_mod._LOCATIONS_KEPT + 9}") in r.describe()["locations"]
+
+
+def test_a_configs_settings_are_a_layer_under_code_and_variables_while_its_router_is_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cfg = tmp_path / "sfstore.toml"
+    cfg.write_text("[settings]\nqueue_depth = 48\nfile_parallelism = 3\n")
+    r = sfstore.open(cfg)
+    assert defaults.get("queue_depth") == 48 and defaults.source("queue_depth") == f"[settings] in config file {cfg}"
+    assert sfstore.open(cfg) is r  # the file's settings do not change what the next open() looks for
+    with defaults.set(queue_depth=8):  # code wins over the file
+        assert defaults.get("queue_depth") == 8 and defaults.source("queue_depth") == "set"
+    assert defaults.get("queue_depth") == 48
+    monkeypatch.setenv("SFSTORE_FILE_PARALLELISM", "5")  # so does a variable
+    assert defaults.get("file_parallelism") == 5 and defaults.source("file_parallelism") == "SFSTORE_FILE_PARALLELISM"
+    r.close()  # the router's settings go with it
+    assert defaults.get("queue_depth") == 32 and defaults.source("queue_depth") == "default"
+
+
+def test_the_config_opened_last_holds_the_layer_and_closing_an_older_router_leaves_it(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    a.write_text("[settings]\nqueue_depth = 40\n")
+    b.write_text("[settings]\nqueue_depth = 24\n")
+    ra = sfstore.open(a)
+    rb = sfstore.open(b)
+    assert defaults.get("queue_depth") == 24
+    ra.close()  # not the holder: b's settings stay
+    assert defaults.get("queue_depth") == 24
+    rb.close()
+    assert defaults.get("queue_depth") == 32
