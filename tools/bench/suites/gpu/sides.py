@@ -85,14 +85,12 @@ def _timed(blocks: Blocks, fn: Any) -> RunResult:
 
 
 def _preallocate(path: str, size: int) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    """The baseline's file, allocated before any clock as DevicePath.slab allocates the device path's."""
+    with open(path, "wb") as f:
         try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError:
-            os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
+            os.posix_fallocate(f.fileno(), 0, size)
+        except OSError:  # a filesystem without fallocate: a sparse file
+            f.truncate(size)
 
 
 def _drop_tree(root: str) -> None:
