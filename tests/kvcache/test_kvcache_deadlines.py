@@ -227,7 +227,7 @@ def test_a_stalled_block_store_misses_within_the_deadline(tmp_path: Path) -> Non
 
 def test_a_large_batch_meets_the_block_stores_deadline_16_blocks_a_call(tmp_path: Path) -> None:
     # One deadline per call of 16 blocks, not one for the whole batch: a put of a prompt's hundreds of blocks is
-    # not all dropped because their sum takes longer than the deadline (a GPU machine dropped 1 GiB this way)
+    # not all dropped because their sum takes longer than the deadline
     n = 40
     bs = BlockStore({"kind": "image", "path": str(tmp_path / "hot.img"), "size": (n + 8) * (w.GEOM.block_bytes + 8192)
                      + (8 << 20)}, size_classes=(w.GEOM.block_bytes,))

@@ -372,8 +372,7 @@ def test_emulated_gpu_a_misread_on_the_way_is_a_miss_that_keeps_the_files_misrea
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: bool, caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A GPU read that fails its checksum on bytes that pass in host memory is a defect between storage and this
-    # reader, not damage: dropping the file would lose it for every other reader (a GPU run read every layer of
-    # a chunk into the wrong place this way, and the store dropped the chunk)
+    # reader, not damage: dropping the file would lose it for every other reader
     rt = _MisreadingRuntime()
     monkeypatch.setattr(device_mod, "cufile_accepts", lambda t: (True, "NFS over RDMA (test stand-in)"))
     with defaults.set(kvcache_chunk_tokens=256 if chunks else 0):

@@ -237,7 +237,7 @@ class _Done:
 
 def test_kvikio_ranges_at_buffer_offsets_move_those_bytes_kvikio_stand_in(tmp_path: Path) -> None:
     # kvikio's pread/pwrite have no buffer offset (their 4th argument is task_size): a range at an offset of a
-    # GPU array must reach kvikio as a view of those bytes (a GPU run read every layer of a chunk into offset 0)
+    # GPU array must reach kvikio as a view of those bytes, or every layer of a chunk lands at offset 0
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
