@@ -44,6 +44,7 @@ from sfstore.blocks.layout import (
 from sfstore.buffers import RegisteredBufferPool, as_buffer
 from sfstore.checksums import SumKind, sum_of
 from sfstore.counters import Counters
+from sfstore.device_verdict import damaged_on_storage, warn_disagreement
 from sfstore.futures import ExecutorFuture
 from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.block import BlockPath
@@ -57,7 +58,7 @@ Key = bytes | str
 T = TypeVar("T")
 
 _COUNTERS = ("puts", "gets", "hits", "misses", "deletes", "evictions", "corrupt_dropped", "flushes",
-             "bytes_put", "bytes_got", "evict_hook_errors")
+             "bytes_put", "bytes_got", "evict_hook_errors", "device_verify_disagreed")
 _META_IO = 1 << 20  # metadata I/O chunk (registered buffer size)
 _WAIT_SECONDS = 60.0  # how long a put waits for a slot held by other threads' reads and writes
 _ZERO_COPY_MIN = 64 << 10  # values this large (and LBA-multiple) move between storage and the caller's memory
@@ -610,7 +611,9 @@ class BlockStore:
         A value is read on the device path's route and verified on the GPU; with ``keep_on_miss`` it lands in
         a GPU scratch buffer first and reaches ``dests[i]`` only once verified. A value written from host memory
         (xxh3-64, which a GPU does not compute) is a ``None`` here: read it with :meth:`get_into` through host
-        memory. A value that fails verification is dropped (``corrupt_dropped``).
+        memory. A value that fails verification is dropped (``corrupt_dropped``), unless its bytes pass when read
+        again through host memory: a fault on the way to the GPU, counted ``device_verify_disagreed``, a miss, the
+        value kept.
         """
         self._check_open()
         ks = [self._key(k) for k in as_batch(keys, "get_into_device: keys")]
@@ -642,6 +645,11 @@ class BlockStore:
                     e = entries[i]
                     assert e is not None
                     if n != e.length or device.runtime.checksum(t, 0, e.length) != e.vsum:
+                        at = self._classes[e.cls].slot_offset(e.slot) + self._hdr
+                        if n == e.length and not damaged_on_storage(self.path.fd, [(at, e.length, e.vsum)]):
+                            self.counters.add(device_verify_disagreed=1)  # the slot's bytes pass: kept, a miss
+                            warn_disagreement(f"the block store's value of {e.key!r}")
+                            continue
                         self._drop_corrupt(e)
                         continue
                     if keep_on_miss:

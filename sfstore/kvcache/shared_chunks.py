@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.checksums import SHARED_CHUNK_SUMS, SumKind, kvsum64, xxh3_64, xxh3_64_many
+from sfstore.device_verdict import damaged_on_storage, warn_disagreement
 from sfstore.kvcache.deadline import late
-from sfstore.kvcache.device_verdict import damaged_on_storage, warn_disagreement
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.paths.base import Range
 from sfstore.paths.file import set_blocking
@@ -803,7 +803,7 @@ class ChunkFiles:
 
     def _damaged(self, f: _Open, sums: list[int], layers: range, entries: Sequence[Entry]) -> bool:
         """Whether the slices of ``layers`` of ``f.entries`` that failed in GPU memory fail in host memory too
-        (:mod:`sfstore.kvcache.device_verdict`): only then is the file damaged and dropped."""
+        (:mod:`sfstore.device_verdict`): only then is the file damaged and dropped."""
         lb, m = self.geom.layer_bytes, f.run.m
         hb = chunk_header_bytes(self.geom, m)
         at = [layer * m + entries[j][2] - f.run.start for j in f.entries for layer in layers]

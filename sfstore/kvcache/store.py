@@ -1170,7 +1170,7 @@ class KVCacheStore:
         shared = self.shared.counters.snapshot() if self.shared is not None else {}
         out["shared_opens"] = shared.get("opens", 0)
         # GPU reads whose checksums failed on bytes that pass in host memory: files kept, read as misses (a
-        # defect between storage and GPU, not damage: kvcache/device_verdict.py)
+        # defect between storage and GPU, not damage: sfstore/device_verdict.py)
         out["device_verify_disagreed"] = shared.get("device_verify_disagreed", 0)
         out["chunk_tokens"] = self.chunk_tokens
         # the connector's load-or-recompute figures: each tier's load rate, the engine's prefill rate, decisions

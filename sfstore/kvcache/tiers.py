@@ -25,9 +25,9 @@ from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.checksums import SHARED_FILE_SUMS, SumKind, sum_of, xxh3_64, xxh3_64_many
 from sfstore.counters import Counters
+from sfstore.device_verdict import damaged_on_storage, warn_disagreement
 from sfstore.kvcache.chains import KeyChains
 from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard, late
-from sfstore.kvcache.device_verdict import damaged_on_storage, warn_disagreement
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
 from sfstore.kvcache.shared_chunks import CHUNK_SUFFIX, ChunkFiles, Entry, parse_name
@@ -490,7 +490,7 @@ class SharedTier(KVTier):
         self.chunks = ChunkFiles(self, chunk_blocks) if chunk_blocks > 0 and chains is not None else None
         # opens: files opened to read blocks (chunk and block files: a hit of n blocks should open about n /
         # chunk); device_verify_disagreed: GPU reads whose checksums failed on bytes that pass in host memory
-        # (kept, read as misses: kvcache/device_verdict.py)
+        # (kept, read as misses: sfstore/device_verdict.py)
         self.counters = Counters(("opens", "device_verify_disagreed"))
 
     def file_name(self, key: bytes) -> str:

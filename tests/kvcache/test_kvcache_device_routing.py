@@ -385,7 +385,7 @@ def test_emulated_gpu_a_misread_on_the_way_is_a_miss_that_keeps_the_files_misrea
         files = sorted(p for p in (tmp_path / "shared").rglob("*") if p.is_file() and not p.is_symlink())
         rt.garble = True
         dst = [gpu_array(N, fill=5) for _ in range(m)]
-        with caplog.at_level("WARNING", logger="sfstore.kvcache"):
+        with caplog.at_level("WARNING", logger="sfstore"):
             assert kv.get_into(keys, dst) == [None] * m
         assert all((np.asarray(d) == 5).all() for d in dst)  # nothing unverified reached the caller
         stats = kv.stats()
@@ -397,3 +397,30 @@ def test_emulated_gpu_a_misread_on_the_way_is_a_miss_that_keeps_the_files_misrea
         assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
     finally:
         kv.close()
+
+
+def test_emulated_gpu_a_block_store_value_misread_on_the_way_is_kept_misreading_runtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The block store's GPU-direct values get the same second opinion: a GPU-side mismatch on bytes that pass in
+    # host memory is a miss that keeps the value (read again through host memory, O_DIRECT on its image)
+    monkeypatch.setattr(device_mod, "cufile_accepts", lambda t: (True, "ext4 on /dev/nvme0n1 (test stand-in)"))
+    rt = _MisreadingRuntime()
+    dp = DevicePath(runtime=rt)
+    bs = BlockStore({"kind": "image", "path": str(tmp_path / "hot.img"), "size": 16 << 20}, size_classes=(N,))
+    try:
+        src = _blocks(2, seed=41)
+        bs.put_many_device([(b"k0", src[0]), (b"k1", src[1])], dp)
+        assert bs.sum_kind(b"k0") is SumKind.KV64
+        rt.garble = True
+        dst = [gpu_array(N, fill=3) for _ in src]
+        assert bs.get_into_device([b"k0", b"k1"], dst, dp) == [None, None]
+        c = bs.counters.snapshot()
+        assert c["device_verify_disagreed"] == 2 and c["corrupt_dropped"] == 0
+        assert bs.contains(b"k0") and bs.contains(b"k1")
+        rt.garble = False
+        assert bs.get_into_device([b"k0", b"k1"], dst, dp) == [N, N]
+        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+    finally:
+        bs.close()
+        dp.close()
