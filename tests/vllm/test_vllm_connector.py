@@ -550,12 +550,12 @@ def test_sleep_mode_unregisters_and_restores_the_caches_with_stand_in_attention_
         name = layer_names()[0]
         key = eng.connector.store.keys_for(prompt, ())[:1]
         store = eng.connector.store
-        eng.worker._loads = [sfvllm.BlockTransfer("x", key, [0])]
-        eng.worker._step_loads = StepLoads(store, [HeldLoad("x", key, [0], store.hold_async(key))])
+        eng.worker.worker_side._loads = [sfvllm.BlockTransfer("x", key, [0])]
+        eng.worker.worker_side._step_loads = StepLoads(store, [HeldLoad("x", key, [0], store.hold_async(key))])
         with pytest.raises(sfvllm.errors.InvalidRequestError, match="no registered KV cache"):
             eng.worker.wait_for_layer_load(name)
-        eng.worker._release_held()
-        eng.worker._loads = []
+        eng.worker.worker_side._release_held()
+        eng.worker.worker_side._loads = []
         eng.worker.restore_kv_caches()
         eng.worker.restore_kv_caches()  # idempotent
         eng.add(make_request("s2", [*prompt, 9]))
@@ -614,7 +614,7 @@ def test_a_cold_chunk_hit_loads_layer_0_while_later_layers_are_read_with_stand_i
         worker.wait_for_layer_load(names[0])
         try:
             assert gate.held_back.wait(30), "no read reached its second layer"
-            loads = worker._step_loads
+            loads = worker.worker_side._step_loads
             assert loads is not None and not any(p.held.load.done() for p in loads.loading)  # still reading
             key, value = expected_kv(0, prompt[:64])
             for bi, b in enumerate(block_ids):  # layer 0 is in the pages already

@@ -157,7 +157,7 @@ class GatedPutLayer:
 
 def watch_pool_handouts(conn: Any, kind: str, device: torch.device) -> list[str]:
     """Record every buffer the pool hands out whose last copy had not completed (the list must stay empty)."""
-    pool = conn._pool(kind, device)
+    pool = conn.worker_side._pool(kind, device)
     last_event: dict[int, Any] = {}
     bad: list[str] = []
     acquire, release = pool.acquire, pool.release
@@ -221,7 +221,7 @@ def test_staged_loads_are_bit_exact_and_issued_a_layer_ahead(model_dir: Path, la
             for b, blk in zip(block_ids, blocks, strict=True):
                 assert page_holds(conn, caches[name], b, blk[li]), (name, b)
         assert conn.get_block_ids_with_load_errors() == set()
-        assert conn._pools["load"].allocated == 1  # one staging buffer, reused by every layer
+        assert conn.worker_side._pools["load"].allocated == 1  # one staging buffer, reused by every layer
         assert bad == []
 
 
@@ -267,7 +267,7 @@ def test_a_block_gone_before_the_reads_is_a_load_error_and_the_others_land(model
     with worker(model_dir, layout=layout, kv_layout=kv_layout, shared_dir=tmp_path / "shared",
                 options={"chunk_tokens": BLOCK}) as (conn, caches):
         conn.stage_copies = staged
-        conn.prefetch_chunks, conn.blocks_per_prefetch = 3, 1  # three prefetches at once
+        conn.worker_side.prefetch_chunks, conn.worker_side.blocks_per_prefetch = 3, 1  # three prefetches at once
         store = conn.store
         keys = store.keys_for(list(range(300, 300 + 6 * BLOCK)), ())
         blocks = random_blocks(conn, 6, seed=5)
@@ -335,7 +335,7 @@ def test_staged_saves_return_before_put_layer_and_wait_for_save_waits(model_dir:
             conn.save_kv_layer(name, caches[name], None)
         # every layer was handed over and none is in the store: the step went on while the worker was held
         assert gated.ran == [] and gated.entered <= 1
-        assert conn._saver.handed == LAYERS and conn._saver.done == 0
+        assert conn.worker_side._saver.handed == LAYERS and conn.worker_side._saver.done == 0
         assert not any(store.contains(k) for k in keys)
         for name in layer_names():  # the engine may go on writing other pages: the copies were taken already
             caches[name].zero_()
@@ -383,7 +383,7 @@ def test_staged_save_pool_bounds_the_buffers_in_flight(model_dir: Path) -> None:
         gated.gate.set()
         t.join(30)
         assert not t.is_alive() and progress == list(range(LAYERS))
-        assert conn._pools["save"].allocated == 2
+        assert conn.worker_side._pools["save"].allocated == 2
         for key, blk in zip(keys, blocks, strict=True):
             assert torch.equal(bits(stored_block(store, key)), bits(blk))
         conn.clear_connector_metadata()
@@ -540,7 +540,7 @@ def test_gpu_staged_loads_overlap_through_events_and_are_bit_exact(model_dir: Pa
         def before_wait(li: int, name: str) -> None:
             if li:
                 assert ("issue", li) in conn.load_log
-                issued_events.append(conn._issued[li])
+                issued_events.append(conn.worker_side._issued[li])
 
         run_load_step(conn, caches, keys, block_ids, blocks, before_wait=before_wait)
         assert all(isinstance(e, torch.cuda.Event) for e in issued_events)
@@ -549,7 +549,7 @@ def test_gpu_staged_loads_overlap_through_events_and_are_bit_exact(model_dir: Pa
             for b, blk in zip(block_ids, blocks, strict=True):
                 assert page_holds(conn, caches[name], b, blk[li]), (name, b)
         assert conn.get_block_ids_with_load_errors() == set()
-        assert all(buf.is_pinned() for buf in conn._pools["load"]._free)
+        assert all(buf.is_pinned() for buf in conn.worker_side._pools["load"]._free)
         assert bad == []
 
 
@@ -568,14 +568,14 @@ def test_gpu_staged_saves_hand_over_and_are_bit_exact(model_dir: Path) -> None:
         conn.bind_connector_metadata(step_meta(saves=[save_transfer("r1", keys, block_ids)]))
         for name in layer_names():
             conn.save_kv_layer(name, caches[name], None)
-        assert gated.ran == [] and conn._saver.handed == LAYERS
+        assert gated.ran == [] and conn.worker_side._saver.handed == LAYERS
         gated.gate.set()
         conn.wait_for_save()
         conn.clear_connector_metadata()
         assert gated.ran == list(range(LAYERS))
         for key, blk in zip(keys, blocks, strict=True):
             assert torch.equal(bits(stored_block(store, key)), bits(blk))
-        assert all(buf.is_pinned() for buf in conn._pools["save"]._free)
+        assert all(buf.is_pinned() for buf in conn.worker_side._pools["save"]._free)
 
 
 def test_the_pinned_tier_is_allocated_when_vllm_registers_its_caches(model_dir: Path) -> None:
@@ -586,7 +586,7 @@ def test_the_pinned_tier_is_allocated_when_vllm_registers_its_caches(model_dir: 
         assert conn.store.pinned.idle == conn.store.pinned.capacity
     with worker(model_dir, options={"pinned_preallocate": "false"}) as (conn, _caches):
         assert not conn.pinned_preallocate and not conn.store.pinned.full
-        assert conn.store.pinned.idle == conn._ready_slots < conn.store.pinned.capacity
+        assert conn.store.pinned.idle == conn.worker_side._ready_slots < conn.store.pinned.capacity
 
 
 def test_a_saved_block_that_leaves_the_pinned_tier_is_a_block_removed_event(model_dir: Path) -> None:
