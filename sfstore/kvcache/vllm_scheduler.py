@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["BlockTransfer", "SfstoreConnectorMetadata", "RequestTracker", "SchedulerSide", "NOTHING_TO_SAVE"]
+__all__ = ["BlockTransfer", "SfstoreConnectorMetadata", "RequestTracker", "LoadsAhead", "SchedulerSide",
+           "NOTHING_TO_SAVE"]
 
 NOTHING_TO_SAVE = 1 << 62  # a tracker's saved_blocks when the request has no token ids to key on
 
@@ -68,7 +69,8 @@ class RequestTracker:
 
 
 class LoadsAhead(Protocol):
-    """Blocks the scheduler holds for a worker of this process to take (the connector's, shared per store)."""
+    """Blocks the scheduler of a process holds for a worker of the same process to take (the connector's, one per
+    store): the scheduler side puts and drops, the worker side takes and counts itself in."""
 
     workers: int
 
@@ -77,7 +79,11 @@ class LoadsAhead(Protocol):
 
     def put(self, req_id: str, keys: list[bytes], held: HeldBlocks | None) -> None: ...
 
+    def take(self, req_id: str, keys: list[bytes]) -> HeldBlocks | None: ...
+
     def drop(self, req_id: str) -> None: ...
+
+    def add_worker(self, n: int) -> None: ...
 
 
 class SchedulerSide:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from sfstore._optional import require
 
@@ -35,7 +35,7 @@ from sfstore.kvcache.vllm_metrics import (  # noqa: E402
     KVEvents,
     SfstoreConnectorStats,
 )
-from sfstore.kvcache.vllm_scheduler import BlockTransfer, SfstoreConnectorMetadata  # noqa: E402
+from sfstore.kvcache.vllm_scheduler import BlockTransfer, LoadsAhead, SfstoreConnectorMetadata  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -43,19 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["WorkerSide"]
 
 log = logging.getLogger("sfstore.kvcache.vllm")
-
-
-class LoadsAhead(Protocol):
-    """Blocks the scheduler of this process holds for a worker to take (the connector's, shared per store)."""
-
-    @property
-    def blocks(self) -> int: ...
-
-    def take(self, req_id: str, keys: list[bytes]) -> HeldBlocks | None: ...
-
-    def drop(self, req_id: str) -> None: ...
-
-    def add_worker(self, n: int) -> None: ...
 
 
 class WorkerSide:
