@@ -376,8 +376,7 @@ def copy_to_host(src: Any, src_offset: int, dst: Any) -> None:
             if src_offset:
                 raise InvalidRequestError("a part of a non-contiguous tensor cannot be copied out")
             t = t.contiguous()
-        torch.frombuffer(view, dtype=torch.uint8, count=n).copy_(t.reshape(-1).view(torch.uint8)[
-            src_offset:src_offset + n])
+        torch.frombuffer(view, dtype=torch.uint8, count=n).copy_(flat_bytes(t)[src_offset:src_offset + n])
         return
     import numpy as np
 

@@ -41,6 +41,7 @@ COUNTER_KEYS = (
 
 _P = TypeVar("_P", bound="StoragePath")
 
+
 class PathCounters(Counters):
     """Counters of one path: requests, files, bytes read/written, direct vs bounced, GPU direct vs staged, errors.
 

@@ -199,7 +199,7 @@ def _errno_of(exc: BaseException) -> int:
 def _span(buf: Any, offset: int, size: int) -> Any:
     """Bytes ``[offset, offset + size)`` of the GPU array ``buf`` as a flat uint8 view (``buf`` itself when that is
     all of it)."""
-    flat = CudaRuntime.flat(buf)
+    flat = flat_bytes(buf)
     if offset == 0 and size == flat.shape[0]:
         return buf
     return flat[offset:offset + size]
@@ -277,11 +277,6 @@ class CudaRuntime(DeviceRuntime):
             raise errors.NotSupportedOnHostError("kvikio is not usable here: the device path stages GPU arrays")
         return _KvikioFile(self._kvikio, fd, full)
 
-    @staticmethod
-    def flat(buf: Any) -> Any:
-        """``buf`` (a torch tensor or cupy array) as a flat uint8 view of its bytes."""
-        return flat_bytes(buf)
-
     def to_host(self, buf: Any, offset: int, dst: memoryview) -> None:
         copy_to_host(buf, offset, dst)
 
@@ -289,18 +284,17 @@ class CudaRuntime(DeviceRuntime):
         copy_from_host(buf, offset, src)
 
     def weighted_sum(self, buf: Any, offset: int, nbytes: int) -> int:
-        # torch: int64 words, two's complement: products and sums wrap as uint64 would
         return self.weighted_sums(buf, [offset], nbytes)[0]
 
     def weighted_sums(self, buf: Any, offsets: Sequence[int], nbytes: int) -> list[int]:
         # The slices stacked into one array (a copy in GPU memory, at its bandwidth) and summed by rows: one
         # kernel and one transfer of the answers, where a sum per slice waits on the GPU once per slice.
-        flat = self.flat(buf)
+        flat = flat_bytes(buf)
         rows = [flat[o:o + nbytes] for o in offsets]
         if type(flat).__module__.startswith("torch"):
             import torch
 
-            words = torch.stack(rows).view(torch.int64)
+            words = torch.stack(rows).view(torch.int64)  # two's complement: products and sums wrap as uint64's
             w = self._weight_row(words.device, words.shape[1])
             return [int(x) & _MASK for x in (words * w).sum(dim=1).tolist()]
         import cupy
@@ -337,7 +331,7 @@ class CudaRuntime(DeviceRuntime):
             return cupy.empty(nbytes, dtype=cupy.uint8)
 
     def copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, nbytes: int) -> None:
-        d, s = self.flat(dst), self.flat(src)
+        d, s = flat_bytes(dst), flat_bytes(src)
         d[dst_offset:dst_offset + nbytes] = s[src_offset:src_offset + nbytes]
 
     def copy_rows(self, dst: Any, dst_offset: int, dst_stride: int, src: Any, src_offset: int, src_stride: int,
@@ -346,7 +340,7 @@ class CudaRuntime(DeviceRuntime):
         # layers is 512 rows
         if rows <= 0:
             return
-        d, s = self.flat(dst), self.flat(src)
+        d, s = flat_bytes(dst), flat_bytes(src)
         if type(d).__module__.startswith("torch"):
             dv = d[dst_offset:].as_strided((rows, row_bytes), (dst_stride, 1))
             sv = s[src_offset:].as_strided((rows, row_bytes), (src_stride, 1))
