@@ -455,7 +455,8 @@ class TierGuard:
             what: str = "an operation", judges: bool = True) -> tuple[Outcome, Any]:
         """Run ``fn(*args)`` within the deadline: ``("ok", its result)`` (its exception is raised here),
         ``("timeout", None)`` past the deadline (``on_late`` then runs on the worker once ``fn`` returns, if
-        it ever does), or ``("quarantined", None)`` when the tier is quarantined (``fn`` did not run).
+        it ever does; here, before this returns, where ``fn`` never started: whatever memory ``fn`` was lent is
+        free at once), or ``("quarantined", None)`` when the tier is quarantined (``fn`` did not run).
 
         ``judges=False`` is for an operation whose time says nothing of the tier's health (a listing, which
         grows with the directory): it is bounded by the deadline all the same, but missing it does not
@@ -487,6 +488,8 @@ class TierGuard:
                     self._missed(probe, what)
                 else:
                     self.counters.add(slow_unjudged=1)
+                if task.state == "cancelled" and on_late is not None:
+                    on_late()  # no worker ever will: without this, what ``fn`` was lent would never come back
                 return TIMEOUT, None
         self._answered(probe)
         if task.error is not None:

@@ -612,3 +612,29 @@ def test_a_forked_child_guards_and_records_its_own_quarantine(tmp_path: Path) ->
     finally:
         release.set()
         g.close()
+
+
+def test_an_operation_that_never_started_gives_back_what_it_was_lent_at_its_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the only worker is stuck and no other may start (as when every worker of the pool is busy): the second
+    # operation waits in the queue past its deadline and is cancelled; the memory it was lent (on_late's release)
+    # comes back at once, as it does when an abandoned operation returns
+    g = TierGuard("t", 0.05, 0.01, workers=1, max_abandoned=4)
+    stuck = threading.Event()
+    released: list[str] = []
+    try:
+        first = threading.Thread(target=g.run, args=(stuck.wait,), kwargs={"on_late": lambda: released.append("1")})
+        first.start()
+        wait_for(lambda: g.describe()["calls"] == 1 and g._idle == 0)
+        monkeypatch.setattr(g, "_start_worker", lambda: None)
+        first.join(5)
+        wait_for(lambda: not g.quarantined())  # the first one's miss: a back-off of 10 ms
+        assert g.run(lambda: released.append("ran"), on_late=lambda: released.append("2")) == (
+            "timeout", None)
+        assert released == ["2"]  # never ran, given back before the answer
+        stuck.set()
+        wait_for(lambda: g.describe()["abandoned_now"] == 0)
+        assert released == ["2", "1"]  # the abandoned one gives back when it returns
+    finally:
+        stuck.set()
+        g.close()
