@@ -232,7 +232,8 @@ class SfstoreBackend(StoragePluginInterface):  # type: ignore[misc]
     def batched_get_blocking(self, keys: list[Any]) -> list[Any]:
         """Each chunk read straight into a memory object of LMCache's CPU backend and verified there (one batch
         of the store); ``None`` for a miss (absent, damaged, past the deadline) or where LMCache's allocator had
-        no memory left."""
+        no memory left. A batch that misses its deadline keeps its memory objects from LMCache's allocator until
+        its abandoned read returns (``objects_lent`` in :meth:`stats`): the read may still write them."""
         if not keys:
             return []
         objs = self._allocate(len(keys))
@@ -240,18 +241,31 @@ class SfstoreBackend(StoragePluginInterface):  # type: ignore[misc]
         if not objs:
             self._count(gets_no_memory=len(keys))
             return got
+        lent: set[int] = set()  # memory objects a read past its deadline still holds: it releases them
+
+        def lend(at: list[int]) -> Callable[[], None]:
+            lent.update(at)
+            held = [objs[i] for i in at]
+            self._count(objects_lent=len(held))
+
+            def give_back() -> None:
+                for obj in held:
+                    obj.ref_count_down()
+            return give_back
+
         try:
             tiers = self.store.get_into([self._key(k) for k in keys[:len(objs)]], [o.byte_array for o in objs],
-                                        keep_on_miss=False)
+                                        keep_on_miss=False, lend=lend)
         except BaseException:
-            for obj in objs:
-                obj.ref_count_down()
+            for i, obj in enumerate(objs):
+                if i not in lent:
+                    obj.ref_count_down()
             raise
         for i, (obj, tier) in enumerate(zip(objs, tiers, strict=True)):
-            if tier is None:
-                obj.ref_count_down()
-            else:
+            if tier is not None:
                 got[i] = obj
+            elif i not in lent:
+                obj.ref_count_down()
         hits = sum(g is not None for g in got)
         self._count(chunks_got=hits, chunks_missed=len(keys) - hits, gets_no_memory=len(keys) - len(objs))
         return got

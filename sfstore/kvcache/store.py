@@ -704,6 +704,7 @@ class KVCacheStore:
     def get_into(
         self, keys: Sequence[bytes], blocks: Sequence[Any], *, keep_on_miss: bool = True,
         on_layer: Callable[[list[int], int], None] | None = None,
+        lend: Callable[[list[int]], Callable[[], None]] | None = None,
     ) -> list[TierName | None]:
         """Copy each block into ``blocks`` (caller-owned, ``block_bytes`` each, CPU or CUDA); return for each key
         the tier it came from (``"pinned"``, ``"block"``, ``"shared"``) or ``None`` for a miss.
@@ -718,6 +719,13 @@ class KVCacheStore:
         destination instead (no copy; verified there): for callers that recompute a missed block anyway, whose
         destination may then hold the bytes that failed. Hits are verified either way.
 
+        ``lend(indices)`` (host ``blocks`` with ``keep_on_miss=False``, no pinned tier): lets tiers whose reads run
+        under a deadline (the shared tier on a mount that can stall) read straight into ``blocks`` as well, where
+        they would otherwise read into scratch buffers and copy. The price: a read abandoned at its deadline may
+        still write its blocks after this returns (their keys are misses). Before returning, the store calls
+        ``lend(indices)`` with the indices of such blocks, and calls the function that returns, once, on another
+        thread, when no read can write them any more; until then the caller must neither reuse nor free them.
+
         ``on_layer(indices, layer)``: for GPU ``blocks`` on the device path (no pinned tier), blocks from a tier
         that reads layer by layer (the shared tier's chunk files) arrive one layer at a time, each layer's
         slice verified on its own; it is called, on a worker thread, once layers ``0..layer`` of the blocks at
@@ -730,6 +738,9 @@ class KVCacheStore:
         bs = as_batch(blocks, "get_into: blocks")
         if len(ks) != len(bs):
             raise errors.InvalidRequestError(f"get_into: {len(ks)} keys but {len(bs)} blocks")
+        if lend is not None and keep_on_miss:
+            raise errors.InvalidRequestError("get_into: lend is for keep_on_miss=False (a lent block may hold a "
+                                             "late read's bytes)")
         dests = [self._source(b, f"get_into: block {i}", writable=True) for i, b in enumerate(bs)]
         t0 = time.perf_counter()
         if self._uses_device(dests):
@@ -738,7 +749,7 @@ class KVCacheStore:
             return tiers
         views = self._direct_views(dests)
         if views is not None and all(not v.readonly for v in views):
-            tiers = self._get_direct(ks, views, bool(keep_on_miss))
+            tiers = self._get_direct(ks, views, bool(keep_on_miss), lend)
             self._lat["get"].append(time.perf_counter() - t0)
             return tiers
         leases, tiers = self._fetch(ks, count=True)
@@ -747,13 +758,14 @@ class KVCacheStore:
         self._lat["get"].append(time.perf_counter() - t0)
         return tiers
 
-    def _get_direct(self, keys: list[bytes], views: list[memoryview], keep: bool) -> list[TierName | None]:
+    def _get_direct(self, keys: list[bytes], views: list[memoryview], keep: bool,
+                    lend: Callable[[list[int]], Callable[[], None]] | None = None) -> list[TierName | None]:
         """get_into without a pinned tier: from the lower tiers into the caller's host buffers.
 
         With ``keep`` each block lands in the caller's buffer only once verified (through staging or scratch
         buffers: one host copy per block), which keeps a missed key's buffer as it was.
         """
-        batch = KVBatch("host", list(views), keep=keep)
+        batch = KVBatch("host", list(views), keep=keep, lend=lend)
         tiers = self._load(keys, lambda idx: batch.pick(idx))
         self._count_gets(tiers)
         return tiers

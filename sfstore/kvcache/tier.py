@@ -69,6 +69,13 @@ class KVBatch:
     slots can copy those layers out early (or compute on them). A block's status still comes with the read's
     answer: a later layer can fail it, and its earlier layers then hold bytes of a block that is not a hit (a
     caller of this kind recomputes it). Tiers that read whole blocks never call it.
+
+    ``lend(indices)`` (reads into ``host`` memory with ``keep`` off): the caller lends its destinations to reads
+    under a deadline too, so a tier whose reads can stall may read straight into them instead of through scratch
+    buffers (one copy fewer). A read abandoned at its deadline may then go on writing the items at ``indices``
+    after the tier has answered (their status is ``"timeout"``): the tier calls ``lend(indices)`` before it
+    answers, and calls what that returns, once, on whatever thread ends the read, when it no longer can. Without
+    ``lend``, a read under a deadline writes the caller's memory only from this thread, once in time.
     """
 
     kind: BatchKind
@@ -77,6 +84,7 @@ class KVBatch:
     keep: bool = True
     checksums: list[int | None] = field(default_factory=list)
     on_layer: Callable[[list[int], int], None] | None = None
+    lend: Callable[[list[int]], Callable[[], None]] | None = None
 
     def __post_init__(self) -> None:
         if not self.checksums:
@@ -89,13 +97,16 @@ class KVBatch:
         """The batch of ``items[i]`` for ``i`` in ``indices`` (same kind, device and ``keep``); its checksums are
         its own list: copy them back with :meth:`take_checksums`."""
         picked = list(indices)
-        parent = self.on_layer
-        on_layer = None
+        parent, lender = self.on_layer, self.lend
+        on_layer = lend = None
         if parent is not None:
             def on_layer(at: list[int], layer: int) -> None:
                 parent([picked[j] for j in at], layer)
+        if lender is not None:
+            def lend(at: list[int]) -> Callable[[], None]:
+                return lender([picked[j] for j in at])
         return KVBatch(self.kind, [self.items[i] for i in picked], self.device, self.keep,
-                       [self.checksums[i] for i in picked], on_layer)
+                       [self.checksums[i] for i in picked], on_layer, lend)
 
     def layers_ready(self, indices: Sequence[int], layer: int) -> None:
         """Tell the caller (``on_layer``, when set) that layers ``0..layer`` of the items at ``indices`` are in."""

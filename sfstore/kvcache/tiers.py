@@ -897,6 +897,40 @@ class SharedTier(KVTier):
             release()
         return [str(g) for g in got] if status == OK else [status] * len(keys)
 
+    def read_many_lent(self, keys: Sequence[bytes], datas: Sequence[memoryview],
+                       lend: Callable[[list[int]], Callable[[], None]] | None) -> list[str]:
+        """Read each key's block straight into its ``datas`` entry (the caller's memory, ``slot_bytes`` long) as
+        one batch, each file's header into a scratch header: verified in place, so a miss may leave the bytes
+        that failed there (a read with ``keep`` off). Under the deadline the caller must lend ``datas``
+        (:attr:`KVBatch.lend`): a batch past it answers ``"timeout"`` at once and gives them back when its read
+        returns. A status per key, as :meth:`read_many_views` answers it."""
+        if len(keys) != len(datas):
+            raise errors.InvalidRequestError(f"read_many_lent: {len(keys)} keys but {len(datas)} buffers")
+        if not keys:
+            return []
+        heads: list[Any] = []
+        try:
+            heads.extend(self._headers.acquire() for _ in keys)
+            handoff = _Handoff(functools.partial(release_all, heads))
+            status, got = self.guard.run(self._read_lent, list(keys), list(heads), list(datas),
+                                         on_late=handoff.ended, what=f"a read of {len(keys)} blocks")
+        except BaseException:
+            release_all(heads)
+            raise
+        if status == TIMEOUT:
+            handoff.lent(lend(list(range(len(keys)))) if lend is not None else None)
+            return [TIMEOUT] * len(keys)
+        release_all(heads)
+        return [str(g) for g in got] if status == OK else [status] * len(keys)
+
+    def _read_lent(self, keys: list[bytes], heads: list[Any], datas: list[memoryview]) -> list[str]:
+        views = [[memoryview(h)[:HEADER], d] for h, d in zip(heads, datas, strict=True)]
+        try:
+            return [status for status, _ in self._read_batch(keys, views)]
+        finally:
+            for v in views:
+                v[0].release()
+
     def _read_scratches(self, keys: list[bytes], bufs: list[Any]) -> list[str]:
         views = [memoryview(b) for b in bufs]
         try:
@@ -1169,10 +1203,20 @@ class SharedTier(KVTier):
                 for i, lease, status in zip(wave, leases, got, strict=True):
                     if status == "hit":
                         dests.checksums[i] = lease.slot.checksum
+            elif self._lent_reads(dests):
+                got = self.read_many_lent(wk, [dests.items[i][:self.slot_bytes] for i in wave],
+                                          _lend_from(dests.lend, start))
             else:
                 got = self.read_many_views(wk, [dests.items[i] for i in wave])
             out += [read_status(g) for g in got]
         return out
+
+    def _lent_reads(self, dests: KVBatch) -> bool:
+        """Whether block files are read straight into ``dests`` (host memory): only where a miss may leave bytes
+        there (``keep`` off), a late read cannot write there unannounced (no deadline, or the caller lends
+        them), and the file's block fills whole 4 KiB pages, as an O_DIRECT read of it does."""
+        return (dests.kind == "host" and not dests.keep and self.slot_bytes == self.geom.block_bytes
+                and (dests.lend is not None or not self.guard.enabled))
 
     def _read_chunks(self, entries: list[Entry], dests: KVBatch) -> dict[int, ReadStatus]:
         """Read the blocks of ``entries`` from chunk files into ``dests`` (slots: straight in, held by further
@@ -1394,6 +1438,43 @@ def _host_only(batch: KVBatch, op: str) -> None:
 def _is_sub(name: str) -> bool:
     """Whether ``name`` is one of the tier's 256 subdirectories (two lowercase hex digits)."""
     return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
+
+
+def _lend_from(lend: Callable[[list[int]], Callable[[], None]] | None, base: int,
+               ) -> Callable[[list[int]], Callable[[], None]] | None:
+    """``lend`` of a batch for the part of it that starts at ``base``."""
+    if lend is None:
+        return None
+    return lambda at: lend([base + j for j in at])
+
+
+class _Handoff:
+    """What a read abandoned at its deadline hands back when it returns: its own ``release`` (scratch headers),
+    and whatever the caller's lend asked to be called then (:attr:`KVBatch.lend`), which may arrive before or
+    after the read returns; each runs once."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release = release
+        self._lock = threading.Lock()
+        self._ended = False
+        self._then: Callable[[], None] | None = None
+
+    def ended(self) -> None:
+        """The read returned (on its worker), or never started (at the deadline)."""
+        self._release()
+        with self._lock:
+            self._ended, then, self._then = True, self._then, None
+        if then is not None:
+            then()
+
+    def lent(self, then: Callable[[], None] | None) -> None:
+        """The caller's lend answered ``then``: called now if the read has returned, else when it does."""
+        with self._lock:
+            if not self._ended:
+                self._then = then
+                return
+        if then is not None:
+            then()
 
 
 def _slot_views(slot: Slot, slot_bytes: int) -> list[memoryview]:

@@ -107,14 +107,24 @@ def test_a_stalled_shared_tier_misses_within_its_deadline(tmp_path: Path) -> Non
         e.store(tokens, kv)
         e.plugin.wait_for_puts(30)
         tier = e.plugin.store.shared
+        allocator = e.plugin.local_cpu_backend.memory_allocator.pin_allocator
+        idle = allocator.total_allocated_size
         with simulated_stall(tier, "_open_blocks", tmp_path):  # (a batch opens its files in one native call)
             t0 = time.monotonic()
             got = empty(2)
             n = e.retrieve(tokens, got)
             took = time.monotonic() - t0
+            # the abandoned read may still write the memory objects it was reading into: LMCache gets them
+            # back only when it returns
+            assert e.plugin.stats()["plugin"]["objects_lent"] == 2
+            assert allocator.total_allocated_size == idle + 2 * CHUNK_BYTES
         assert n == 0 and not any(g.any() for g in got), e.plugin.stats()
         assert took < 3.0, f"a stalled tier held LMCache's retrieve for {took:.1f} s (deadline 0.3 s)"
         assert e.plugin.stats()["store"]["deadline_misses"] >= 1
+        deadline = time.monotonic() + 10
+        while allocator.total_allocated_size != idle and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert allocator.total_allocated_size == idle  # the stall ended: every memory object came back
 
 
 def test_tags_keep_tenants_apart(tmp_path: Path) -> None:
