@@ -33,7 +33,7 @@ from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
 from sfstore.kvcache.shared_chunks import CHUNK_SUFFIX, ChunkFiles, Entry, parse_name
 from sfstore.kvcache.tier import KVBatch, KVTier, ReadStatus, WriteStatus, read_status
 from sfstore.paths import beneath
-from sfstore.paths.base import Range
+from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.file import AtomicWriter, FilePath, set_blocking
 
 __all__ = ["HEADER", "Slot", "Lease", "release_all", "lease_again", "PinnedTier", "SharedTier"]
@@ -647,12 +647,13 @@ class SharedTier(KVTier):
     def _read_batch(self, keys: Sequence[bytes], views: Sequence[list[memoryview]]) -> list[tuple[str, int]]:
         """Read the block files of ``keys`` into their ``views`` (as :meth:`_read`'s) as one batch of the file
         path: each file is opened and checked first, then every file's reads are submitted at once (in flight
-        together), then each is verified. Per key ``("hit", checksum)`` or a miss's status with 0, each as
-        :meth:`_read` would answer it alone."""
-        n = self.geom.block_bytes
+        together, in groups of ``_VERIFY_GROUP`` files), and each group is verified as it lands while the later
+        ones are still read. Per key ``("hit", checksum)`` or a miss's status with 0, each as :meth:`_read`
+        would answer it alone."""
         out: list[tuple[str, int]] = [("missing", 0)] * len(keys)
         opened: list[tuple[int, int, os.stat_result]] = []  # (key's index, descriptor, status) to read
         drops: list[tuple[int, os.stat_result]] = []  # corrupt files, removed once their descriptors are closed
+        pending: list[_FileReads | None] = []
         try:
             for i, (fd, status, st) in enumerate(self._open_blocks(keys)):
                 if fd is not None and st is not None:
@@ -662,33 +663,49 @@ class SharedTier(KVTier):
                 if status == "corrupt" and st is not None:
                     drops.append((i, st))
             self.counters.add(opens=len(opened))
-            results = self._submit_files([fd for _i, fd, _st in opened], [views[i] for i, _fd, _st in opened])
-            read: list[tuple[int, int, os.stat_result, tuple[int, SumKind] | None, memoryview]] = []
-            for (i, fd, st), got in zip(opened, results, strict=True):
-                if got is None:  # the read failed (as an OSError of the single read would be)
-                    self.fp.file_failed()
-                    out[i] = ("unreadable", 0)
-                    continue
-                found = read_header(views[i][0][:HEADER], self.geom, keys[i]) if got == HEADER + n else None
-                read.append((i, fd, st, found, _block_bytes(views[i], n)))
-            # every host put's block hashed in one call (one release of the GIL for the batch)
-            sums = iter(xxh3_64_many([b for _i, _fd, _st, f, b in read if f is not None and f[1] is SumKind.XXH3]))
-            for i, fd, st, found, block in read:
-                if found is None or (next(sums) if found[1] is SumKind.XXH3 else sum_of(found[1], block)) != found[0]:
-                    self.fp.file_done()
-                    out[i] = ("corrupt", 0)
-                    drops.append((i, st))
-                    continue
-                self.budget.touch(fd, st)  # an access record for the shared LRU, while the file is open
-                self.fp.file_done()
-                # the tiers above keep xxh3-64 of host bytes
-                out[i] = ("hit", found[0] if found[1] is SumKind.XXH3 else xxh3_64(block))
+            groups = [opened[g:g + _VERIFY_GROUP] for g in range(0, len(opened), _VERIFY_GROUP)]
+            pending = [self._start_files([fd for _i, fd, _st in g], [views[i] for i, _fd, _st in g]) for g in groups]
+            for n, group in enumerate(groups):
+                reads = pending[n]
+                pending[n] = None
+                if reads is not None:
+                    self._verify_files(keys, views, group, self._finish_files(reads), out, drops)
         finally:
+            for reads in pending:  # (an error above: no read may still write once the files close)
+                if reads is not None:
+                    self._finish_files(reads)
             for _i, fd, _st in opened:
                 os.close(fd)
         for i, st in drops:  # (after the close: NFS renames a file still open where it is unlinked)
             self._drop(*self._entry(keys[i]), st)
         return out
+
+    def _verify_files(self, keys: Sequence[bytes], views: Sequence[list[memoryview]],
+                      opened: list[tuple[int, int, os.stat_result]], results: list[int | None],
+                      out: list[tuple[str, int]], drops: list[tuple[int, os.stat_result]]) -> None:
+        """Judge each read file of ``opened`` (``results``: the bytes each read, ``None`` where its read failed)
+        by its header and checksum into ``out``; the damaged ones go to ``drops``."""
+        n = self.geom.block_bytes
+        read: list[tuple[int, int, os.stat_result, tuple[int, SumKind] | None, memoryview]] = []
+        for (i, fd, st), got in zip(opened, results, strict=True):
+            if got is None:  # the read failed (as an OSError of the single read would be)
+                self.fp.file_failed()
+                out[i] = ("unreadable", 0)
+                continue
+            found = read_header(views[i][0][:HEADER], self.geom, keys[i]) if got == HEADER + n else None
+            read.append((i, fd, st, found, _block_bytes(views[i], n)))
+        # every host put's block of the group hashed in one call (one release of the GIL)
+        sums = iter(xxh3_64_many([b for _i, _fd, _st, f, b in read if f is not None and f[1] is SumKind.XXH3]))
+        for i, fd, st, found, block in read:
+            if found is None or (next(sums) if found[1] is SumKind.XXH3 else sum_of(found[1], block)) != found[0]:
+                self.fp.file_done()
+                out[i] = ("corrupt", 0)
+                drops.append((i, st))
+                continue
+            self.budget.touch(fd, st)  # an access record for the shared LRU, while the file is open
+            self.fp.file_done()
+            # the tiers above keep xxh3-64 of host bytes
+            out[i] = ("hit", found[0] if found[1] is SumKind.XXH3 else xxh3_64(block))
 
     def _open_blocks(self, keys: Sequence[bytes]) -> list[tuple[int | None, str, os.stat_result | None]]:
         """:meth:`_open_block` of each key; in one call into the native helper where the kernel resolves beneath
@@ -744,20 +761,35 @@ class SharedTier(KVTier):
     def _submit_files(self, fds: list[int], views: list[list[memoryview]]) -> list[int | None]:
         """Read each file (``fds``, opened by :meth:`_open_block`) from its start into its views, every file's
         ranges in one batch of the file path; per file the bytes read, or ``None`` when its read failed."""
-        if not fds:
-            return []
+        return self._finish_files(self._start_files(fds, views))
+
+    def _start_files(self, fds: list[int], views: list[list[memoryview]]) -> _FileReads:
+        """Submit :meth:`_submit_files`' batch; :meth:`_finish_files` waits for it."""
         ranges: list[Range] = []
         owner: list[int] = []
         for j, (fd, vs) in enumerate(zip(fds, views, strict=True)):
             rs = self._file_ranges(fd, vs)
             ranges += rs
             owner += [j] * len(rs)
+        if not ranges:
+            return _FileReads(None, owner, len(fds))
         try:
-            results = self.fp.submit(ranges, data_class="kvcache.shared").results()
+            return _FileReads(self.fp.submit(ranges, data_class="kvcache.shared"), owner, len(fds))
         except OSError:
-            return [None] * len(fds)
-        got: list[int | None] = [0] * len(fds)
-        for j, r in zip(owner, results, strict=True):
+            return _FileReads(None, owner, len(fds), failed=True)
+
+    def _finish_files(self, reads: _FileReads) -> list[int | None]:
+        """Per file of a batch :meth:`_start_files` submitted, the bytes read (``None``: its read failed)."""
+        if reads.failed:
+            return [None] * reads.files
+        if reads.future is None:
+            return []
+        try:
+            results = reads.future.results()
+        except OSError:
+            return [None] * reads.files
+        got: list[int | None] = [0] * reads.files
+        for j, r in zip(reads.owner, results, strict=True):
             prev = got[j]
             got[j] = None if r < 0 or prev is None else prev + r
         return got
@@ -1411,6 +1443,8 @@ class SharedTier(KVTier):
 # the bytes one deadline has to cover (a wave that misses it quarantines the tier, so the waves after it answer
 # at once)
 _SHARED_WAVE = 64
+# block files of a batch whose reads are verified together, while the batch's later groups are still read
+_VERIFY_GROUP = 16
 # block files of one batch written at once (as many as the guard has workers)
 _WRITE_THREADS = 8
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
@@ -1446,6 +1480,17 @@ def _lend_from(lend: Callable[[list[int]], Callable[[], None]] | None, base: int
     if lend is None:
         return None
     return lambda at: lend([base + j for j in at])
+
+
+@dataclass
+class _FileReads:
+    """A batch of block-file reads in flight (:meth:`SharedTier._start_files`): its future, the file of each
+    range, how many files; ``failed``: the submission itself failed."""
+
+    future: PathFuture | None
+    owner: list[int]
+    files: int
+    failed: bool = False
 
 
 class _Handoff:

@@ -294,16 +294,28 @@ def test_a_stalled_batch_never_lands_in_a_reused_slot(tmp_path: Path) -> None:
         kv.close()
 
 
-def test_a_large_get_reads_in_waves_each_one_batch(tmp_path: Path, submits: list[int]) -> None:
+def test_a_large_get_reads_in_waves_each_waves_files_in_flight_together(
+        tmp_path: Path, submits: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    from sfstore.paths.base import PathFuture
+
     shared = tmp_path / "shared"
-    count = 64 + 5  # more files than one batch holds
+    count = 64 + 5  # more files than one wave holds
     keys = _publish(shared, {i: i % 7 for i in range(count)})
     kv = _open(shared, pinned=0)
+    real = PathFuture.results
+
+    def awaited(self: PathFuture, *args: Any, **kw: Any) -> Any:
+        submits.append(0)  # (a wait for a batch's results, among the batches' sizes)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(PathFuture, "results", awaited)
     try:
         dests = [np.zeros(w.GEOM.block_bytes, dtype=np.uint8) for _ in keys]
         submits.clear()
         assert kv.get_into(keys, dests) == ["shared"] * count
-        assert len(submits) == 2 and sum(submits) == count  # two batches, not a read per file
+        # a wave of 64 files submitted in groups of 16, all in flight before the first group is waited for
+        # (each group is verified while the later ones are still read); then the last 5 files
+        assert submits == [16, 16, 16, 16, 0, 0, 0, 0, 5, 0]
         assert all(np.array_equal(d, w.block(i % 7)) for i, d in enumerate(dests))
         assert kv.stats()["hits_shared"] == count
     finally:
