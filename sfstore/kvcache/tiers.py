@@ -1018,8 +1018,8 @@ class SharedTier(KVTier):
             return False
         self._clear(key)
         self._register()
-        with self._block_file(key, checksum) as w:
-            w.write(data)
+        with self._block_file(key, checksum, body=data):
+            pass
         return True
 
     def _register(self) -> None:
@@ -1060,9 +1060,11 @@ class SharedTier(KVTier):
         return True
 
     @contextlib.contextmanager
-    def _block_file(self, key: bytes, checksum: int, kind: SumKind = SumKind.XXH3) -> Iterator[AtomicWriter]:
-        """The block file of ``key`` being written: its header (checksum of ``kind``) is in, the caller writes
-        the block; it is published (renamed into place) on leaving unless this write is past its deadline."""
+    def _block_file(self, key: bytes, checksum: int, kind: SumKind = SumKind.XXH3, body: memoryview | None = None,
+                    ) -> Iterator[AtomicWriter]:
+        """The block file of ``key`` being written: its header (checksum of ``kind``) is in, with ``body`` where
+        given (both in one batch), else the caller writes the block; it is published (renamed into place) on
+        leaving unless this write is past its deadline."""
         hbuf = self._headers.acquire()
         try:
             hview = memoryview(hbuf)
@@ -1070,7 +1072,7 @@ class SharedTier(KVTier):
             hview[:len(hdr)] = hdr
             hview[len(hdr):] = bytes(HEADER - len(hdr))
             with self.fp.open_writer(self.file_name(key), fsync=self.fsync) as w:
-                w.write(hview)
+                w.writev([hview] if body is None else [hview, body])
                 yield w
                 _not_late()
             del hview

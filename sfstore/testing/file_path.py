@@ -213,6 +213,28 @@ class FilePathTests:
         assert fp.size("s.bin") == sum(map(len, pieces))
 
 
+    def test_writev_sends_page_multiples_as_one_batch_and_streams_the_rest(
+            self, fp: FilePath, monkeypatch: pytest.MonkeyPatch) -> None:
+        batches: list[int] = []
+        real = fp.submit
+
+        def noted(ranges: Any, **kw: Any) -> Any:
+            batches.append(len(ranges))
+            return real(ranges, **kw)
+
+        monkeypatch.setattr(fp, "submit", noted)
+        head, body = data(4096, 1), data(1 << 20, 2)
+        with fp.open_writer("v.bin", fsync=True) as w:
+            assert w.writev([head, body]) == 4096 + (1 << 20)
+            assert batches == [2]  # a header and its body: one batch, one wait
+            assert w.writev([b"odd", data(4096, 3)]) == 3 + 4096  # not page multiples: as write() of each
+        assert fp.read("v.bin") == head + body + b"odd" + data(4096, 3)
+        monkeypatch.undo()
+        with fp.open_writer("v.bin") as w:
+            assert w.writev([]) == 0
+        assert fp.read("v.bin") == b""
+
+
     def test_write_accepts_numpy_and_tensors(self, fp: FilePath) -> None:
         torch = pytest.importorskip("torch")
         t = torch.randn(1000, dtype=torch.float32).to(torch.bfloat16)
