@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sfstore import errors
-from sfstore.buffers import RegisteredBufferPool
+from sfstore.buffers import RegisteredBuffer, RegisteredBufferPool
 from sfstore.checksums import SHARED_FILE_SUMS, SumKind, sum_of, xxh3_64, xxh3_64_many
 from sfstore.counters import Counters
 from sfstore.device_verdict import damaged_on_storage, warn_disagreement
@@ -940,7 +940,7 @@ class SharedTier(KVTier):
             raise errors.InvalidRequestError(f"read_many_lent: {len(keys)} keys but {len(datas)} buffers")
         if not keys:
             return []
-        heads: list[Any] = []
+        heads: list[RegisteredBuffer] = []
         try:
             heads.extend(self._headers.acquire() for _ in keys)
             handoff = _Handoff(functools.partial(release_all, heads))
@@ -955,7 +955,7 @@ class SharedTier(KVTier):
         release_all(heads)
         return [str(g) for g in got] if status == OK else [status] * len(keys)
 
-    def _read_lent(self, keys: list[bytes], heads: list[Any], datas: list[memoryview]) -> list[str]:
+    def _read_lent(self, keys: list[bytes], heads: list[RegisteredBuffer], datas: list[memoryview]) -> list[str]:
         views = [[memoryview(h)[:HEADER], d] for h, d in zip(heads, datas, strict=True)]
         try:
             return [status for status, _ in self._read_batch(keys, views)]
