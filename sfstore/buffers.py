@@ -272,7 +272,7 @@ class RdmaRegistration:
         self.deregister()
 
 
-def _register_rdma(buffer: Any, pd: Any, access: int | None = None) -> RdmaRegistration:
+def _register_rdma(buffer: RegisteredBuffer, pd: Any, access: int | None = None) -> RdmaRegistration:
     """Register ``buffer`` with the RDMA protection domain ``pd`` (pyverbs ``PD``).
 
     ``access`` defaults to the least a local data path needs, ``IBV_ACCESS_LOCAL_WRITE`` (the NIC may write

@@ -112,7 +112,7 @@ class Setting:
     def default_value(self) -> Any:
         return self.default() if callable(self.default) else self.default
 
-    def parse(self, raw: Any, source: str) -> Any:
+    def parse(self, raw: object, source: str) -> Any:
         """Convert ``raw`` (a string from the environment or a Python value) to this setting's type.
 
         Raises :class:`~sfstore.errors.ConfigError` naming ``source`` (the variable, the file and key), the
@@ -124,7 +124,7 @@ class Setting:
             raise ConfigError(f"{source}: {self._invalid(raw, exc)}") from None
         return value
 
-    def explain(self, raw: Any) -> str | None:
+    def explain(self, raw: object) -> str | None:
         """Why ``raw`` is not a value of this setting, in words; ``None`` when it is one."""
         try:
             self._convert(raw)
@@ -132,7 +132,7 @@ class Setting:
             return self._invalid(raw, exc)
         return None
 
-    def _invalid(self, raw: Any, exc: Exception) -> str:
+    def _invalid(self, raw: object, exc: Exception) -> str:
         return f"invalid value {raw!r} for {self.name} ({self.env}): {exc}"
 
     def _convert(self, raw: Any) -> Any:
@@ -421,7 +421,7 @@ def drop_config(owner: object) -> None:
 class _Restore:
     """Returned by :func:`set`; restores the previous values when used as a context manager."""
 
-    def __init__(self, previous: dict[str, Any]) -> None:
+    def __init__(self, previous: dict[str, object]) -> None:
         self._previous = previous
 
     def __enter__(self) -> _Restore:
@@ -442,7 +442,7 @@ class _Restore:
 _MISSING = object()
 
 
-def set(**values: Any) -> _Restore:
+def set(**values: object) -> _Restore:
     """Override settings for this process; takes effect at once.
 
     Returns an object that, used as a context manager, restores the previous values on exit.

@@ -26,7 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future as _ConcurrentFuture
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from sfstore import errors
 from sfstore.arguments import check_timeout
@@ -152,7 +152,7 @@ class MappedFuture(Future[U], Generic[T, U]):
         self._on_done = on_done
         self._lock = threading.Lock()
         self._finished = False
-        self._result: Any = None
+        self._result: U | None = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
@@ -176,9 +176,9 @@ class MappedFuture(Future[U], Generic[T, U]):
                     self._settle(value, None)
             if self._error is not None:
                 raise self._error
-            return self._result  # type: ignore[no-any-return]
+            return cast(U, self._result)  # set by ``then`` when there is no error
 
-    def _settle(self, value: Any, error: BaseException | None) -> None:
+    def _settle(self, value: T | None, error: BaseException | None) -> None:
         self._finished = True
         try:
             if self._on_done is not None:
@@ -187,7 +187,7 @@ class MappedFuture(Future[U], Generic[T, U]):
             error = error or exc
         if error is None:
             try:
-                self._result = self._then(value)
+                self._result = self._then(cast(T, value))  # the work's result when it raised nothing
             except BaseException as exc:
                 error = exc
         self._error = error

@@ -88,7 +88,7 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 

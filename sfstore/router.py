@@ -50,8 +50,8 @@ import errno
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar, cast
 
 from sfstore import defaults, errors
 from sfstore.config_check import (
@@ -72,6 +72,20 @@ __all__ = ["Router", "open", "DATA_CLASSES", "find_config"]
 
 IMAGE_NAME = os.path.join("hot", "blocks.img")  # the block path's embedded default, under data_dir
 _WRITE_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+class _Attached(Protocol):
+    """What a face keeps in a router (:meth:`Router.attach`): closed with the router."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+_A = TypeVar("_A", bound=_Attached)
+# a cached router's configuration: config file, its mtime, the SFSTORE_* variables, defaults.set's, the cwd
+_RouterKey = tuple[str | None, int | None, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...], str]
 
 
 def _setting_origin(name: str) -> str:
@@ -150,8 +164,8 @@ class Router:
                 table["subdir"] = os.path.normpath(table["subdir"])
             self._classes[name] = table
         self._paths: dict[str, StoragePath] = {}
-        self._locations: OrderedDict[tuple[Any, ...], FilePath] = OrderedDict()
-        self._attached: dict[str, Any] = {}
+        self._locations: OrderedDict[tuple[str, bool, tuple[tuple[str, object], ...]], FilePath] = OrderedDict()
+        self._attached: dict[str, _Attached] = {}
         self._lock = threading.Lock()
         self.closed = False
 
@@ -283,7 +297,7 @@ class Router:
             self._paths[data_class] = made
             return made
 
-    def attach(self, key: str, make: Any) -> Any:
+    def attach(self, key: str, make: Callable[[], _A]) -> _A:
         """The object the faces keep under ``key`` for this router, made by ``make()`` on first use.
 
         Faces built on a path (a block store holding its device exclusively, ...) keep one instance per router
@@ -292,7 +306,7 @@ class Router:
         with self._lock:
             got = self._attached.get(key)
             if got is not None and not got.closed:
-                return got
+                return cast(_A, got)  # what ``make`` of the same key made
         made = make()
         with self._lock:
             self._attached[key] = made
@@ -443,11 +457,11 @@ def _same_directory(fp: FilePath) -> bool:
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
-_routers: dict[tuple[Any, ...], Router] = {}
+_routers: dict[_RouterKey, Router] = {}
 _routers_lock = threading.Lock()
 
 
-def _cache_key(config: str | os.PathLike[str] | None) -> tuple[Any, ...]:
+def _cache_key(config: str | os.PathLike[str] | None) -> _RouterKey:
     path = find_config(config)
     try:
         stamp = os.stat(path).st_mtime_ns if path else None

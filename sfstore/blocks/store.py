@@ -41,7 +41,7 @@ from sfstore.blocks.layout import (
     round_up,
     value_sum,
 )
-from sfstore.buffers import RegisteredBufferPool, as_buffer
+from sfstore.buffers import RegisteredBuffer, RegisteredBufferPool, as_buffer
 from sfstore.checksums import SumKind, sum_of
 from sfstore.counters import Counters
 from sfstore.device_verdict import damaged_on_storage, warn_disagreement
@@ -50,11 +50,14 @@ from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.block import BlockPath
 
 if TYPE_CHECKING:
+    from sfstore.paths.device import DevicePath
     from sfstore.router import Router
 
 __all__ = ["BlockStore", "Key"]
 
 Key = bytes | str
+#: what the puts take: key-value pairs (values: anything with the buffer protocol, CPU tensors)
+_Items = Mapping[bytes, Any] | Mapping[str, Any] | Mapping[Key, Any] | Iterable[tuple[Key, Any]]
 T = TypeVar("T")
 
 _COUNTERS = ("puts", "gets", "hits", "misses", "deletes", "evictions", "corrupt_dropped", "flushes",
@@ -113,6 +116,13 @@ class _DeviceValue:
 
     array: Any
     nbytes: int
+
+
+_Value = memoryview | _DeviceValue  # a value on its way to a slot: host bytes or a GPU array
+if TYPE_CHECKING:
+    # a read of a wave: the entry's index, its staging buffer (None: straight into the caller's) and whether the
+    # engine checks it (only an alias for annotations: RegisteredBuffer is None where the native helper is absent)
+    _ReadItem = tuple[int, RegisteredBuffer | None, bool]
 
 
 class _Class:
@@ -242,7 +252,7 @@ class BlockStore:
 
     # -- open ------------------------------------------------------------------------------------------------
     @staticmethod
-    def _open_path(target: Any, timeout: float) -> BlockPath:
+    def _open_path(target: str | os.PathLike[str] | Mapping[str, Any], timeout: float) -> BlockPath:
         """Open the block path, retrying for ``timeout`` seconds while a block device is busy (``O_EXCL``: a killed
         opener's references linger until the kernel has reaped its io_uring)."""
         deadline = time.monotonic() + timeout
@@ -444,7 +454,7 @@ class BlockStore:
         self._state = st
 
     # -- keys and values -----------------------------------------------------------------------------------------
-    def _key(self, key: Any) -> bytes:
+    def _key(self, key: object) -> bytes:
         if isinstance(key, str):
             try:
                 k = key.encode()
@@ -490,7 +500,7 @@ class BlockStore:
         """Store one value; see :meth:`put_many`."""
         self.put_many([(key, value)], durable=durable)
 
-    def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]], *, durable: bool = False) -> None:
+    def put_many(self, items: _Items, *, durable: bool = False) -> None:
         """Store values (anything with the buffer protocol, or CPU torch tensors), replacing existing keys.
 
         The values are copied (into registered staging buffers) before this returns. With ``durable`` the
@@ -527,7 +537,7 @@ class BlockStore:
         if durable:
             self.flush()
 
-    def _put_reserved(self, remaining: list[tuple[bytes, Any]], write: Callable[[list[list[Any]]], None],
+    def _put_reserved(self, remaining: list[tuple[bytes, _Value]], write: Callable[[list[list[Any]]], None],
                       kind: SumKind) -> None:
         """Reserve slots for the values, ``write`` them (and their headers), publish them with checksums of
         ``kind``; as many at a time as there are slots free."""
@@ -555,7 +565,7 @@ class BlockStore:
                 raise
             self._publish(reserved, kind)
 
-    def put_many_device(self, items: Sequence[tuple[Key, Any]], device: Any, *, durable: bool = False,
+    def put_many_device(self, items: Sequence[tuple[Key, Any]], device: DevicePath, *, durable: bool = False,
                         data_class: str = "hot") -> None:
         """Store GPU values through ``device`` (a :class:`~sfstore.paths.device.DevicePath`): each value's
         kvsum64 is computed on the GPU and the value moves from GPU memory to its slot on the device path's route
@@ -565,7 +575,7 @@ class BlockStore:
         verify them on the GPU (:meth:`get_into_device`) or in host memory (every other read).
         """
         self._check_open()
-        batch: dict[bytes, Any] = {}
+        batch: dict[bytes, _Value] = {}
         for key, value in as_batch(items, "put_many_device: items"):
             k = self._key(key)
             n = int(device.runtime.nbytes(value))
@@ -580,7 +590,7 @@ class BlockStore:
         if durable:
             self.flush()
 
-    def _write_device_slots(self, reserved: list[list[Any]], device: Any, data_class: str) -> None:
+    def _write_device_slots(self, reserved: list[list[Any]], device: DevicePath, data_class: str) -> None:
         hdr, uid = self._hdr, self.layout.uuid
         fd = self.path.fd
         for first, last in _waves([item[1].nbytes for item in reserved]):
@@ -603,7 +613,7 @@ class BlockStore:
                 hbuf.release()
         self.counters.add(puts=len(reserved), bytes_put=sum(item[1].nbytes for item in reserved))
 
-    def get_into_device(self, keys: Sequence[Key], dests: Sequence[Any], device: Any, *,
+    def get_into_device(self, keys: Sequence[Key], dests: Sequence[Any], device: DevicePath, *,
                         keep_on_miss: bool = True, data_class: str = "hot") -> list[int | None]:
         """Read GPU-written values (:meth:`put_many_device`) into GPU buffers through ``device``; each value's
         length, ``None`` for a miss.
@@ -671,7 +681,7 @@ class BlockStore:
             return None if e is None else e.kind
 
     def put_many_async(
-        self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]], *, durable: bool = False
+        self, items: _Items, *, durable: bool = False
     ) -> ExecutorFuture[None]:
         """:meth:`put_many` in a background thread. The values must stay unchanged until the future is done."""
         self._check_open()
@@ -679,8 +689,8 @@ class BlockStore:
         return ExecutorFuture(self._pool_executor().submit(self.put_many, listed, durable=durable), "put_many_async")
 
     def _reserve(
-        self, items: list[tuple[bytes, memoryview]]
-    ) -> tuple[list[list[Any]], list[tuple[bytes, memoryview]]]:
+        self, items: list[tuple[bytes, _Value]]
+    ) -> tuple[list[list[Any]], list[tuple[bytes, _Value]]]:
         """Take a slot and a generation for as many values as possible, in order (evicting where a class is
         full); return them and the values left for which no slot is free right now.
 
@@ -757,11 +767,11 @@ class BlockStore:
         hdr = self._hdr
         lba = self.layout.lba
         uid = self.layout.uuid
-        pending: list[tuple[PathFuture, list[Any]]] = []
+        pending: list[tuple[PathFuture, list[RegisteredBuffer]]] = []
         try:
             for first, last in _waves([item[1].nbytes for item in reserved]):
                 wave = reserved[first:last]
-                bufs: list[Any] = []
+                bufs: list[RegisteredBuffer] = []
                 reqs = []
                 try:
                     # Values of zero-copy items go first, straight from the caller's memory, so the device is busy
@@ -940,10 +950,10 @@ class BlockStore:
         live = [i for i, e in enumerate(entries) if e is not None]
         # per wave: its future, per request (entry index, staging buffer or None when direct, engine-checked),
         # and its staging buffers (released once the wave is delivered: at most _WAVES_IN_FLIGHT waves of them)
-        waves: deque[tuple[PathFuture, list[tuple[int, Any, bool]], list[Any]]] = deque()
+        waves: deque[tuple[PathFuture, list[_ReadItem], list[RegisteredBuffer]]] = deque()
         hits = misses = nbytes = 0
 
-        def deliver(fut: PathFuture, items: list[tuple[int, Any, bool]]) -> None:
+        def deliver(fut: PathFuture, items: list[_ReadItem]) -> None:
             nonlocal hits, misses, nbytes
             results = fut.results()
             for j, (i, buf, engine_checked) in enumerate(items):
@@ -996,10 +1006,10 @@ class BlockStore:
             sizes = [e.length for e in entries if e is not None]  # in the order of ``live``
             classes = self._classes
             for first, last in _waves(sizes):
-                items: list[tuple[int, Any, bool]] = []
+                items: list[_ReadItem] = []
                 reqs: list[tuple[str, int, int, Any, int]] = []
                 sums: list[int | None] = []
-                held: list[Any] = []
+                held: list[RegisteredBuffer] = []
                 try:
                     for i in live[first:last]:
                         e = entries[i]

@@ -115,7 +115,7 @@ def _bad_index(path: str, why: str) -> errors.CorruptCheckpointError:
     return errors.CorruptCheckpointError(f"{INDEX_NAME} {path}: {why}")
 
 
-def _plain(name: Any, path: str, tensor: str) -> str:
+def _plain(name: object, path: str, tensor: str) -> str:
     if not isinstance(name, str) or not name:
         raise _bad_index(path, f"tensor {tensor!r} maps to {name!r}, not a file name")
     if "/" in name or "\x00" in name or name in (".", ".."):

@@ -215,7 +215,7 @@ def commit_checkpoint(directory: str | os.PathLike[str]) -> str:
     return final
 
 
-def _host_path(path: Any, what: str) -> str:
+def _host_path(path: object, what: str) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise errors.InvalidRequestError(f"{what} must be a path or sf:// url, not {type(path).__name__}")
     text = os.fspath(path)

@@ -25,7 +25,6 @@ import platform
 import posixpath
 import stat
 from dataclasses import dataclass
-from typing import Any
 
 from sfstore import errors
 from sfstore.paths.base import Range
@@ -298,7 +297,7 @@ def staging_path(loc: Location, kind: str = "staging") -> str:
 USE_RENAMEAT2 = True
 """Publish with renameat2 flags where the filesystem takes them; ``False`` forces the two-step replace."""
 
-_libc: Any = None
+_libc: ctypes.CDLL | None = None
 # renameat2 flags unsupported by the kernel (ENOSYS) or the filesystem (EINVAL: NFS, older FUSE, ...).
 _FLAGS_REFUSED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 

@@ -130,7 +130,7 @@ def _bad(message: str, tensor: str | None = None) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{MANIFEST_NAME}: {message}", shard=None, tensor=tensor)
 
 
-def check_plain_name(name: Any, what: str) -> str:
+def check_plain_name(name: object, what: str) -> str:
     """``name`` if it is a plain file name inside the checkpoint directory, else ``CorruptCheckpointError``."""
     if not isinstance(name, str) or not name:
         raise _bad(f"{what} {name!r} is not a file name")
@@ -139,7 +139,7 @@ def check_plain_name(name: Any, what: str) -> str:
     return name
 
 
-def encode_key(key: Any) -> str:
+def encode_key(key: object) -> str:
     """One component of a tensor name: ``str`` keys escaped (``~`` -> ``~0``, ``/`` -> ``~1``), others as text.
 
     Lone surrogates (text that is not UTF-8) are written as ``\\udc80`` escapes: safetensors headers are UTF-8.
@@ -330,11 +330,11 @@ def unseal(raw: bytes) -> str | None:
     return want
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_hash(value: Any, where: str) -> str:
+def _check_hash(value: object, where: str) -> str:
     if not (isinstance(value, str) and len(value) == 16 and set(value) <= _HEX):
         raise _bad(f"{where}: xxh3_64 {value!r} is not 16 lowercase hex digits")
     return value
@@ -410,6 +410,6 @@ def _walk(root: Any, tensors: Mapping[str, TensorRecord]) -> Iterator[str]:
         stack.extend((child, depth + 1) for child in reversed(children))
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -31,7 +31,7 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from sfstore.errors import CorruptCheckpointError, InvalidRequestError
 
@@ -151,7 +151,7 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def shape_problem(shape: Any) -> str | None:
+def shape_problem(shape: object) -> str | None:
     """Why ``shape`` is not a shape torch can hold, or ``None``: it must be a list of integers in
     ``[0, MAX_DIM]`` whose product (zeros counted as one, as torch's strides count them) is at most
     :data:`MAX_DIM`."""
@@ -167,7 +167,7 @@ def shape_problem(shape: Any) -> str | None:
     return None
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 
@@ -238,11 +238,11 @@ def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _reject_constant(name: str) -> Any:
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

@@ -207,7 +207,7 @@ class _Cursor:
         self.seg = 0  # 0: header, i > 0: shard.items[i - 1]
         self.off = 0
         self.shard_hash = xxhash.xxh3_64()
-        self.item_hash: Any = None
+        self.item_hash: xxhash.xxh3_64 | None = None
         self.src: Any = None
 
     def _seg_len(self) -> int:
@@ -397,7 +397,7 @@ class _Job:
             self.parent_fd = -1
 
 
-def _locate(url: Any) -> location.Location:
+def _locate(url: str | os.PathLike[str] | CheckpointInfo) -> location.Location:
     if isinstance(url, CheckpointInfo):
         url = url.url
     return location.locate(url, create=True)
@@ -409,11 +409,11 @@ class _Ring:
     def __init__(self, size: int, count: int) -> None:
         self.size, self.count = size, count
         self.buffers: list[HostBuffer] = []
-        self.slots: list[tuple[Any, memoryview]] = []
+        self.slots: list[tuple[torch.Tensor, memoryview]] = []
         self.pending: deque[tuple[int, PathFuture, int, _OpenShard]] = deque()
         self.next = 0
 
-    def take(self) -> tuple[int, Any, memoryview, Any]:
+    def take(self) -> tuple[int, torch.Tensor, memoryview, Any]:
         i = self.next
         self.next = (i + 1) % self.count
         if i == len(self.slots):
@@ -544,9 +544,9 @@ class SaveFuture(SfFuture[CheckpointInfo]):
         return f"<SaveFuture {self.url} {state}>"
 
 
-def _copy_tasks(shard: _Shard, dst: torch.Tensor) -> list[tuple[Any, Any]]:
+def _copy_tasks(shard: _Shard, dst: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination, source) copies that fill ``dst`` with the shard's tensor bytes."""
-    tasks: list[tuple[Any, Any]] = []
+    tasks: list[tuple[torch.Tensor, torch.Tensor]] = []
     for it in shard.items:
         if it.nbytes == 0:
             continue
@@ -571,7 +571,7 @@ def _copy_tasks(shard: _Shard, dst: torch.Tensor) -> list[tuple[Any, Any]]:
     return tasks
 
 
-def _copy(task: tuple[Any, Any]) -> None:
+def _copy(task: tuple[torch.Tensor, torch.Tensor]) -> None:
     task[0].copy_(task[1])
 
 
@@ -635,7 +635,7 @@ def _stage(plan: _Plan) -> list[HostBuffer]:
     """Copy every tensor into per-shard registered buffers laid out as the shard files (parallel copies)."""
     buffers: list[HostBuffer] = []
     try:
-        tasks: list[tuple[Any, Any]] = []
+        tasks: list[tuple[torch.Tensor, torch.Tensor]] = []
         views = []
         for shard in plan.shards:
             hb = async_buffers.take(shard.size)

@@ -457,7 +457,7 @@ _STATX_DIOALIGN = 0x2000
 _STATX_SIZE = 256
 _BLKSSZGET = 0x1268  # _IO(0x12, 104)
 
-_libc: Any = None
+_libc: ctypes.CDLL | None = None
 
 
 def _statx_dioalign(fd: int | None, path: str | None) -> tuple[int, int] | None:

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sfstore.blocks import BlockStore
-from sfstore.buffers import RegisteredBufferPool
+from sfstore.buffers import RegisteredBuffer, RegisteredBufferPool
 from sfstore.checksums import SumKind
 from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard
 from sfstore.kvcache.geometry import KVGeometry
 from sfstore.kvcache.tier import KVBatch, KVTier, ReadStatus, WriteStatus, read_status
 from sfstore.kvcache.tiers import Lease, lease_again, release_all
+
+if TYPE_CHECKING:
+    from sfstore.paths.device import DevicePath
 
 __all__ = ["BlockKVTier"]
 
@@ -78,8 +81,8 @@ class BlockKVTier(KVTier):
         return len(self.store)
 
     # -- the guard --------------------------------------------------------------------------------------------
-    def run(self, fn: Callable[..., Any], *args: Any, leases: Sequence[Lease] = (), buffers: Sequence[Any] = (),
-            what: str) -> tuple[str, Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, leases: Sequence[Lease] = (),
+            buffers: Sequence[RegisteredBuffer] = (), what: str) -> tuple[str, Any]:
         """A block-store call within the tier's deadline: ``(status, result)`` as
         :meth:`TierGuard.run <sfstore.kvcache.deadline.TierGuard.run>`. ``leases`` and ``buffers`` (registered
         staging buffers) are what the call reads or fills: kept from reuse until it is done with them."""
@@ -158,7 +161,7 @@ class BlockKVTier(KVTier):
 
     def staged_gets(
         self, keys: Sequence[bytes], indices: list[int]
-    ) -> Iterator[tuple[list[int], list[Any], list[int | None], str]]:
+    ) -> Iterator[tuple[list[int], list[RegisteredBuffer], list[int | None], str]]:
         """The block store's gets of ``keys[i]`` for ``i`` in ``indices``, wave by wave into registered staging
         buffers under the deadline: per wave ``(its indices, buffers, lengths, status)``, lengths ``None`` for a
         miss. A wave past its deadline yields no buffers (they are the abandoned worker's until it returns); the
@@ -181,7 +184,7 @@ class BlockKVTier(KVTier):
             finally:
                 release_all(bufs)
 
-    def _get_buffers(self, keys: list[bytes], bufs: list[Any]) -> tuple[list[int | None], int]:
+    def _get_buffers(self, keys: list[bytes], bufs: list[RegisteredBuffer]) -> tuple[list[int | None], int]:
         n = self.geometry.block_bytes
         views = [memoryview(b)[:n] for b in bufs]
         try:
@@ -194,7 +197,7 @@ class BlockKVTier(KVTier):
         """Into GPU buffers: a block written GPU-direct (kvsum64) is read the same way and verified on the GPU;
         the others through host staging buffers (verified there, then copied up)."""
         n = self.geometry.block_bytes
-        dp = dests.device
+        dp = cast("DevicePath", dests.device)  # set on every batch of kind "device"
         direct = [i for i in present if self.store.sum_kind(keys[i]) is SumKind.KV64]
         get = functools.partial(self.store.get_into_device, keep_on_miss=dests.keep, data_class="kvcache.block")
         for wave in _waves(len(direct)):
@@ -262,7 +265,7 @@ class BlockKVTier(KVTier):
             out += ["written" if status == OK else "dropped"] * len(wave)
         return out
 
-    def _put_buffers(self, keys: list[bytes], bufs: list[Any]) -> None:
+    def _put_buffers(self, keys: list[bytes], bufs: list[RegisteredBuffer]) -> None:
         n = self.geometry.block_bytes
         views = [memoryview(b)[:n] for b in bufs]
         try:
@@ -271,7 +274,7 @@ class BlockKVTier(KVTier):
             for v in views:
                 v.release()
 
-    def gpu_direct(self, device: Any) -> bool:
+    def gpu_direct(self, device: DevicePath) -> bool:
         """Whether GPU blocks go to the slots GPU-direct: cuFile takes the store's target (an image file on
         ext4/XFS on NVMe); never a raw namespace."""
         return bool(device.route_for(self.store.path.fd, self.store.path.device)[0] == "gds")
@@ -281,7 +284,7 @@ class BlockKVTier(KVTier):
         thread, so a put abandoned past its deadline never reads GPU memory the caller has got back (a
         GPU-direct one may: sfstore cannot recall a DMA)."""
         n = self.geometry.block_bytes
-        dp = srcs.device
+        dp = cast("DevicePath", srcs.device)  # set on every batch of kind "device"
         out: list[WriteStatus] = []
         if self.gpu_direct(dp):
             put = functools.partial(self.store.put_many_device, data_class="kvcache.block")
@@ -310,7 +313,7 @@ class BlockKVTier(KVTier):
             removed += status == OK and bool(gone)
         return removed
 
-    def describe_route(self, device: Any) -> dict[str, str]:
+    def describe_route(self, device: DevicePath) -> dict[str, str]:
         """How GPU blocks move to and from the slots on ``device``'s routes, and why."""
         route, why = device.route_for(self.store.path.fd, self.store.path.device)
         if route == "gds":

@@ -62,7 +62,7 @@ def late() -> bool:
     return task is not None and task.state == "abandoned"
 
 
-def _noop(*_args: Any) -> None:
+def _noop(*_args: object) -> None:
     return None
 
 

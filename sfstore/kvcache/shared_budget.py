@@ -65,7 +65,7 @@ _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def check_namespace(name: Any) -> str:
+def check_namespace(name: object) -> str:
     """``name`` if it is a valid cache namespace (``""``: the default one), else :class:`~sfstore.errors.ConfigError`.
 
     A namespace is 1 to 64 letters, digits, ``.``, ``_`` or ``-``, not starting with ``.``, ``_`` or ``-``."""

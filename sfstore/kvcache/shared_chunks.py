@@ -45,19 +45,20 @@ import stat
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from sfstore.buffers import RegisteredBufferPool
+from sfstore.buffers import RegisteredBuffer, RegisteredBufferPool
 from sfstore.checksums import SHARED_CHUNK_SUMS, SumKind, kvsum64, xxh3_64, xxh3_64_many
 from sfstore.device_verdict import damaged_on_storage, warn_disagreement
 from sfstore.kvcache.deadline import late
 from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
-from sfstore.paths.base import Range
+from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.file import set_blocking
 from sfstore.temp_names import temp_name
 
 if TYPE_CHECKING:
     from sfstore.kvcache.tiers import SharedTier
+    from sfstore.paths.device import DevicePath
 
 __all__ = ["ChunkRun", "ChunkFiles", "chunk_header_bytes", "CHUNK_SUFFIX"]
 
@@ -71,6 +72,10 @@ _PAGE = 4096
 _LAYERS_IN_FLIGHT = 2  # layer-by-layer reads: steps (the headers', then a layer's each) submitted at a time
 
 Entry = tuple[int, tuple[bytes, ...], int]  # (index in the caller's batch, chain, position in it)
+# a batch submitted to a path: its future, the error submitting it raised, or None for an empty batch
+_Started = PathFuture | OSError | None
+# one path's share of a read step: (future or error, the files, the bytes each wants)
+_Leg = tuple[PathFuture | OSError, list[int], list[int]]
 
 
 def chunk_header_bytes(geom: KVGeometry, m: int) -> int:
@@ -333,14 +338,15 @@ class ChunkFiles:
         return list(files.values())
 
     def _reading(self, entries: Sequence[Entry],
-                 step: Callable[[list[_Open], list[str], list[tuple[ChunkRun, os.stat_result]], list[Any]], None],
+                 step: Callable[[list[_Open], list[str], list[tuple[ChunkRun, os.stat_result]],
+                                 list[RegisteredBuffer]], None],
                  ) -> list[str]:
         """Open the runs ``entries`` are in, then ``step(files, statuses, lost runs, buffers)``; every file closed
         and buffer released after, whatever happened, and the runs found damaged dropped. A status per entry (a
         hit past the deadline is a ``"timeout"``)."""
         out = ["missing"] * len(entries)
         lost: list[tuple[ChunkRun, os.stat_result]] = []
-        bufs: list[Any] = []
+        bufs: list[RegisteredBuffer] = []
         files: list[_Open] = []
         try:
             files = self._open_runs(entries, out, lost)
@@ -351,7 +357,8 @@ class ChunkFiles:
             return [s if s != "hit" else "timeout" for s in out]
         return out
 
-    def _close_all(self, files: list[_Open], bufs: list[Any], lost: list[tuple[ChunkRun, os.stat_result]]) -> None:
+    def _close_all(self, files: list[_Open], bufs: list[RegisteredBuffer],
+                   lost: list[tuple[ChunkRun, os.stat_result]]) -> None:
         for f in files:
             os.close(f.fd)
         for b in bufs:
@@ -394,7 +401,7 @@ class ChunkFiles:
         return good
 
     def _read_steps(self, entries: Sequence[Entry], targets: Sequence[memoryview], files: list[_Open],
-                    out: list[str], lost: list[tuple[ChunkRun, os.stat_result]], heads: list[Any],
+                    out: list[str], lost: list[tuple[ChunkRun, os.stat_result]], heads: list[RegisteredBuffer],
                     on_layer: Callable[[list[int], int], None] | None) -> None:
         """:meth:`read`'s ranges in steps, each one batch of the file path, verified as it lands. At once (no
         ``on_layer``): one step with each file's header and wanted slices (read whole: the whole file). Layer by
@@ -403,7 +410,7 @@ class ChunkFiles:
         layer's batch is not spread behind the later ones), each layer announced once verified."""
         lb, layers = self.geom.layer_bytes, self.geom.num_layers
         by_layer = on_layer is not None
-        bufs: list[Any] = []  # a file's header, or the whole file read whole
+        bufs: list[RegisteredBuffer] = []  # a file's header, or the whole file read whole
         for _f in files:
             bufs.append(self._bufs.acquire() if self.read_whole else self._heads.acquire())
             heads.append(bufs[-1])
@@ -435,7 +442,7 @@ class ChunkFiles:
                         owners.append(n)
             steps.append((ranges, owners, i == 0, wanted))
         depth = _LAYERS_IN_FLIGHT if by_layer else 1
-        pending: list[Any] = [None] * len(steps)
+        pending: list[_Started] = [None] * len(steps)
         try:
             for i in range(min(depth, len(steps))):  # (in the try: an error waits for these)
                 pending[i] = self._start(steps[i][0])
@@ -481,7 +488,7 @@ class ChunkFiles:
                 if fut is not None:
                     self._finish(fut, 0)
 
-    def _start(self, ranges: list[Range]) -> Any:
+    def _start(self, ranges: list[Range]) -> _Started:
         """Submit ``ranges`` as one batch of the file path; the future, or the error (an empty batch: ``None``)."""
         if not ranges:
             return None
@@ -490,7 +497,7 @@ class ChunkFiles:
         except OSError as exc:
             return exc
 
-    def _finish(self, fut: Any, n: int) -> list[int | None]:
+    def _finish(self, fut: _Started, n: int) -> list[int | None]:
         """Each range's bytes moved (``None``: it failed) of a batch :meth:`_start` submitted."""
         if fut is None or isinstance(fut, OSError):
             return [None] * n
@@ -554,7 +561,7 @@ class ChunkFiles:
             skipped += [j for p, j in by_pos.items() if p >= start + m]
         return runs, skipped
 
-    def build(self, run: ChunkRun, sources: Sequence[memoryview]) -> Any:
+    def build(self, run: ChunkRun, sources: Sequence[memoryview]) -> RegisteredBuffer:
         """The file of ``run`` in a registered buffer (the caller releases it): its blocks (``sources``, in order)
         copied layer-major after the header, each slice's xxh3-64 in the header."""
         lb, layers = self.geom.layer_bytes, self.geom.num_layers
@@ -578,7 +585,7 @@ class ChunkFiles:
             raise
         return buf
 
-    def write(self, run: ChunkRun, buf: Any, body: Any = None, device: Any = None) -> bool:
+    def write(self, run: ChunkRun, buf: RegisteredBuffer, body: Any = None, device: DevicePath | None = None) -> bool:
         """Publish ``run`` from ``buf`` (made by :meth:`build`; or its header, with the GPU ``body`` written
         through ``device``: made by :meth:`build_device`); ``False`` when it, or a longer run of its chunk, is there
         already. Shorter runs of the chunk are removed once it is published."""
@@ -593,7 +600,7 @@ class ChunkFiles:
             else:  # the header from host memory, the body on the device path's route (GPU-direct with cuFile)
                 hb = chunk_header_bytes(self.geom, run.m)
                 w.write(v[:hb])
-                w.write_through(device, body, size - hb, data_class="kvcache.shared")
+                w.write_through(cast("DevicePath", device), body, size - hb, data_class="kvcache.shared")
             if late():
                 raise _LateWrite
         self.tier._published(size)
@@ -644,7 +651,7 @@ class ChunkFiles:
             os.close(pfd)
 
     # -- GPU blocks: the device path ---------------------------------------------------------------------------
-    def build_device(self, run: ChunkRun, blocks: Sequence[Any], device: Any) -> tuple[Any, Any]:
+    def build_device(self, run: ChunkRun, blocks: Sequence[Any], device: DevicePath) -> tuple[RegisteredBuffer, Any]:
         """The file of ``run`` for GPU ``blocks`` (in order): ``(header, body)``, the header in a registered host
         buffer (the caller releases it), the body a GPU buffer the blocks are copied into layer-major, each
         slice's kvsum64 computed there. Made on the caller's thread, so a write past its deadline never reads
@@ -663,7 +670,7 @@ class ChunkFiles:
             v[len(hdr):hb] = bytes(hb - len(hdr))
         return head, body
 
-    def read_device(self, entries: Sequence[Entry], dests: Sequence[Any], device: Any,
+    def read_device(self, entries: Sequence[Entry], dests: Sequence[Any], device: DevicePath,
                     on_layer: Callable[[list[int], int], None] | None = None) -> list[str]:
         """Read each entry's block into its GPU buffer (``dests``) on the device path: the files' headers into
         host memory, then each file's range of a layer (all layers at once without ``on_layer``; one step per
@@ -676,15 +683,15 @@ class ChunkFiles:
         (counted ``bytes_staged``). Statuses as :meth:`read`; ``on_layer`` as there (a later layer can still
         fail a block whose earlier layers were delivered)."""
         def step(files: list[_Open], out: list[str], lost: list[tuple[ChunkRun, os.stat_result]],
-                 bufs: list[Any]) -> None:
+                 bufs: list[RegisteredBuffer]) -> None:
             staged = self._device_heads(files, entries, out, lost, bufs, dests, device)
             self._device_steps(entries, dests, device, staged, out, lost, on_layer)
 
         return self._reading(entries, step)
 
     def _device_heads(self, files: list[_Open], entries: Sequence[Entry], out: list[str],
-                      lost: list[tuple[ChunkRun, os.stat_result]], bufs: list[Any], dests: Sequence[Any],
-                      device: Any) -> list[tuple[_Open, list[int], Any]]:
+                      lost: list[tuple[ChunkRun, os.stat_result]], bufs: list[RegisteredBuffer],
+                      dests: Sequence[Any], device: DevicePath) -> list[tuple[_Open, list[int], Any]]:
         """Read and check the files' headers (one batch of the file path); for each good file that answers an
         entry, ``(file, its checksums, a buffer for its body)``: GPU memory for kvsum64 files, host memory else."""
         heads = [self._heads.acquire() for _f in files]
@@ -717,7 +724,7 @@ class ChunkFiles:
             good.append((f, sums, body))
         return good
 
-    def _device_steps(self, entries: Sequence[Entry], dests: Sequence[Any], device: Any,
+    def _device_steps(self, entries: Sequence[Entry], dests: Sequence[Any], device: DevicePath,
                       files: list[tuple[_Open, list[int], Any]], out: list[str],
                       lost: list[tuple[ChunkRun, os.stat_result]],
                       on_layer: Callable[[list[int], int], None] | None) -> None:
@@ -728,10 +735,10 @@ class ChunkFiles:
         depth = _LAYERS_IN_FLIGHT if on_layer is not None else 1
         alive = set(range(len(files)))
 
-        def start(wanted: range) -> list[tuple[Any, list[int], list[int]]]:
+        def start(wanted: range) -> list[_Leg]:
             """Submit each live file's range of ``wanted``: GPU bodies on the device path, host bodies on the
             file path; ``(future or error, the files, the bytes each wants)`` per path."""
-            legs: list[tuple[Any, list[int], list[int]]] = []
+            legs: list[_Leg] = []
             for gpu in (True, False):
                 ranges: list[Range] = []
                 owners: list[int] = []
@@ -745,6 +752,7 @@ class ChunkFiles:
                     owners.append(g)
                 if not ranges:
                     continue
+                fut: PathFuture | OSError
                 try:
                     fut = (device.submit(ranges, data_class="kvcache.shared") if gpu
                            else self.tier.fp.submit(ranges, data_class="kvcache.shared"))
@@ -753,7 +761,7 @@ class ChunkFiles:
                 legs.append((fut, owners, [r.length for r in ranges]))
             return legs
 
-        def finish(legs: list[tuple[Any, list[int], list[int]]]) -> set[int]:
+        def finish(legs: list[_Leg]) -> set[int]:
             """The files whose ranges of a step all came in whole."""
             whole: set[int] = set()
             for fut, owners, lengths in legs:
@@ -761,12 +769,13 @@ class ChunkFiles:
                 whole.update(g for g, n, want in zip(owners, got, lengths, strict=True) if n == want)
             return whole
 
-        pending: list[Any] = [None] * len(steps)
+        pending: list[list[_Leg] | None] = [None] * len(steps)
+        legs: list[_Leg] | None
         try:
             for i in range(min(depth, len(steps))):  # (in the try: an error waits for these)
                 pending[i] = start(steps[i])
             for i, wanted in enumerate(steps):
-                legs, pending[i] = pending[i], None
+                legs, pending[i] = cast("list[_Leg]", pending[i]), None  # submitted ``depth`` steps ahead
                 whole = finish(legs)
                 ready: list[int] = []
                 for g in sorted(alive):
@@ -810,7 +819,7 @@ class ChunkFiles:
         return damaged_on_storage(f.fd, [(hb + s * lb, lb, sums[s]) for s in at])
 
     def _deliver(self, f: _Open, sums: list[int], body: Any, layers: range, entries: Sequence[Entry],
-                 dests: Sequence[Any], device: Any) -> bool:
+                 dests: Sequence[Any], device: DevicePath) -> bool:
         """Whether each of ``f.entries``' slices of ``layers`` in ``body`` (the file's body, GPU or host memory)
         matches its checksum; if so, and the read is still awaited, they are copied into their GPU buffers."""
         rt, lb, m = device.runtime, self.geom.layer_bytes, f.run.m

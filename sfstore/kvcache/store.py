@@ -61,7 +61,7 @@ _ARRAY_DTYPES = {
 
 
 
-def _bytes_or_setting(value: Any, name: str, setting: str, zero: str) -> int:
+def _bytes_or_setting(value: object, name: str, setting: str, zero: str) -> int:
     """A byte budget argument: ``value`` (an int >= 0), or the setting's when ``None``."""
     if value is None:
         return int(defaults.get(setting))
@@ -245,7 +245,7 @@ class KVCacheStore:
         return cls(geometry, model_id=model_id, block_store=block, shared_dir="shared", shared_on=fp, **kwargs)
 
     # -- keys -------------------------------------------------------------------------------------------------
-    def keys_for(self, token_ids: Sequence[int] | Any, extra: Iterable[Any] = ()) -> list[bytes]:
+    def keys_for(self, token_ids: Sequence[int] | Any, extra: Iterable[object] = ()) -> list[bytes]:
         """One chained key per full block of ``token_ids`` (see :func:`~sfstore.kvcache.geometry.chained_keys`).
 
         The store notes the chain, so that the shared tier stores and finds these blocks in chunk files
@@ -284,7 +284,7 @@ class KVCacheStore:
                 out[i] = found
         return out
 
-    def lookup(self, token_ids: Sequence[int] | Any, extra: Iterable[Any] = ()) -> int:
+    def lookup(self, token_ids: Sequence[int] | Any, extra: Iterable[object] = ()) -> int:
         """How many leading tokens of ``token_ids`` have their KV blocks in some tier (a multiple of
         ``block_tokens``): the prefix an engine can load instead of computing."""
         self._check_open()
@@ -1076,7 +1076,7 @@ class KVCacheStore:
             return bool(self._device.runtime.is_device(block))
         return is_device_buffer(block)
 
-    def _device_path(self) -> Any:
+    def _device_path(self) -> DevicePath:
         """The device path GPU blocks move through (made on first use when none was given)."""
         with self._lock:
             if self._device is None:

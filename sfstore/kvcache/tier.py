@@ -19,9 +19,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from sfstore.kvcache.deadline import TierGuard
+
+if TYPE_CHECKING:
+    from sfstore.paths.device import DevicePath
 
 __all__ = ["KVTier", "KVBatch", "ReadStatus", "WriteStatus", "BatchKind", "read_status", "READ_STATUSES",
            "WRITE_STATUSES", "TierName"]
@@ -80,7 +83,7 @@ class KVBatch:
 
     kind: BatchKind
     items: list[Any]
-    device: Any = None
+    device: DevicePath | None = None
     keep: bool = True
     checksums: list[int | None] = field(default_factory=list)
     on_layer: Callable[[list[int], int], None] | None = None

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
 
 from sfstore import errors
 from sfstore.buffers import RegisteredBuffer, RegisteredBufferPool
@@ -36,6 +36,9 @@ from sfstore.paths import beneath
 from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.file import AtomicWriter, FilePath, set_blocking
 
+if TYPE_CHECKING:
+    from sfstore.paths.device import DevicePath
+
 __all__ = ["HEADER", "Slot", "Lease", "release_all", "lease_again", "PinnedTier", "SharedTier"]
 
 HEADER = 4096  # bytes before the block in a slot and in a shared file
@@ -43,6 +46,16 @@ _MAGIC = b"SFKVBLK1"
 # magic, version (the block's checksum kind: SHARED_FILE_SUMS), geometry fingerprint, key, length, block checksum
 _HDR = struct.Struct("<8sH6x16s32sQQ")
 _SUM = struct.Struct("<Q")
+
+
+class _BudgetOptions(TypedDict, total=False):
+    """The :class:`~sfstore.kvcache.shared_budget.SharedBudget` timings a shared tier may set."""
+
+    heartbeat_s: float
+    refresh_s: float
+    rescan_s: float
+    stale_s: float
+    touch_s: float
 
 
 @dataclass(eq=False)
@@ -57,8 +70,8 @@ class Slot:
     the slot, which reads and changes it only under its lock. Nothing else touches it: hold a lease instead.
     """
 
-    buffer: Any
-    header: Any
+    buffer: RegisteredBuffer
+    header: RegisteredBuffer
     key: bytes = b""
     readers: int = 0
     checksum: int = 0
@@ -456,7 +469,7 @@ class SharedTier(KVTier):
 
     def __init__(
         self, geom: KVGeometry, directory: str | os.PathLike[str], *, fsync: bool = False, on: FilePath | None = None,
-        namespace: str = "", budget_bytes: int = 0, budget_options: dict[str, Any] | None = None,
+        namespace: str = "", budget_bytes: int = 0, budget_options: _BudgetOptions | None = None,
         timeout_s: float = 0.0, quarantine_s: float = 1.0, chunk_blocks: int = 0, chains: KeyChains | None = None,
     ) -> None:
         self.geom = geom
@@ -854,7 +867,7 @@ class SharedTier(KVTier):
             buf.release()
         return str(got) if status == OK else status
 
-    def _read_scratch(self, key: bytes, buf: Any) -> str:
+    def _read_scratch(self, key: bytes, buf: RegisteredBuffer) -> str:
         with memoryview(buf) as view:
             return self._read(key, [view])[0]
 
@@ -904,7 +917,7 @@ class SharedTier(KVTier):
         if not keys:
             return []
         n = self.geom.block_bytes
-        bufs: list[Any] = []
+        bufs: list[RegisteredBuffer] = []
 
         def release() -> None:
             for b in bufs:
@@ -963,7 +976,7 @@ class SharedTier(KVTier):
             for v in views:
                 v[0].release()
 
-    def _read_scratches(self, keys: list[bytes], bufs: list[Any]) -> list[str]:
+    def _read_scratches(self, keys: list[bytes], bufs: list[RegisteredBuffer]) -> list[str]:
         views = [memoryview(b) for b in bufs]
         try:
             return [status for status, _ in self._read_batch(keys, [[v] for v in views])]
@@ -1039,7 +1052,7 @@ class SharedTier(KVTier):
             self.budget.errors += 1
 
     # -- GPU blocks through the device path ----------------------------------------------------------------------
-    def write_device(self, key: bytes, block: Any, device: Any) -> bool | None:
+    def write_device(self, key: bytes, block: Any, device: DevicePath) -> bool | None:
         """Publish the GPU ``block`` under ``key`` through ``device`` (a :class:`~sfstore.paths.device.DevicePath`):
         its kvsum64 is computed on the GPU, the 4096-byte header is written from host memory, the block's bytes
         take the device path's route for this file (GPU-direct with cuFile). ``False`` when already there,
@@ -1050,7 +1063,7 @@ class SharedTier(KVTier):
         status, done = self.guard.run(self._write_device, key, block, device, checksum, what="a write")
         return bool(done) if status == OK else None
 
-    def _write_device(self, key: bytes, block: Any, device: Any, checksum: int) -> bool:
+    def _write_device(self, key: bytes, block: Any, device: DevicePath, checksum: int) -> bool:
         if self._contains(key):
             return False
         self._clear(key)
@@ -1080,7 +1093,7 @@ class SharedTier(KVTier):
             hbuf.release()
         self._published()
 
-    def read_device(self, key: bytes, dest: Any, device: Any, *, keep: bool = True) -> tuple[str, str]:
+    def read_device(self, key: bytes, dest: Any, device: DevicePath, *, keep: bool = True) -> tuple[str, str]:
         """Read the block of ``key`` into the GPU buffer ``dest`` through ``device``: ``(status, how)``.
 
         ``status`` is as for :meth:`read_slot`. A block a GPU put wrote (kvsum64) is read on the device path's
@@ -1094,7 +1107,7 @@ class SharedTier(KVTier):
         status, got = self.guard.run(self._read_device, key, dest, device, keep, what="a read")
         return got if status == OK else (status, "")
 
-    def _read_device(self, key: bytes, dest: Any, device: Any, keep: bool) -> tuple[str, str]:
+    def _read_device(self, key: bytes, dest: Any, device: DevicePath, keep: bool) -> tuple[str, str]:
         n = self.geom.block_bytes
         sub, base = self._entry(key)
         try:
@@ -1148,8 +1161,8 @@ class SharedTier(KVTier):
         finally:
             os.close(fd)
 
-    def _read_device_staged(self, key: bytes, dest: Any, device: Any, fd: int, checksum: int, sub: str, base: str,
-                            st: os.stat_result) -> tuple[str, str]:
+    def _read_device_staged(self, key: bytes, dest: Any, device: DevicePath, fd: int, checksum: int, sub: str,
+                            base: str, st: os.stat_result) -> tuple[str, str]:
         n = self.geom.block_bytes
         buf = self._scratch.acquire()
         try:
@@ -1226,7 +1239,7 @@ class SharedTier(KVTier):
         out: list[ReadStatus] = []
         if dests.kind == "device":
             for k, d in zip(ks, dests.items, strict=True):
-                out.append(read_status(self.read_device(k, d, dests.device, keep=dests.keep)[0]))
+                out.append(read_status(self.read_device(k, d, cast("DevicePath", dests.device), keep=dests.keep)[0]))
             return out
         for start in range(0, len(ks), _SHARED_WAVE):
             wave = range(start, min(len(ks), start + _SHARED_WAVE))
@@ -1280,7 +1293,7 @@ class SharedTier(KVTier):
                 bufs = [self._scratch.acquire() for _ in wave]
                 views = [memoryview(b)[:n] for b in bufs]
 
-                def release(views: list[memoryview] = views, bufs: list[Any] = bufs) -> None:
+                def release(views: list[memoryview] = views, bufs: list[RegisteredBuffer] = bufs) -> None:
                     for v in views:
                         v.release()
                     release_all(bufs)
@@ -1326,7 +1339,7 @@ class SharedTier(KVTier):
                 known = srcs.checksums[i]
                 done = self.write_view(k, item, known if known is not None else xxh3_64(item))
             else:
-                done = self.write_device(k, item, srcs.device)
+                done = self.write_device(k, item, cast("DevicePath", srcs.device))
             return "dropped" if done is None else "written" if done else "exists"
 
         # Host blocks of distinct keys are written side by side: each file's fsync then shares the journal's
@@ -1361,7 +1374,7 @@ class SharedTier(KVTier):
         for run, js in runs:
             idx = [entries[j][0] for j in js]
             if srcs.kind == "device":
-                buf, body = self.chunks.build_device(run, [srcs.items[i] for i in idx], srcs.device)
+                buf, body = self.chunks.build_device(run, [srcs.items[i] for i in idx], cast("DevicePath", srcs.device))
                 status, done = self.guard.run_holding(buf.release, self.chunks.write, run, buf, body, srcs.device,
                                                       what="a write")
             else:
@@ -1372,7 +1385,7 @@ class SharedTier(KVTier):
                 out[i] = "dropped" if status != OK else "written" if done else "exists"
         return [entries[j][0] for j in skipped]
 
-    def describe_route(self, device: Any) -> dict[str, str]:
+    def describe_route(self, device: DevicePath) -> dict[str, str]:
         """How GPU blocks move to and from the files on ``device``'s routes, and why."""
         route, why = device.route_for(self.fp.beneath.root_fd(), self.fp.root)
         return {"route": route, "why": why}

@@ -84,6 +84,13 @@ class PathCounters(Counters):
             self._classes = {}
 
 
+class HasFd(Protocol):
+    """An open file a :class:`Range` may name by its descriptor (:class:`~sfstore.paths.file.OpenFile`)."""
+
+    @property
+    def fd(self) -> int: ...
+
+
 class Range(NamedTuple):
     """One read or write of a :meth:`StoragePath.submit` batch.
 
@@ -111,20 +118,22 @@ class Range(NamedTuple):
     length: int
     buffer: Any
     buffer_offset: int = 0
-    file: Any = None
+    file: int | HasFd | None = None
 
     @classmethod
-    def read(cls, offset: int, length: int, buffer: Any, buffer_offset: int = 0, file: Any = None) -> Range:
+    def read(cls, offset: int, length: int, buffer: Any, buffer_offset: int = 0,
+             file: int | HasFd | None = None) -> Range:
         """A read of ``length`` bytes at ``offset`` into ``buffer[buffer_offset:]``."""
         return cls("read", offset, length, buffer, buffer_offset, file)
 
     @classmethod
-    def write(cls, offset: int, length: int, buffer: Any, buffer_offset: int = 0, file: Any = None) -> Range:
+    def write(cls, offset: int, length: int, buffer: Any, buffer_offset: int = 0,
+              file: int | HasFd | None = None) -> Range:
         """A write of ``buffer[buffer_offset:buffer_offset + length]`` at ``offset``."""
         return cls("write", offset, length, buffer, buffer_offset, file)
 
 
-def descriptor_of(file: Any, index: int) -> int:
+def descriptor_of(file: object, index: int) -> int:
     """The descriptor a :class:`Range`'s ``file`` names (an int, or an object with an ``fd``)."""
     fd = getattr(file, "fd", file)
     if isinstance(fd, bool) or not isinstance(fd, int):

@@ -23,13 +23,16 @@ import stat
 import struct
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch
 from sfstore.engine import IOEngine, Request, describe_engines, get_engine, open_fd
 from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, split_ranges
 from sfstore.temp_names import temp_name
+
+if TYPE_CHECKING:
+    from sfstore.nvme import Controller, NvmeofTarget
 
 __all__ = ["BlockPath"]
 
@@ -76,7 +79,7 @@ class BlockPath(StoragePath):
 
     def __init__(
         self,
-        target: str | os.PathLike[str] | Mapping[str, Any] | Any,
+        target: str | os.PathLike[str] | Mapping[str, Any] | NvmeofTarget,
         *,
         size: int | None = None,
         engine: IOEngine | None = None,
@@ -85,7 +88,7 @@ class BlockPath(StoragePath):
         super().__init__()
         self._engine = engine
         self._lock = threading.Lock()
-        self.controller: Any = None  # sfstore.nvme.Controller for an NVMe-oF target
+        self.controller: Controller | None = None  # for an NVMe-oF target
         self.target_kind, self.device, spec = self._resolve_target(target, size)
         self.target: dict[str, Any] = spec
         flags = os.O_RDWR
@@ -113,7 +116,9 @@ class BlockPath(StoragePath):
             self.fallbacks.append(f"{self.device}: O_DIRECT refused or turned off; I/O goes through the page cache")
 
     # -- targets -----------------------------------------------------------------------------------------
-    def _resolve_target(self, target: Any, size: int | None) -> tuple[str, str, dict[str, Any]]:
+    def _resolve_target(
+        self, target: str | os.PathLike[str] | Mapping[str, Any] | NvmeofTarget, size: int | None
+    ) -> tuple[str, str, dict[str, Any]]:
         if isinstance(target, Mapping):
             kind = target.get("kind")
             if kind == "nvmeof":
@@ -158,7 +163,7 @@ class BlockPath(StoragePath):
                 f"block target: unknown key(s) {', '.join(sorted(unknown))}; expected {', '.join(sorted(allowed))}"
             )
 
-    def _connect(self, target: Any) -> tuple[str, str, dict[str, Any]]:
+    def _connect(self, target: NvmeofTarget) -> tuple[str, str, dict[str, Any]]:
         from sfstore import nvme
 
         ctrl = nvme.connect(target)
@@ -184,7 +189,7 @@ class BlockPath(StoragePath):
         return "device", dev, {"kind": "device", "device": dev}
 
     @staticmethod
-    def _image(path: str, size: Any) -> tuple[str, str, dict[str, Any]]:
+    def _image(path: str, size: object) -> tuple[str, str, dict[str, Any]]:
         if size is None:
             size = defaults.get("block_image_size")
         size = defaults.SETTINGS["block_image_size"].parse(size, "block image size")

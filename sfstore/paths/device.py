@@ -29,7 +29,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from sfstore import errors
 from sfstore.arguments import as_batch
@@ -37,8 +37,8 @@ from sfstore.buffers import RegisteredBufferPool, as_buffer
 from sfstore.engine import IOEngine, Request, get_engine
 from sfstore.futures import Future, MappedFuture
 from sfstore.mounts import mount_for
-from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, descriptor_of, split_ranges
-from sfstore.paths.device_runtime import CudaRuntime, DeviceFile, DeviceRuntime, KvikioLeg, Route
+from sfstore.paths.base import Leg, PathFuture, Range, StoragePath, check_range, descriptor_of, split_ranges
+from sfstore.paths.device_runtime import CudaRuntime, DeviceFile, DeviceRuntime, KvikioLeg, Route, TransferFuture
 from sfstore.paths.file import FilePath, enable_direct
 
 __all__ = ["DevicePath", "TargetFacts", "cufile_accepts", "choose_route", "device_mode", "ROUTES"]
@@ -49,6 +49,8 @@ _ROUTE_OF: dict[str, Route] = {"gds": "gds", "compat": "compat", "staged": "stag
 _STAGE = 8 << 20  # bytes per pinned staging buffer
 _GDS_LOCAL_FS = ("ext4", "xfs")
 _GDS_PARALLEL_FS = ("lustre", "wekafs", "gpfs", "beegfs", "fuse.wekafs")
+# one kind of kvikio transfer in a batch: (futures, (op, fd, offset, length) each, names, range indexes)
+_KvikioSide: TypeAlias = tuple[list[TransferFuture | None], list[tuple[str, int, int, int]], list[str], list[int]]
 
 
 def device_mode() -> tuple[Route, str]:
@@ -353,7 +355,7 @@ class DevicePath(StoragePath):
                     f"at buffer_offset {r.buffer_offset}"
                 )
             by_route[self.route_for(fd)[0]].append(i)
-        legs: list[tuple[Any, list[int], str]] = []
+        legs: list[tuple[Leg, list[int], str]] = []
         if host:
             pieces, owner, piece_sums = split_ranges([batch[i] for i in host], _STAGE,
                                                      [sums[i] for i in host] if sums is not None else None)
@@ -375,11 +377,11 @@ class DevicePath(StoragePath):
         return PathFuture(self, legs, [r.op for r in batch], data_class=data_class, release=release)
 
     def _kvikio_legs(self, items: list[tuple[int, Range, int]], route: str,
-                     opened: list[tuple[int, DeviceFile]]) -> list[tuple[Any, list[int], str]]:
+                     opened: list[tuple[int, DeviceFile]]) -> list[tuple[Leg, list[int], str]]:
         """kvikio transfers of ``items``: GPU-direct on the ``gds`` route unless kvikio chose compat mode for
         the file; through kvikio's host buffers (counted staged) otherwise."""
-        direct: tuple[list[Any], list[tuple[str, int, int, int]], list[str], list[int]] = ([], [], [], [])
-        staged: tuple[list[Any], list[tuple[str, int, int, int]], list[str], list[int]] = ([], [], [], [])
+        direct: _KvikioSide = ([], [], [], [])
+        staged: _KvikioSide = ([], [], [], [])
         for i, r, fd in items:
             handle = self._device_file(fd, opened)
             side = staged if handle.compat or route != "gds" else direct
@@ -388,7 +390,7 @@ class DevicePath(StoragePath):
             side[1].append((r.op, fd, r.offset, r.length))
             side[2].append(f"/proc/self/fd/{fd}")
             side[3].append(i)
-        legs: list[tuple[Any, list[int], str]] = []
+        legs: list[tuple[Leg, list[int], str]] = []
         for futures, described, names, owner in (direct, staged):
             if futures:
                 kind = "gpu_direct" if futures is direct[0] else "staged"

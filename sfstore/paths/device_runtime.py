@@ -17,16 +17,24 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from sfstore import errors
 from sfstore.buffers import copy_from_host, copy_to_host, device_nbytes, flat_bytes, is_device_buffer
 from sfstore.checksums import KVSUM_WORD, kvsum64_finish
 from sfstore.futures import deadline_after, remaining
 
-__all__ = ["DeviceRuntime", "DeviceFile", "CudaRuntime", "KvikioLeg", "Route"]
+__all__ = ["DeviceRuntime", "DeviceFile", "CudaRuntime", "KvikioLeg", "Route", "TransferFuture"]
 
 _MASK = (1 << 64) - 1
+
+
+class TransferFuture(Protocol):
+    """A started kvikio transfer (kvikio's ``IOFuture``): ``get()`` waits and gives the bytes moved."""
+
+    def get(self) -> int: ...
+
+    def done(self) -> bool: ...
 
 
 class DeviceFile(ABC):
@@ -37,12 +45,12 @@ class DeviceFile(ABC):
     compat: bool | None = None
 
     @abstractmethod
-    def pread(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> Any:
+    def pread(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> TransferFuture:
         """Start reading ``size`` bytes at ``file_offset`` into ``buf`` at byte ``buf_offset``; a future with
         ``get()`` (bytes) and ``done()``."""
 
     @abstractmethod
-    def pwrite(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> Any:
+    def pwrite(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> TransferFuture:
         """Start writing ``size`` bytes of ``buf`` from byte ``buf_offset`` at ``file_offset``."""
 
     def close(self) -> None:  # noqa: B027 - nothing to release by default
@@ -140,7 +148,8 @@ class KvikioLeg:
     the deadline (1 ms apart at most), and :meth:`results` collects each ``get()`` once.
     """
 
-    def __init__(self, futures: list[Any], descriptions: list[tuple[str, int, int, int]], names: list[str]) -> None:
+    def __init__(self, futures: list[TransferFuture | None], descriptions: list[tuple[str, int, int, int]],
+                 names: list[str]) -> None:
         self._futures = futures
         self._described = descriptions
         self._names = names
@@ -221,11 +230,13 @@ class _KvikioFile(DeviceFile):
 
     # kvikio's pread/pwrite take (buf, size, file_offset, task_size): no offset into the buffer, so a range at
     # an offset of it is passed as a view of those bytes (kvikio finds the allocation a view lies in itself)
-    def pread(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> Any:
-        return self._f.pread(_span(buf, buf_offset, size), size, file_offset)
+    def pread(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> TransferFuture:
+        fut: TransferFuture = self._f.pread(_span(buf, buf_offset, size), size, file_offset)
+        return fut
 
-    def pwrite(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> Any:
-        return self._f.pwrite(_span(buf, buf_offset, size), size, file_offset)
+    def pwrite(self, buf: Any, size: int, file_offset: int, buf_offset: int) -> TransferFuture:
+        fut: TransferFuture = self._f.pwrite(_span(buf, buf_offset, size), size, file_offset)
+        return fut
 
     def close(self) -> None:
         self._f.close()

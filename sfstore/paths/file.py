@@ -30,9 +30,9 @@ import fcntl
 import os
 import stat
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch
@@ -45,6 +45,9 @@ from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, desc
 from sfstore.paths.beneath import Beneath, Location
 from sfstore.temp_names import is_leftover, temp_name
 from sfstore.temp_names import parse as parse_temp_name
+
+if TYPE_CHECKING:
+    from sfstore.paths.device import DevicePath
 
 __all__ = ["FilePath", "MountFacts", "AtomicWriter", "OpenFile", "ReadFuture", "file_kind"]
 
@@ -167,7 +170,7 @@ class FilePath(StoragePath):
         self.parallelism = int(parallelism or defaults.get("file_parallelism") or self.mount.default_parallelism())
         self._engine = engine
         self._small_engine: IOEngine | None = None
-        self._device: Any = None  # a DevicePath in staged mode, for GPU buffers given to the read calls
+        self._device: DevicePath | None = None  # staged mode, for GPU buffers given to the read calls
         self._device_lock = threading.Lock()
         self._direct_mode = defaults.SETTINGS["direct_io"].parse(direct, "FilePath") if direct else None
         self.direct = self._probe_direct()
@@ -398,7 +401,7 @@ class FilePath(StoragePath):
         checksums: Sequence[int | None] | None,
         data_class: str | None,
         engine: IOEngine | None,
-        release: Any = None,
+        release: Callable[[], None] | None = None,
     ) -> PathFuture:
         batch = [check_range(r, i) for i, r in enumerate(as_batch(ranges, "ranges"))]
         if checksums is not None and len(as_batch(checksums, "checksums")) != len(batch):
@@ -524,7 +527,8 @@ class FilePath(StoragePath):
         return out
 
     def _open_group(
-        self, names: list[Any], start: int, stop: int, out: list[bytes | BaseException], on_error: str
+        self, names: list[str | os.PathLike[str]], start: int, stop: int, out: list[bytes | BaseException],
+        on_error: str,
     ) -> _Group:
         group = _Group()
         try:
@@ -594,7 +598,7 @@ class FilePath(StoragePath):
             self._staged_device().submit([Range.read(offset, n, buffer, 0, fd)]).get()
         return DoneFuture(n)
 
-    def _staged_device(self) -> Any:
+    def _staged_device(self) -> DevicePath:
         """The device path in staged mode that moves GPU buffers for this path's reads (made on first use)."""
         with self._device_lock:
             if self._device is None:
