@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sfstore import errors
@@ -116,6 +116,16 @@ def _add_nvme_target_options(p: argparse.ArgumentParser, nqn_required: bool) -> 
     p.add_argument("--hostnqn", metavar="NQN", default=None, help="this host's NQN (default /etc/nvme/hostnqn)")
 
 
+def _add_target_action(nsub: Subparsers, name: str, func: Callable[[argparse.Namespace], int], *,
+                       nqn_required: bool, json_help: str, help: str, description: str) -> None:
+    """An action that talks to a target over the fabric: its address, how long to wait for it, JSON output."""
+    q = nsub.add_parser(name, help=help, description=description)
+    _add_nvme_target_options(q, nqn_required=nqn_required)
+    q.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="default 30")
+    q.add_argument("--json", action="store_true", help=json_help)
+    q.set_defaults(func=func)
+
+
 def add_nvme(sub: Subparsers) -> None:
     p = sub.add_parser("nvme", help="NVMe over Fabrics: list, discover, connect, disconnect controllers",
                        description="NVMe-oF controllers through libnvme (the block path's transport). "
@@ -129,24 +139,18 @@ def add_nvme(sub: Subparsers) -> None:
     q.add_argument("--json", action="store_true", help="print JSON")
     q.set_defaults(func=_cmd_nvme_list)
 
-    q = nsub.add_parser("discover", help="the subsystems a target offers (its discovery log page)",
-                        description="Ask an NVMe-oF target's discovery controller (-t, -a, -s) which subsystems "
-                                    "it offers, and print its discovery log page; -n shows one subsystem. Needs "
-                                    "root and the nvme-fabrics module.")
-    _add_nvme_target_options(q, nqn_required=False)
-    q.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="default 30")
-    q.add_argument("--json", action="store_true", help="print JSON")
-    q.set_defaults(func=_cmd_nvme_discover)
-
-    q = nsub.add_parser("connect", help="connect a subsystem (idempotent) and wait for its namespaces",
-                        description="Connect the subsystem -n NQN at -t/-a/-s and wait (--timeout) until its "
-                                    "namespaces appear as /dev/nvmeXnY; an existing connection is reused. The "
-                                    "block path (BlockPath) then opens the namespace. Needs root and the "
-                                    "nvme-fabrics module.")
-    _add_nvme_target_options(q, nqn_required=True)
-    q.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="default 30")
-    q.add_argument("--json", action="store_true", help="print the controller as JSON")
-    q.set_defaults(func=_cmd_nvme_connect)
+    _add_target_action(nsub, "discover", _cmd_nvme_discover, nqn_required=False, json_help="print JSON",
+                       help="the subsystems a target offers (its discovery log page)",
+                       description="Ask an NVMe-oF target's discovery controller (-t, -a, -s) which subsystems "
+                                   "it offers, and print its discovery log page; -n shows one subsystem. Needs "
+                                   "root and the nvme-fabrics module.")
+    _add_target_action(nsub, "connect", _cmd_nvme_connect, nqn_required=True,
+                       json_help="print the controller as JSON",
+                       help="connect a subsystem (idempotent) and wait for its namespaces",
+                       description="Connect the subsystem -n NQN at -t/-a/-s and wait (--timeout) until its "
+                                   "namespaces appear as /dev/nvmeXnY; an existing connection is reused. The "
+                                   "block path (BlockPath) then opens the namespace. Needs root and the "
+                                   "nvme-fabrics module.")
 
     q = nsub.add_parser("disconnect", help="disconnect a controller (by name) or a subsystem's controllers",
                         description="Disconnect one controller by NAME (nvme0), or with -n NQN every controller "
