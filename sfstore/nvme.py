@@ -43,6 +43,7 @@ from sfstore.errors import ConfigError, NotSupportedOnHostError, NvmeError
 
 __all__ = [
     "parse_address",
+    "read_sysfs",
     "NvmeofTarget",
     "Namespace",
     "Controller",
@@ -244,7 +245,8 @@ class Controller:
         return d
 
 
-def _read(path: str) -> str | None:
+def read_sysfs(path: str) -> str | None:
+    """The stripped text of a (sysfs) file, or ``None`` when it cannot be read."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return f.read().strip()
@@ -253,7 +255,7 @@ def _read(path: str) -> str | None:
 
 
 def _read_int(path: str) -> int | None:
-    text = _read(path)
+    text = read_sysfs(path)
     return int(text) if text is not None and text.isdigit() else None
 
 
@@ -278,10 +280,10 @@ def _namespace(name: str, sys_block: str) -> Namespace | None:
 
 def _controller(ctrl_dir: str, sys_block: str) -> Controller | None:
     name = os.path.basename(ctrl_dir)
-    state = _read(os.path.join(ctrl_dir, "state"))
+    state = read_sysfs(os.path.join(ctrl_dir, "state"))
     if state is None:
         return None  # removed while we looked
-    address = parse_address(_read(os.path.join(ctrl_dir, "address")))
+    address = parse_address(read_sysfs(os.path.join(ctrl_dir, "address")))
     try:
         entries = sorted(os.listdir(ctrl_dir))
     except OSError:
@@ -298,10 +300,10 @@ def _controller(ctrl_dir: str, sys_block: str) -> Controller | None:
                 namespaces[block] = ns
     return Controller(
         name=name,
-        transport=_read(os.path.join(ctrl_dir, "transport")) or "",
+        transport=read_sysfs(os.path.join(ctrl_dir, "transport")) or "",
         traddr=address.get("traddr", ""),
         trsvcid=address.get("trsvcid", ""),
-        subsysnqn=_read(os.path.join(ctrl_dir, "subsysnqn")) or "",
+        subsysnqn=read_sysfs(os.path.join(ctrl_dir, "subsysnqn")) or "",
         state=state,
         namespaces=tuple(sorted(namespaces.values(), key=lambda n: (n.nsid, n.name))),
     )
@@ -330,7 +332,7 @@ def _matches(ctrl: Controller, target: NvmeofTarget, sys_class: str = SYS_CLASS_
     if target.transport != "loop" and (ctrl.traddr != target.traddr or ctrl.trsvcid != target.trsvcid):
         return False
     if target.hostnqn is not None:
-        return _read(os.path.join(sys_class, ctrl.name, "hostnqn")) == target.hostnqn
+        return read_sysfs(os.path.join(sys_class, ctrl.name, "hostnqn")) == target.hostnqn
     return True
 
 

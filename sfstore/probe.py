@@ -37,6 +37,7 @@ import sfstore
 from sfstore import defaults, nvme, temp_names
 from sfstore.errors import ConfigError
 from sfstore.mounts import MountInfo, mount_for, read_mountinfo
+from sfstore.nvme import read_sysfs
 from sfstore.quarantine_records import quarantine_dir, quarantine_rows, read_quarantine_records
 from sfstore.text_tables import cell, grid
 
@@ -77,15 +78,6 @@ def _absent(reason: str, **extra: Any) -> dict[str, Any]:
 
 def _error(exc: BaseException) -> dict[str, Any]:
     return {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
-
-
-def _read(path: str) -> str | None:
-    """The stripped text of a (sysfs) file, or ``None`` when it cannot be read."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def _text(value: object) -> str:
@@ -270,19 +262,19 @@ def _sysfs_rdma_devices(sys_class: str) -> list[dict[str, Any]]:
         ports = []
         for port_dir in sorted(glob.glob(os.path.join(dev_dir, "ports", "*")), key=lambda p: int(
                 os.path.basename(p)) if os.path.basename(p).isdigit() else 0):
-            state = _read(os.path.join(port_dir, "state")) or ""  # "4: ACTIVE"
+            state = read_sysfs(os.path.join(port_dir, "state")) or ""  # "4: ACTIVE"
             ports.append({
                 "port": int(os.path.basename(port_dir)) if os.path.basename(port_dir).isdigit() else None,
                 "state": state.split(":", 1)[-1].strip() or None,
-                "link_layer": _read(os.path.join(port_dir, "link_layer")),
+                "link_layer": read_sysfs(os.path.join(port_dir, "link_layer")),
                 "active_mtu": None,
-                "netdev": _read(os.path.join(port_dir, "gid_attrs", "ndevs", "0")),
+                "netdev": read_sysfs(os.path.join(port_dir, "gid_attrs", "ndevs", "0")),
             })
         devices.append({
             "name": name,
-            "node_guid": _read(os.path.join(dev_dir, "node_guid")),
-            "node_type": _read(os.path.join(dev_dir, "node_type")),
-            "parent": _read(os.path.join(dev_dir, "parent")),
+            "node_guid": read_sysfs(os.path.join(dev_dir, "node_guid")),
+            "node_type": read_sysfs(os.path.join(dev_dir, "node_type")),
+            "parent": read_sysfs(os.path.join(dev_dir, "parent")),
             "ports": ports,
         })
     return devices
@@ -294,11 +286,11 @@ def _pyverbs_devices(sys_class: str) -> list[dict[str, Any]]:
     for dev in device_mod.get_device_list():
         name = _text(dev.name)
         entry: dict[str, Any] = {"name": name, "node_guid": _guid(int(dev.guid)), "node_type": None,
-                                 "parent": _read(os.path.join(sys_class, name, "parent")), "ports": []}
+                                 "parent": read_sysfs(os.path.join(sys_class, name, "parent")), "ports": []}
         ctx = device_mod.Context(name=name)
         try:
             attr = ctx.query_device()
-            entry["node_type"] = _read(os.path.join(sys_class, name, "node_type"))
+            entry["node_type"] = read_sysfs(os.path.join(sys_class, name, "node_type"))
             for port in range(1, int(attr.phys_port_cnt) + 1):
                 pattr = ctx.query_port(port)
                 entry["ports"].append({
@@ -306,7 +298,7 @@ def _pyverbs_devices(sys_class: str) -> list[dict[str, Any]]:
                     "state": PORT_STATES.get(int(pattr.state), str(pattr.state)),
                     "link_layer": LINK_LAYERS.get(int(pattr.link_layer), str(pattr.link_layer)),
                     "active_mtu": MTUS.get(int(pattr.active_mtu)),
-                    "netdev": _read(os.path.join(sys_class, name, "ports", str(port), "gid_attrs", "ndevs", "0")),
+                    "netdev": read_sysfs(os.path.join(sys_class, name, "ports", str(port), "gid_attrs", "ndevs", "0")),
                 })
         finally:
             ctx.close()
@@ -379,23 +371,23 @@ def probe_nvmeof(sys_class: str = SYS_NVME, fabrics_dev: str = DEV_NVME_FABRICS,
             ns = os.path.basename(ns_dir)
             # with native multipath the controller holds the path device nvme0c0n1; the block device is nvme0n1
             head = ns.split("c", 1)[0] + "n" + ns.rsplit("n", 1)[1] if "c" in ns[4:] else ns
-            size = _read(os.path.join(sys_block, head, "size"))
-            lbs = _read(os.path.join(sys_block, head, "queue", "logical_block_size"))
+            size = read_sysfs(os.path.join(sys_block, head, "size"))
+            lbs = read_sysfs(os.path.join(sys_block, head, "queue", "logical_block_size"))
             namespaces.append({
                 "name": head,
                 "device": f"/dev/{head}",
                 "size_bytes": int(size) * 512 if size and size.isdigit() else None,
                 "logical_block_size": int(lbs) if lbs and lbs.isdigit() else None,
             })
-        address = _read(os.path.join(ctrl_dir, "address"))
+        address = read_sysfs(os.path.join(ctrl_dir, "address"))
         controllers.append({
             "name": name,
-            "transport": _read(os.path.join(ctrl_dir, "transport")),
+            "transport": read_sysfs(os.path.join(ctrl_dir, "transport")),
             "address": address,
             **{k: v for k, v in nvme.parse_address(address).items() if k in ("traddr", "trsvcid", "host_traddr")},
-            "subsysnqn": _read(os.path.join(ctrl_dir, "subsysnqn")),
-            "state": _read(os.path.join(ctrl_dir, "state")),
-            "model": _read(os.path.join(ctrl_dir, "model")),
+            "subsysnqn": read_sysfs(os.path.join(ctrl_dir, "subsysnqn")),
+            "state": read_sysfs(os.path.join(ctrl_dir, "state")),
+            "model": read_sysfs(os.path.join(ctrl_dir, "model")),
             "namespaces": namespaces,
         })
     fabrics, fabrics_reason = nvme.fabrics_supported(fabrics_dev)
