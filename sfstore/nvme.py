@@ -33,11 +33,12 @@ import re
 import sys
 import threading
 import time
+import traceback
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from sfstore.errors import ConfigError, NotSupportedOnHostError, NvmeError
 
@@ -534,11 +535,17 @@ def _libnvme_args(target: NvmeofTarget, subsysnqn: str) -> tuple[dict[str, str],
     return ctrl_args, host_args
 
 
-def _libnvme_connect(nvme: ModuleType, target: NvmeofTarget, subsysnqn: str, cfg: dict[str, Any]) -> str:
-    """Connect ``target`` (with ``subsysnqn``) through libnvme; return the new controller's name.
+_T = TypeVar("_T")
 
-    Every libnvme object lives in this function and is deleted child first (controller, host, root): the root
-    frees the whole tree, so a controller freed after it would be freed twice.
+
+def _with_libnvme_ctrl(nvme: ModuleType, target: NvmeofTarget, subsysnqn: str,
+                       use: Callable[[Any, Any], _T]) -> _T:
+    """``use(host, ctrl)`` with a libnvme host and controller for ``target`` (with ``subsysnqn``).
+
+    Every libnvme object lives in this call and is deleted child first (controller, host, root): the root frees
+    the whole tree, so a controller freed after it would be freed twice. That is why an exception from ``use``
+    has its frames cleared before the root goes, with those of the exceptions it was raised during (a libnvme
+    error): they would otherwise hold the controller past it.
     """
     ctrl_args, host_args = _libnvme_args(target, subsysnqn)
     root = nvme.root()
@@ -547,47 +554,53 @@ def _libnvme_connect(nvme: ModuleType, target: NvmeofTarget, subsysnqn: str, cfg
         try:
             ctrl = nvme.ctrl(root, **ctrl_args)
             try:
-                ctrl.connect(host, cfg)
-                return str(ctrl.name)
+                return use(host, ctrl)
+            except BaseException as exc:
+                behind: BaseException | None = exc
+                while behind is not None:
+                    traceback.clear_frames(behind.__traceback__)
+                    behind = behind.__context__
+                raise
             finally:
                 del ctrl
         finally:
             del host
     finally:
         del root
+
+
+def _libnvme_connect(nvme: ModuleType, target: NvmeofTarget, subsysnqn: str, cfg: dict[str, Any]) -> str:
+    """Connect ``target`` (with ``subsysnqn``) through libnvme; return the new controller's name."""
+
+    def connect(host: Any, ctrl: Any) -> str:
+        ctrl.connect(host, cfg)
+        return str(ctrl.name)
+
+    return _with_libnvme_ctrl(nvme, target, subsysnqn, connect)
 
 
 def _libnvme_discover(nvme: ModuleType, target: NvmeofTarget, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Connect a discovery controller to ``target``'s address, read the discovery log, disconnect."""
-    ctrl_args, host_args = _libnvme_args(target, DISCOVERY_NQN)
-    root = nvme.root()
-    try:
-        host = nvme.host(root, **host_args)
+
+    def discover(host: Any, ctrl: Any) -> list[dict[str, Any]]:
         try:
-            ctrl = nvme.ctrl(root, **ctrl_args)
-            try:
-                try:
-                    ctrl.connect(host, cfg)
-                except Exception as exc:
-                    raise NvmeError(_errno_of(exc), f"cannot reach the discovery controller of {target}: "
-                                    f"{_why(exc)}", target) from None
-                try:
-                    log = ctrl.discover()
-                except Exception as exc:
-                    raise NvmeError(_errno_of(exc), f"reading the discovery log of {target} failed: {_why(exc)}",
-                                    target) from None
-                finally:
-                    try:
-                        ctrl.disconnect()
-                    except Exception:  # gone already; nothing to undo
-                        pass
-                return [dict(entry) for entry in (log or [])]
-            finally:
-                del ctrl
+            ctrl.connect(host, cfg)
+        except Exception as exc:
+            raise NvmeError(_errno_of(exc), f"cannot reach the discovery controller of {target}: "
+                            f"{_why(exc)}", target) from None
+        try:
+            log = ctrl.discover()
+        except Exception as exc:
+            raise NvmeError(_errno_of(exc), f"reading the discovery log of {target} failed: {_why(exc)}",
+                            target) from None
         finally:
-            del host
-    finally:
-        del root
+            try:
+                ctrl.disconnect()
+            except Exception:  # gone already; nothing to undo
+                pass
+        return [dict(entry) for entry in (log or [])]
+
+    return _with_libnvme_ctrl(nvme, target, DISCOVERY_NQN, discover)
 
 
 def _each(first: Any) -> Any:
