@@ -394,13 +394,13 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     def _host(self, path: Any) -> str:
         """The host path that ``path`` names (symlinks not resolved): for messages only; every operation
-        resolves names beneath the root through ``file_path.beneath``."""
+        resolves names beneath the root through the file path's namespace methods."""
         return self.file_path.full(self._strip_protocol(path))
 
     def _stat(self, name: str, context: str = "cannot access", follow: bool = True) -> os.stat_result:
         """``stat`` (or ``lstat``) of the root-relative ``name``, resolved beneath the root."""
         try:
-            return self.file_path.beneath.stat(name, follow=follow)
+            return self.file_path.os_stat(name, follow=follow)
         except OSError as exc:
             raise _typed(exc, context, name) from None
 
@@ -444,7 +444,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if not stat.S_ISLNK(lst.st_mode):
             return self._make_info(name, lst, False)
         try:
-            return self._make_info(name, self.file_path.beneath.stat(name), True)
+            return self._make_info(name, self.file_path.os_stat(name), True)
         except OSError:  # dangling, or pointing out of the root (PathEscapeError)
             return self._make_info(name, lst, True, kind="other")
 
@@ -453,17 +453,17 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """Entries of a directory (sorted by name, sfstore's temporary files hidden), or ``[info]`` of a file."""
         name = self._strip_protocol(path)
         try:
-            st = self.file_path.beneath.stat(name)
+            st = self.file_path.os_stat(name)
             if not stat.S_ISDIR(st.st_mode):
                 info = self.info(name)
                 return [info] if detail else [name]
             out: list[dict[str, Any]] = []
             if not detail:
-                for entry in self.file_path.beneath.listdir(name):
+                for entry in self.file_path.listdir(name):
                     if not self.file_path.is_temporary(entry):
                         out.append({"name": posixpath.join(name, entry)})
             else:
-                for entry, lst in self.file_path.beneath.scandir(name):
+                for entry, lst in self.file_path.scandir(name):
                     if lst is None or self.file_path.is_temporary(entry):  # removed while listing, or a writer's
                         continue
                     out.append(self._dirent_info(posixpath.join(name, entry), lst))
@@ -524,7 +524,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """The ``st_mode`` of ``path``, or ``None`` where it is absent (see :func:`_absent`)."""
         name = self._strip_protocol(path)
         try:
-            return self.file_path.beneath.stat(name, follow=follow).st_mode
+            return self.file_path.os_stat(name, follow=follow).st_mode
         except OSError as exc:
             if _absent(exc):
                 return None
@@ -933,7 +933,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         try:
             if name == "" or self.lexists(name):
                 raise FileExistsError(errno.EEXIST, "exists", self._host(name))
-            self.file_path.beneath.mkdir(name, parents=create_parents)
+            self.file_path.mkdir(name, parents=create_parents)
         except OSError as exc:
             raise _typed(exc, "cannot create the directory", name) from None
 
@@ -945,7 +945,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 if not exist_ok:
                     raise FileExistsError(errno.EEXIST, "exists", self.root)
                 return
-            self.file_path.beneath.mkdir(name, parents=True, exist_ok=exist_ok)
+            self.file_path.mkdir(name, parents=True, exist_ok=exist_ok)
         except OSError as exc:
             raise _typed(exc, "cannot create the directory", name) from None
 
@@ -956,7 +956,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if name == "":
             raise errors.InvalidRequestError("refusing to remove the sf:// root")
         try:
-            self.file_path.beneath.rmdir(name)
+            self.file_path.rmdir(name)
         except OSError as exc:
             raise _typed(exc, "cannot remove the directory", name) from None
 
@@ -967,7 +967,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if name == "":
             raise errors.InvalidRequestError("refusing to remove the sf:// root")
         try:
-            self.file_path.beneath.unlink(name)
+            self.file_path.unlink(name)
         except OSError as exc:
             raise _typed(exc, "cannot remove", name) from None
 
@@ -992,19 +992,19 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 names.extend(found)
             else:
                 names.append(name)
-        beneath = self.file_path.beneath
+        fp = self.file_path
         for name in sorted(set(names), reverse=True):  # children before their parents
             if name == "":
                 raise errors.InvalidRequestError("refusing to remove the sf:// root")
             try:
-                lst = beneath.stat(name, follow=False)
+                lst = fp.os_stat(name, follow=False)
                 if not stat.S_ISDIR(lst.st_mode):
-                    beneath.unlink(name)
+                    fp.unlink(name)
                 elif not recursive:
                     raise errors.os_error(errno.EISDIR, "cannot remove a directory without recursive=True",
                                           _url(name))
                 else:
-                    beneath.rmtree(name, maxdepth)
+                    fp.rmtree(name, maxdepth)
             except OSError as exc:
                 raise _typed(exc, "cannot remove", name) from None
 
@@ -1029,7 +1029,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if self.isdir(dst):
             dst = posixpath.join(dst, posixpath.basename(src))
         try:
-            self.file_path.beneath.rename(src, dst)
+            self.file_path.rename(src, dst)
         except OSError as exc:
             if exc.errno != errno.EXDEV or isinstance(exc, errors.SfstoreError):
                 raise _typed(exc, f"cannot move it to {_url(dst)}", src) from None
@@ -1050,7 +1050,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if src == "" or dst == "":
             raise errors.InvalidRequestError("refusing to replace the sf:// root or to replace onto it")
         try:
-            self.file_path.beneath.rename(src, dst)
+            self.file_path.rename(src, dst)
         except OSError as exc:
             raise _typed(exc, f"cannot rename it onto {_url(dst)}", src) from None
 
@@ -1062,7 +1062,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
             return
         name = self._strip_protocol(path)
         try:
-            self.file_path.beneath.utime(name)
+            self.file_path.utime(name)
         except OSError as exc:
             raise _typed(exc, "cannot update the times of", name) from None
 

@@ -451,7 +451,7 @@ def _same_directory(fp: FilePath) -> bool:
     same name is another directory: a path on the old one would write where nobody looks)."""
     try:
         st = os.stat(fp.root)
-        held = os.fstat(fp.beneath.root_fd())
+        held = os.fstat(fp.root_fd())
     except OSError:
         return False
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)

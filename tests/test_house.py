@@ -178,8 +178,48 @@ def test_only_the_paths_change_a_paths_counters() -> None:
     assert not found, "a path's counters changed outside sfstore/paths:\n" + "\n".join(found)
 
 
+#: what of the name resolver a module outside the paths may use: folding a name's text, which opens nothing
+NAME_TEXT_ONLY = {"sfstore.paths.beneath.fold_parts"}
+
+
+def _namespace_violations(path: Path, source: str | None = None) -> list[str]:
+    """Modules outside sfstore/paths (and sfstore/testing, the paths' own conformance suites) that resolve names
+    around a path: its ``beneath`` resolver, or the resolver's functions imported. Faces name, list, make, move
+    and remove files through the file path's namespace methods."""
+    module = _module_name(path)
+    if any(module == m or module.startswith(m + ".") for m in ("sfstore.paths", "sfstore.testing")):
+        return []
+    rel = path.relative_to(ROOT.parent)
+    found = [f"{rel}:{line}: imports {m}" for line, m in _imports(path, source)
+             if m.startswith("sfstore.paths.beneath.") and m not in NAME_TEXT_ONLY]
+    found += [f"{rel}:{line}: imports {m}" for line, m in _imports(path, source)
+              if m == "sfstore.paths.beneath" and not _only_names_from(path, source, m)]
+    tree = ast.parse(source if source is not None else path.read_text(), str(path))
+    found += [f"{rel}:{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and node.attr == "beneath"]
+    return found
+
+
+def _only_names_from(path: Path, source: str | None, module: str) -> bool:
+    """Whether every import of ``module`` in ``path`` is ``from module import <names>`` (checked name by name)
+    rather than the module itself bound to a name."""
+    tree = ast.parse(source if source is not None else path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name == module for a in node.names):
+            return False
+        if isinstance(node, ast.ImportFrom) and node.module == module.rsplit(".", 1)[0] \
+                and any(a.name == module.rsplit(".", 1)[1] for a in node.names):
+            return False
+    return True
+
+
+def test_only_the_paths_resolve_names() -> None:
+    found = [v for path in sorted(ROOT.rglob("*.py")) for v in _namespace_violations(path)]
+    assert not found, "names resolved around the file path:\n" + "\n".join(found)
+
+
 LAYER_RULES = {"faces above the paths": _layer_violations, "runtime faces below the probe": _probe_violations,
-               "only paths count": _counter_violations}
+               "only paths count": _counter_violations, "only paths resolve names": _namespace_violations}
 
 
 @pytest.mark.parametrize("rule, module, source, expected", [
@@ -198,6 +238,11 @@ LAYER_RULES = {"faces above the paths": _layer_violations, "runtime faces below 
     ("only paths count", "checkpoint/x.py", "fp.counters.add_for('c', errors=1)\ndp.counters.reset()\n", 2),
     ("only paths count", "kvcache/x.py", "self.counters.add(opens=1)\nfp.file_done()\n", 0),  # its own counters
     ("only paths count", "paths/x.py", "self.fp.counters.add(files=1)\n", 0),  # a path counting
+    ("only paths resolve names", "fs.py", "self.file_path.beneath.stat(name)\n", 1),
+    ("only paths resolve names", "kvcache/x.py", "from sfstore.paths import beneath\nbeneath.open_at(d, n, 0)\n", 1),
+    ("only paths resolve names", "kvcache/x.py", "from sfstore.paths.beneath import stat_many_at, open_at\n", 2),
+    ("only paths resolve names", "fs.py", "from sfstore.paths.beneath import fold_parts\nfp.os_stat(name)\n", 0),
+    ("only paths resolve names", "paths/x.py", "self.beneath.stat(name)\n", 0),  # the path itself
 ])
 def test_each_layer_rule_catches_what_it_says(rule: str, module: str, source: str, expected: int) -> None:
     assert len(LAYER_RULES[rule](ROOT / module, source)) == expected

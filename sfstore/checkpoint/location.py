@@ -87,7 +87,7 @@ class Location:
 def open_dir(fp: FilePath, rel: str, full: str) -> int:
     """A readable descriptor of the directory ``rel`` (below ``fp``'s root), typed errors naming ``full``."""
     try:
-        return fp.beneath.open_dir(rel)
+        return fp.open_dir(rel)
     except errors.PathEscapeError:
         raise
     except OSError as exc:
@@ -192,7 +192,7 @@ def locate(url: str | os.PathLike[str], *, create: bool) -> Location:
         )
     if create and rel:
         try:
-            fp.beneath.mkdir(rel, parents=True, exist_ok=True)
+            fp.mkdir(rel, parents=True, exist_ok=True)
         except errors.PathEscapeError:
             raise
         except OSError as exc:
@@ -358,7 +358,7 @@ def rmtree_at(fp: FilePath, dirfd: int, name: str, full: str) -> None:
     """Remove the entry ``name`` of ``dirfd`` and what it holds, walking descriptors (links removed, never
     followed); best effort."""
     try:
-        fp.beneath.rmtree_at(dirfd, name, full)
+        fp.rmtree_at(dirfd, name, full)
     except OSError:
         pass
 

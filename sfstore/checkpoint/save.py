@@ -24,7 +24,6 @@ there are several its ``model.safetensors.index.json`` is written before the man
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import threading
@@ -50,7 +49,7 @@ from sfstore.checkpoint.structure import Leaf, check_metadata, flatten, format_p
 from sfstore.checksums import xxh3_64_hex
 from sfstore.futures import Future as SfFuture
 from sfstore.paths.base import PathFuture, Range
-from sfstore.paths.file import FilePath, enable_direct
+from sfstore.paths.file import FilePath
 
 if TYPE_CHECKING:
     import torch
@@ -312,26 +311,10 @@ class _Job:
 
     def open_shard(self, shard: _Shard) -> _OpenShard:
         path = os.path.join(self.loc.path, shard.file)  # messages name the file as it will be, not the staging name
-        try:
-            fd = os.open(shard.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                         dir_fd=self.staging_fd)
-        except OSError as exc:
-            raise errors.os_error(exc.errno or errno.EIO, "cannot create", path) from None
-        if self.fp.direct:
-            try:
-                enable_direct(fd, path, required=True)
-            except BaseException:
-                os.close(fd)
-                raise
+        fd = self.fp.create_at(self.staging_fd, shard.file, path, size=shard.size)
         sh = _OpenShard(shard, fd, path)
         with self.lock:
             self.fds[fd] = sh
-        try:
-            # Set the final size first: the chunks then overwrite within the file instead of each extending it
-            # (ext4 serialises extending O_DIRECT writes; NFS updates the size once).
-            os.ftruncate(fd, shard.size)
-        except OSError as exc:
-            raise errors.os_error(exc.errno or errno.EIO, "cannot size", path) from None
         return sh
 
     def fsync_close(self, sh: _OpenShard) -> None:

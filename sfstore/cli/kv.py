@@ -27,14 +27,13 @@ def _kv_budgets(args: argparse.Namespace) -> list[tuple[str, Any]]:
     ``KVCacheStore.from_router`` uses it), with that directory relative to the budget's file path."""
     from sfstore import defaults
     from sfstore.kvcache.shared_budget import SharedBudget, check_namespace, list_namespaces, namespace_prefix
-    from sfstore.paths.file import FilePath
 
     budget = (defaults.SETTINGS["kvcache_shared_bytes"].parse(args.budget, "--budget") if args.budget is not None
               else int(defaults.get("kvcache_shared_bytes")))
     if args.dir is not None:
         if not os.path.isdir(args.dir):
             raise errors.os_error(errno.ENOENT, "no shared KV directory", os.path.abspath(args.dir))
-        fp: Any = FilePath(args.dir, create=False)
+        fp: Any = sfstore.open(args.config).location(args.dir)
         top = ""
     else:
         kv_path = sfstore.open(args.config).path("kvcache")

@@ -79,7 +79,7 @@ def run_steps(
     out(f"[1/5] file path: {size // MiB} MiB written from registered buffers (O_DIRECT where the filesystem "
         "allows it), fsynced, read back cold, and one misaligned read")
     with still_going("writing and reading the file path", every=tick, show=show):
-        r = file_round_trip(size=size)
+        r = file_round_trip(router, size=size)
     c = r["counters"]
     out(f"  {r['engine']} engine, O_DIRECT {'on' if r['o_direct'] else 'off (' + _no_direct_why(r) + ')'}: write "
         f"{r['write_gib_s']:.2f} GiB/s, read {r['read_gib_s']:.2f} GiB/s; {c['requests']} requests (chunks of "

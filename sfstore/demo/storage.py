@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from sfstore import defaults, errors
 from sfstore.buffers import RegisteredBufferPool
 from sfstore.paths.base import Range
-from sfstore.paths.file import FilePath, enable_direct
+from sfstore.paths.file import enable_direct
 
 if TYPE_CHECKING:
     from sfstore.router import Router
@@ -20,17 +20,18 @@ __all__ = ["file_round_trip", "hot_blocks"]
 MiB = 1 << 20
 
 
-def file_round_trip(data_dir: str | None = None, size: int = 64 * MiB, chunk: int = 4 * MiB) -> dict[str, Any]:
-    """Write ``size`` bytes to ``<data_dir>/demo/roundtrip.bin`` and read them back through a file path.
+def file_round_trip(router: Router, size: int = 64 * MiB, chunk: int = 4 * MiB) -> dict[str, Any]:
+    """Write ``size`` bytes to ``<data_dir>/demo/roundtrip.bin`` and read them back through ``router``'s file path
+    for the data directory (requests of ``chunk`` bytes, one buffer each).
 
     The write goes from registered buffers as ``chunk``-sized ranges of one :meth:`FilePath.submit` batch
     (O_DIRECT where the filesystem allows), is fsynced, its pages are dropped (``posix_fadvise(DONTNEED)``) so
     the read is cold, and the read lands in registered buffers. One extra misaligned read shows the bounce
     path. Returns what happened, with the path's counters for the round trip.
     """
-    # A path of its own, so its counters are this round trip's alone; requests of one buffer each.
-    fp = FilePath(data_dir or defaults.get("data_dir"), chunk_size=chunk)
-    fp.beneath.mkdir("demo", exist_ok=True)
+    fp = router.location(defaults.get("data_dir"), chunk_size=chunk)
+    before = fp.counters.snapshot()  # the path outlives the step: the step reports what it added
+    fp.mkdir("demo", exist_ok=True)
     path = fp.full("demo/roundtrip.bin")
     nchunks = max(1, size // chunk)
     size = nchunks * chunk
@@ -88,7 +89,7 @@ def file_round_trip(data_dir: str | None = None, size: int = 64 * MiB, chunk: in
         "verified": digest_in.digest() == digest_out.digest() and sum(got) == size and odd_ok,
         "write_gib_s": size / t_write / (1 << 30),
         "read_gib_s": size / t_read / (1 << 30),
-        "counters": desc["counters"],
+        "counters": {k: v - before.get(k, 0) for k, v in desc["counters"].items()},
         "fallbacks": desc["fallbacks"],
         "pool": pool_stats,
     }

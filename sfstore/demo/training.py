@@ -174,7 +174,7 @@ def training_job(
     root = sfstore.open().file_path("checkpoint")
     for info in old:  # a fresh run each time; removed beneath the checkpoint root (links removed, not followed)
         try:
-            root.beneath.rmtree(root.relative(info.path))
+            root.rmtree(root.relative(info.path))
         except OSError:
             pass
     proc = ctx.Process(target=_trainer, args=(names, every, workers, child))  # not daemonic: it has workers

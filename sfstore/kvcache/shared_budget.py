@@ -86,7 +86,7 @@ def namespace_prefix(name: str) -> str:
 def list_namespaces(fp: FilePath, prefix: str = "") -> list[str]:
     """The namespaces present under the tier directory ``prefix`` of ``fp`` (``""`` first, the default one)."""
     try:
-        names = fp.beneath.listdir(prefix + NAMESPACES)
+        names = fp.listdir(prefix + NAMESPACES)
     except OSError:
         names = []
     return ["", *sorted(n for n in names if _NAMESPACE.match(n))]
@@ -235,12 +235,12 @@ class SharedBudget:
     def _open_dir(self, rel: str, create: bool = False) -> int:
         """A readable descriptor of ``rel`` (beneath the file path's root); ``create``: made when missing."""
         try:
-            return self.fp.beneath.open_dir(rel or ".")
+            return self.fp.open_dir(rel or ".")
         except FileNotFoundError:
             if not create:
                 raise
-        self.fp.beneath.mkdir(rel, parents=True, exist_ok=True)
-        return self.fp.beneath.open_dir(rel)
+        self.fp.mkdir(rel, parents=True, exist_ok=True)
+        return self.fp.open_dir(rel)
 
     @property
     def root(self) -> str:
@@ -291,7 +291,7 @@ class SharedBudget:
 
     def _record_present(self) -> bool:
         try:
-            self.fp.beneath.stat(self._rel(META, "writers", f"{self.id}.json"), follow=False)
+            self.fp.os_stat(self._rel(META, "writers", f"{self.id}.json"), follow=False)
         except FileNotFoundError:
             return False
         except OSError:
@@ -538,7 +538,7 @@ class SharedBudget:
         Returns the bytes evicted (0: it was used, replaced or evicted by someone else)."""
         used, sub, name, ino, _size = cand
         try:
-            pfd = self.fp.beneath.open(self._rel(sub), _O_PATH | os.O_DIRECTORY)
+            pfd = self.fp.open_fd(self._rel(sub), _O_PATH | os.O_DIRECTORY)
         except OSError:
             return 0
         try:
@@ -616,7 +616,7 @@ class SharedBudget:
     def remove_quarantine(self, name: str) -> None:
         """Remove the quarantine record ``name`` (nothing when it is not there)."""
         try:
-            self.fp.beneath.unlink(self._rel(META, "quarantine", f"{name}.json"))
+            self.fp.unlink(self._rel(META, "quarantine", f"{name}.json"))
         except FileNotFoundError:
             pass
 
@@ -674,7 +674,7 @@ class SharedBudget:
                 removed_records += _unlink_entry(wfd, name)
         out["records_removed"] = removed_records
         try:  # a scan's base or a record whose writer was killed mid-write
-            for name in self.fp.beneath.listdir(self._rel(META)):
+            for name in self.fp.listdir(self._rel(META)):
                 if name.startswith(".") and self._temporary_gone(name, 0.0, grace_s):
                     out["temporaries_removed"] += self._unlink_at(META, name)
         except OSError:
@@ -723,7 +723,7 @@ class SharedBudget:
 
     def _unlink_at(self, *parts: str) -> int:
         try:
-            self.fp.beneath.unlink(self._rel(*parts))
+            self.fp.unlink(self._rel(*parts))
         except OSError:
             return 0  # gone already (another gc, the evictor itself), or not removable: nothing to count
         return 1

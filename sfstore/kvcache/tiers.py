@@ -32,7 +32,6 @@ from sfstore.kvcache.geometry import KEY_BYTES, KVGeometry
 from sfstore.kvcache.shared_budget import SharedBudget, namespace_prefix
 from sfstore.kvcache.shared_chunks import CHUNK_SUFFIX, ChunkFiles, Entry, parse_name
 from sfstore.kvcache.tier import KVBatch, KVTier, ReadStatus, WriteStatus, read_status
-from sfstore.paths import beneath
 from sfstore.paths.base import PathFuture, Range
 from sfstore.paths.file import AtomicWriter, FilePath, set_blocking
 
@@ -523,12 +522,12 @@ class SharedTier(KVTier):
 
     def _open(self, rel: str, flags: int) -> int:
         """Open ``rel`` beneath the tier's directory; ``OSError`` (``ENOENT``: not there) on failure."""
-        fd = beneath.open_at(self._dir(), rel, flags)
+        fd = self.fp.open_at(self._dir(), rel, flags)
         if fd is not None:
             return fd
         # Without openat2: the file path's walk of descriptors, from its root through the tier's directory (never
         # a name resolved ahead): confined to that root, where the kernel's lookup is confined to the directory.
-        return self.fp.beneath.open(self.prefix + rel, flags)
+        return self.fp.open_fd(self.prefix + rel, flags)
 
     def _entry(self, key: bytes) -> tuple[str, str]:
         h = key.hex()
@@ -598,7 +597,7 @@ class SharedTier(KVTier):
         """Whether a regular file is at each name (relative to the tier's directory)."""
         if len(names) >= 2:
             try:
-                found = beneath.stat_many_at(self._dir(), names, _O_PATH, False)
+                found = self.fp.stat_many_at(self._dir(), names, _O_PATH, False)
             except OSError:  # the directory itself is not there (nothing written yet)
                 return [False] * len(names)
             if found is not None:
@@ -638,7 +637,7 @@ class SharedTier(KVTier):
             dirfd = self._dir()
         except OSError:  # the directory itself is not there (nothing written yet): each key answers alone
             return None
-        return beneath.stat_many_at(dirfd, [self._rel(k) for k in keys], _O_PATH, leading)
+        return self.fp.stat_many_at(dirfd, [self._rel(k) for k in keys], _O_PATH, leading)
 
     def _contains(self, key: bytes) -> bool:
         sub, base = self._entry(key)
@@ -727,7 +726,7 @@ class SharedTier(KVTier):
             return [self._open_block(k) for k in keys]
         names = [self._rel(k) for k in keys]
         try:
-            got = beneath.open_many_at(self._dir(), names, _READ_FLAGS, HEADER + self.geom.block_bytes,
+            got = self.fp.open_many_at(self._dir(), names, _READ_FLAGS, HEADER + self.geom.block_bytes,
                                        bool(self.fp.direct))
         except OSError:  # the directory itself is not there (nothing written yet): each key answers alone
             got = None
@@ -1387,7 +1386,7 @@ class SharedTier(KVTier):
 
     def describe_route(self, device: DevicePath) -> dict[str, str]:
         """How GPU blocks move to and from the files on ``device``'s routes, and why."""
-        route, why = device.route_for(self.fp.beneath.root_fd(), self.fp.root)
+        route, why = device.route_for(self.fp.root_fd(), self.fp.root)
         return {"route": route, "why": why}
 
     def _remove(self, key: bytes) -> bool:
@@ -1406,7 +1405,7 @@ class SharedTier(KVTier):
 
     def _count(self) -> int:
         try:
-            top = self.fp.beneath.open_dir(self.prefix.rstrip("/") or ".")
+            top = self.fp.open_dir(self.prefix.rstrip("/") or ".")
         except OSError:
             return 0
         n = 0

@@ -42,7 +42,7 @@ from sfstore.environment import validate_environment
 from sfstore.futures import DoneFuture, Future, MappedFuture
 from sfstore.mounts import MountInfo, mount_for
 from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, descriptor_of, split_ranges
-from sfstore.paths.beneath import Beneath, Location
+from sfstore.paths.beneath import Beneath, Location, open_at, open_many_at, stat_many_at
 from sfstore.temp_names import is_leftover, temp_name
 from sfstore.temp_names import parse as parse_temp_name
 
@@ -329,6 +329,94 @@ class FilePath(StoragePath):
         """The root-relative name of an absolute path inside the root (``""`` for the root)."""
         rel = os.path.relpath(full, self.root)
         return "" if rel == "." else rel
+
+    # -- the namespace -----------------------------------------------------------------------------------------
+    # Faces name, list, make, move and remove files through these, never around the path: each name is resolved
+    # beneath the root (:class:`~sfstore.paths.beneath.Beneath`: openat2 or a walk of directory descriptors, so a
+    # directory swapped for a symlink cannot lead out). They keep the ``os`` module's contract, an ``OSError``
+    # naming the host path, so each face adds its own context (``sf://`` URLs, a checkpoint's shard);
+    # :class:`~sfstore.errors.PathEscapeError` for a name that climbs out. :meth:`stat` and :meth:`open_beneath`
+    # are the typed ones.
+
+    def parts(self, path: str | os.PathLike[str]) -> list[str]:
+        """The components of ``path`` below the root (``.`` and ``..`` folded, symlinks not resolved);
+        :class:`~sfstore.errors.PathEscapeError` where it climbs out."""
+        return self.beneath.parts(path)
+
+    def root_fd(self) -> int:
+        """The root's ``O_PATH`` descriptor, owned by the path (reopened in a forked child): do not close it."""
+        return self.beneath.root_fd()
+
+    def os_stat(self, path: str | os.PathLike[str], *, follow: bool = True) -> os.stat_result:
+        """``os.stat`` (``os.lstat`` with ``follow=False``) of ``path``; opens nothing that could block."""
+        return self.beneath.stat(path, follow=follow)
+
+    def open_fd(self, path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
+        """``os.open`` of ``path`` beneath the root (the caller closes the descriptor); O_DIRECT is not set."""
+        return self.beneath.open(path, flags, mode)
+
+    def open_dir(self, path: str | os.PathLike[str]) -> int:
+        """A readable descriptor of the directory ``path`` (for ``os.scandir``, ``fsync``; the caller closes it)."""
+        return self.beneath.open_dir(path)
+
+    def listdir(self, path: str | os.PathLike[str]) -> list[str]:
+        """Names in the directory ``path``."""
+        return self.beneath.listdir(path)
+
+    def scandir(self, path: str | os.PathLike[str]) -> list[tuple[str, os.stat_result | None]]:
+        """Names in the directory ``path`` with their ``lstat`` (``None`` for one removed while listing)."""
+        return self.beneath.scandir(path)
+
+    def mkdir(self, path: str | os.PathLike[str], *, parents: bool = False, exist_ok: bool = False) -> None:
+        """Make the directory ``path`` (``parents``: and the missing ones above it)."""
+        self.beneath.mkdir(path, parents=parents, exist_ok=exist_ok)
+
+    def rmdir(self, path: str | os.PathLike[str]) -> None:
+        """Remove the empty directory ``path``."""
+        self.beneath.rmdir(path)
+
+    def unlink(self, path: str | os.PathLike[str]) -> None:
+        """Remove the entry ``path`` (a symlink: the link itself); not a directory."""
+        self.beneath.unlink(path)
+
+    def rmtree(self, path: str | os.PathLike[str], maxdepth: int | None = None) -> None:
+        """Remove ``path`` and what it holds (symlinks removed, never followed); see
+        :meth:`~sfstore.paths.beneath.Beneath.rmtree` for ``maxdepth``."""
+        self.beneath.rmtree(path, maxdepth)
+
+    def rmtree_at(self, dirfd: int, name: str, full: str) -> None:
+        """:meth:`rmtree` of the entry ``name`` of a directory descriptor this path gave out (``full``: its name in
+        errors)."""
+        self.beneath.rmtree_at(dirfd, name, full)
+
+    def rename(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        """``rename(2)`` of the entry ``src`` to ``dst`` (replaced if there)."""
+        self.beneath.rename(src, dst)
+
+    def utime(self, path: str | os.PathLike[str], times: tuple[float, float] | None = None) -> None:
+        """Set the access and modification times of ``path`` (now by default)."""
+        self.beneath.utime(path, times)
+
+    # Many names beneath one directory descriptor this path gave out (:meth:`open_fd` with ``O_PATH |
+    # O_DIRECTORY``), each in one call into the native helper; ``None`` where the helper or the kernel lacks
+    # openat2 (the caller opens them one by one with :meth:`open_fd`).
+
+    def open_at(self, dirfd: int, rel: str, flags: int) -> int | None:
+        """``rel`` opened beneath ``dirfd``: its descriptor; ``OSError`` for a failed open (``ENOENT``: not there;
+        ``EXDEV``/``ELOOP``: a link out of the directory)."""
+        return open_at(dirfd, rel, flags)
+
+    def open_many_at(self, dirfd: int, names: list[str], flags: int, size: int,
+                     direct: bool) -> list[tuple[int, ...]] | None:
+        """Each of ``names`` opened beneath ``dirfd``: per name ``(fd, errno, mode, dev, ino, size, atime_ns,
+        mtime_ns)`` (``fd`` < 0 where ``errno`` says why; a regular file of ``size`` bytes switched to O_DIRECT
+        with ``direct``)."""
+        return open_many_at(dirfd, names, flags, size, direct)
+
+    def stat_many_at(self, dirfd: int, names: list[str], flags: int, leading: bool) -> list[int] | None:
+        """The mode of each of ``names`` beneath ``dirfd`` (``-errno`` where nothing is; ``leading``: stop after
+        the first miss)."""
+        return stat_many_at(dirfd, names, flags, leading)
 
     # -- reads -----------------------------------------------------------------------------------------------
 
@@ -670,6 +758,43 @@ class FilePath(StoragePath):
             self.counters.add(errors=1)
             raise
 
+    def create_at(self, dirfd: int, name: str, full: str, *, size: int | None = None) -> int:
+        """Create the new regular file ``name`` in a directory descriptor this path gave out, to be written
+        through :meth:`submit`; its descriptor (the caller closes it).
+
+        ``O_EXCL | O_NOFOLLOW``: never an existing file or a link; O_DIRECT where this path moves data directly.
+        With ``size`` the file gets its final size first, so the writes land within it instead of each extending
+        it (ext4 serialises extending O_DIRECT writes; NFS updates the size once). On any failure nothing is left
+        behind. Typed errors, naming ``full``.
+        """
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                         dir_fd=dirfd)
+        except OSError as exc:
+            self.counters.add(errors=1)
+            raise errors.os_error(exc.errno or errno.EIO, "cannot create", full) from None
+        try:
+            if self.direct:
+                enable_direct(fd, full, required=True)
+            if size is not None:
+                try:
+                    os.ftruncate(fd, size)
+                except OSError as exc:
+                    raise errors.os_error(exc.errno or errno.EIO, "cannot size", full) from None
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dirfd)
+            self.counters.add(errors=1)
+            raise
+        return fd
+
+    def writer_at(self, dirfd: int, name: str, full: str, *, fsync: bool = False,
+                  overwrite: bool = True) -> AtomicWriter:
+        """:meth:`open_writer` of the entry ``name`` of a directory descriptor this path gave out (the writer
+        does not close it); ``full`` names it in errors."""
+        return AtomicWriter(self, Location(dirfd, name, full, owned=False), fsync=fsync, overwrite=overwrite)
+
     def clean_stale_temporaries(self, directory: str | os.PathLike[str] = "") -> int:
         """Remove temporary files that crashed writers left in ``directory``; return how many."""
         full = self.full(directory)
@@ -723,19 +848,8 @@ class AtomicWriter:
         self._fp, self.path, self._fsync, self._overwrite = fp, loc.full, fsync, overwrite
         self._name = loc.name
         self._tmp = temp_name(loc.name, _TMP_KIND)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            self._fd = os.open(self._tmp, flags, 0o644, dir_fd=loc.dirfd)
-        except OSError as exc:
-            # the message names the file being written, never its temporary name
-            raise errors.os_error(exc.errno or errno.EIO, "cannot create", loc.full) from None
-        try:
-            if fp.direct:
-                enable_direct(self._fd, loc.full, required=True)
-        except BaseException:
-            os.close(self._fd)
-            os.unlink(self._tmp, dir_fd=loc.dirfd)
-            raise
+        # the messages name the file being written, never its temporary name
+        self._fd = fp.create_at(loc.dirfd, self._tmp, loc.full)
         self._dirfd = loc.detach()  # the directory the file is published in, held until then
         self._pending: list[tuple[PathFuture, bytearray]] = []  # each piece's write and the piece it holds
         self._buf = bytearray()

@@ -20,6 +20,7 @@ import pytest
 
 from sfstore import errors
 from sfstore.buffers import RegisteredBufferPool
+from sfstore.paths.base import Range
 from sfstore.paths.file import FilePath
 
 __all__ = ["FilePathTests"]
@@ -352,6 +353,57 @@ class FilePathTests:
                 f.write(b"partial")
         assert fp.clean_stale_temporaries() == 1
         assert not os.path.exists(dead) and os.path.exists(mine)
+
+    # -- the namespace -----------------------------------------------------------------------------------------
+
+    def test_namespace_methods_act_beneath_the_root(self, fp: FilePath, outside: Path) -> None:
+        fp.mkdir("a/b", parents=True)
+        fp.mkdir("a/b", parents=True, exist_ok=True)
+        fp.write("a/b/x.bin", b"xyz")
+        assert fp.listdir("a") == ["b"] and [n for n, _ in fp.scandir("a/b")] == ["x.bin"]
+        assert fp.os_stat("a/b/x.bin").st_size == 3
+        fp.rename("a/b/x.bin", "a/y.bin")
+        fp.utime("a/y.bin", (1_000_000, 2_000_000))
+        assert sorted(fp.listdir("a")) == ["b", "y.bin"] and fp.os_stat("a/y.bin").st_mtime == 2_000_000
+        fp.rmdir("a/b")
+        fp.unlink("a/y.bin")
+        assert fp.listdir("a") == []
+        fp.write("t/u/v.bin", b"1")
+        fp.rmtree("t")
+        assert not os.path.exists(os.path.join(fp.root, "t"))
+        # an OSError naming the host path (callers add their context), and escapes refused before anything is done
+        with pytest.raises(FileNotFoundError) as info:
+            fp.unlink("missing.bin")
+        assert info.value.filename == os.path.join(fp.root, "missing.bin")
+        os.symlink(outside, os.path.join(fp.root, "out"))
+        for call in (lambda: fp.listdir("out"), lambda: fp.mkdir("out/new"), lambda: fp.unlink("../x"),
+                     lambda: fp.rename("a", "out/a"), lambda: fp.os_stat("out")):
+            with pytest.raises(errors.PathEscapeError):
+                call()
+        assert os.listdir(outside) == [] and fp.os_stat("out", follow=False)  # the link itself may be looked at
+
+    def test_create_at_makes_a_new_file_or_nothing(self, fp: FilePath, outside: Path) -> None:
+        fp.mkdir("d")
+        dirfd = fp.open_dir("d")
+        try:
+            fd = fp.create_at(dirfd, "new.bin", fp.full("d/new.bin"), size=3 * MiB)
+            try:
+                assert os.fstat(fd).st_size == 3 * MiB
+                fp.submit([Range.write(0, len(b"abc"), bytearray(b"abc"), 0, fd)]).get()
+            finally:
+                os.close(fd)
+            assert fp.read("d/new.bin", 0, 3) == b"abc"
+            with pytest.raises(errors.PathExistsError):  # never an existing file
+                fp.create_at(dirfd, "new.bin", fp.full("d/new.bin"))
+            os.symlink(outside / "target", os.path.join(fp.root, "d", "link"))
+            with pytest.raises(errors.PathExistsError):  # nor through a link: nothing made outside
+                fp.create_at(dirfd, "link", fp.full("d/link"))
+            assert not (outside / "target").exists()
+            with pytest.raises(errors.SfstoreError):  # a size no file can have: nothing is left behind
+                fp.create_at(dirfd, "huge.bin", fp.full("d/huge.bin"), size=1 << 62)
+            assert sorted(fp.listdir("d")) == ["link", "new.bin"]
+        finally:
+            os.close(dirfd)
 
     # -- describe and counters ---------------------------------------------------------------------------------
 

@@ -141,7 +141,7 @@ class CheckpointDir:
         """The directory's ``O_PATH`` descriptor, opened beneath the root on first use (again after a fork)."""
         if self._fd < 0:
             try:
-                self._fd = self.fp.beneath.open(self.prefix or ".", _O_PATH | os.O_DIRECTORY)
+                self._fd = self.fp.open_fd(self.prefix or ".", _O_PATH | os.O_DIRECTORY)
             except errors.SfstoreError:
                 raise
             except OSError as exc:
@@ -171,7 +171,7 @@ def stat_in(ck: CheckpointDir, name: str, *, by_name: bool = False) -> os.stat_r
     :meth:`CheckpointDir.dirfd`, or (``by_name``, as a reader names its files) resolved beneath the root now."""
     try:
         if by_name:
-            return ck.fp.beneath.stat(ck.name(name), follow=False)
+            return ck.fp.os_stat(ck.name(name), follow=False)
         return os.stat(name, dir_fd=ck.dirfd(), follow_symlinks=False)
     except FileNotFoundError:
         return None
@@ -198,14 +198,14 @@ def open_checkpoint_dir(url: str, *, create: bool, direct: str | None, chunk_siz
             raise errors.os_error(errno.ENOENT, f"no checkpoint at {url!r} (directory missing)", where)
         return CheckpointDir(_router().location(where, create=create, **options), "")
     root = location.root_for(kind, write=create)
-    parts = root.beneath.parts(where)  # '..' above the root refused; symlinks are met beneath it, at each use
+    parts = root.parts(where)  # '..' above the root refused; symlinks are met beneath it, at each use
     if not parts:
         raise errors.PathEscapeError(f"checkpoint url {url!r} resolves to the root {root.root} itself")
     prefix = "/".join(parts)
     fp = _router().location(root.root, create=False, **options)
     try:
         if create:
-            fp.beneath.mkdir(prefix, parents=True, exist_ok=True)
+            fp.mkdir(prefix, parents=True, exist_ok=True)
         elif not stat.S_ISDIR(fp.stat(prefix).st_mode):
             raise errors.os_error(errno.ENOTDIR, f"no checkpoint at {url!r} (not a directory)", fp.full(prefix))
     except errors.PathNotFoundError:

@@ -43,8 +43,6 @@ from sfstore.checkpoint.host_buffers import check_written
 from sfstore.checkpoint.location import DATA_CLASS
 from sfstore.checksums import xxh3_64
 from sfstore.paths.base import PathFuture, Range
-from sfstore.paths.beneath import Location
-from sfstore.paths.file import AtomicWriter, enable_direct
 
 __all__ = ["StorageWriter", "ITEM_ALIGN"]
 
@@ -251,8 +249,8 @@ class StorageWriter(CheckpointStorage, _DcpStorageWriter):
         finally:
             os.close(dfd)
         meta = metadata_name(own)
-        with AtomicWriter(ck.fp, Location(ck.dirfd(), meta, ck.full(meta), owned=False), fsync=True,
-                          overwrite=True) as w:  # published atomically in the directory of the data files
+        with ck.fp.writer_at(ck.dirfd(), meta, ck.full(meta), fsync=True,
+                             overwrite=True) as w:  # published atomically in the directory of the data files
             w.write(doc)
         referenced = {loc.file for loc in metadata.storage_data.values() if isinstance(loc, ItemLocation)}
         _remove_unreferenced(ck, referenced, own)
@@ -317,30 +315,13 @@ class _RankFileWriter:
         self.path = ck.full(name)
         self.window = max(_MIN_WINDOW, self.fp.chunk_size * self.fp.parallelism)
 
-    def _create(self) -> tuple[int, Any]:
-        """Create the data file in the checkpoint directory's descriptor (opened beneath the root once);
-        returns the file's descriptor and its location there (the file is removed through it on failure)."""
-        loc = Location(self.ck.dirfd(), self.name, self.path, owned=False)
-        try:
-            fd = os.open(loc.name or ".", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                         dir_fd=loc.dirfd)
-        except OSError as exc:
-            raise errors.os_error(exc.errno or errno.EIO, "cannot create", self.path) from None
-        try:
-            if self.fp.direct:
-                enable_direct(fd, self.path, required=True)
-        except BaseException:
-            os.close(fd)
-            os.unlink(loc.name or "", dir_fd=loc.dirfd)
-            raise
-        return fd, loc
-
     def write(self, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         if not items:
             return []
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
-        fd, where = self._create()
+        dirfd = self.ck.dirfd()  # the file is made, and removed on failure, in the directory held
+        fd = self.fp.create_at(dirfd, self.name, self.path)
         results: list[WriteResult] = []
         inflight: deque[tuple[PathFuture | None, list[Any]]] = deque()
         batch: list[Range] = []
@@ -388,7 +369,7 @@ class _RankFileWriter:
                     fut.wait()
             os.close(fd)
             try:
-                os.unlink(where.name or "", dir_fd=where.dirfd)
+                os.unlink(self.name, dir_fd=dirfd)
             except OSError:
                 pass
             raise
