@@ -20,8 +20,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from sfstore import errors
-from sfstore.arguments import check_timeout
+from sfstore.arguments import as_batch, check_timeout
 from sfstore.counters import Counters
+from sfstore.engine import IOEngine, get_engine
 from sfstore.futures import Future, deadline_after, remaining
 
 __all__ = ["PathCounters", "StoragePath", "COUNTER_KEYS", "Range", "PathFuture", "Leg", "split_ranges"]
@@ -166,6 +167,18 @@ def check_range(r: Any, index: int) -> Range:
         if value < 0:
             raise errors.InvalidRequestError(f"range {index} ({op}): {what} is negative ({value})")
     return r  # type: ignore[no-any-return]
+
+
+def check_batch(
+    ranges: Sequence[Any], checksums: Sequence[int | None] | None
+) -> tuple[list[Range], list[int | None] | None]:
+    """``ranges`` checked one by one (:func:`check_range`) and ``checksums`` as a list of as many, or
+    :class:`~sfstore.errors.InvalidRequestError`: what every path's ``submit`` checks before it issues anything."""
+    batch = [check_range(r, i) for i, r in enumerate(as_batch(ranges, "ranges"))]
+    sums = list(as_batch(checksums, "checksums")) if checksums is not None else None
+    if sums is not None and len(sums) != len(batch):
+        raise errors.InvalidRequestError(f"checksums: {len(sums)} given for {len(batch)} ranges")
+    return batch, sums
 
 
 def split_ranges(
@@ -378,7 +391,7 @@ class PathFuture(Future[list[int]]):
 class StoragePath(ABC):
     """A direct path to storage.
 
-    Subclasses set :attr:`kind` and implement :attr:`transport`, :meth:`describe` and :meth:`submit`.
+    Subclasses set :attr:`kind` and implement :attr:`transport`, :meth:`describe` and :meth:`_start`.
     """
 
     kind: str = ""
@@ -397,12 +410,26 @@ class StoragePath(ABC):
         """Whether :meth:`submit` moves aligned host buffers with O_DIRECT (no page-cache copy)."""
         return False
 
+    _engine: IOEngine | None = None
+
+    def _queue_depth(self) -> int | None:
+        """The queue depth this path asks :func:`~sfstore.engine.get_engine` for (``None``: the setting's)."""
+        return None
+
+    @property
+    def engine(self) -> IOEngine:
+        """The I/O engine, shared per process and arguments: made on first use and again once closed, so a forked
+        child makes its own (:func:`~sfstore.engine.get_engine` is safe to call from several threads at once)."""
+        eng = self._engine
+        if eng is None or eng.closed:
+            eng = self._engine = get_engine(queue_depth=self._queue_depth())
+        return eng
+
     @property
     def supports_device_buffers(self) -> bool:
         """Whether :meth:`submit` takes GPU buffers (the device path's ``route`` says whether with no host copy)."""
         return False
 
-    @abstractmethod
     def submit(
         self,
         ranges: Sequence[Range],
@@ -410,8 +437,9 @@ class StoragePath(ABC):
         checksums: Sequence[int | None] | None = None,
         data_class: str | None = None,
     ) -> PathFuture:
-        """Check the whole batch, then start it: the path splits each range into requests of its chunk size,
-        keeps its requests in flight, and counts the batch (under ``data_class`` too) when it has finished.
+        """Check the whole batch, then start it (:meth:`_start`): the path splits each range into requests of its
+        chunk size, keeps its requests in flight, and counts the batch (under ``data_class`` too) when it has
+        finished.
 
         ``checksums``, optional, holds per range the xxh3-64 a read's bytes must have (or ``None``); a range
         that fails it ends with ``-EBADMSG`` and :meth:`PathFuture.get` raises
@@ -426,6 +454,12 @@ class StoragePath(ABC):
             What the engine refuses before any I/O (a closed descriptor, a read-only buffer for a read, a
             misaligned range where bounce buffers are off).
         """
+        batch, sums = check_batch(ranges, checksums)
+        return self._start(batch, sums, data_class)
+
+    @abstractmethod
+    def _start(self, batch: list[Range], checksums: list[int | None] | None, data_class: str | None) -> PathFuture:
+        """Start a batch :meth:`submit` has checked: valid ranges, and as many checksums as ranges (or ``None``)."""
 
     # What a face tells its path about a file it moved through it: the path keeps the counters (their names and
     # classes are its own), so faces count nothing themselves.

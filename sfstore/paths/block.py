@@ -26,9 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sfstore import defaults, errors
-from sfstore.arguments import as_batch
-from sfstore.engine import IOEngine, Request, describe_engines, get_engine, open_fd
-from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, split_ranges
+from sfstore.engine import IOEngine, Request, describe_engines, open_fd
+from sfstore.paths.base import PathFuture, Range, StoragePath, check_batch, split_ranges
 from sfstore.temp_names import temp_name
 
 if TYPE_CHECKING:
@@ -246,14 +245,6 @@ class BlockPath(StoragePath):
     def supports_direct_io(self) -> bool:
         return self.direct
 
-    @property
-    def engine(self) -> IOEngine:
-        """The I/O engine (made on first use, so a forked child makes its own)."""
-        with self._lock:
-            if self._engine is None or self._engine.closed:
-                self._engine = get_engine()
-            return self._engine
-
     def describe(self) -> dict[str, Any]:
         engines = describe_engines()
         fallbacks = list(self.fallbacks)
@@ -306,22 +297,23 @@ class BlockPath(StoragePath):
         ``checksums``: per read, the xxh3-64 its bytes must have (or ``None``), checked where the read completes;
         a mismatch ends that range with ``-EBADMSG``. Host memory only. See :meth:`StoragePath.submit`.
         """
-        fd = self.fd
         if not check:
             # Ranges this path's own callers computed from its geometry (the block store's): the engine still
             # validates every request; only the path's checks are skipped.
+            fd = self.fd
             reqs = [Request(r[0], fd, r[1], r[2], r[3], r[4]) for r in ranges]
             fut = self.engine.submit(reqs, checksums=checksums)
             return PathFuture(self, [(fut, list(range(len(reqs))), "host")], [r[0] for r in ranges],
                               data_class=data_class)
-        batch = [check_range(r, i) for i, r in enumerate(as_batch(ranges, "ranges"))]
-        if checksums is not None and len(as_batch(checksums, "checksums")) != len(batch):
-            raise errors.InvalidRequestError(f"checksums: {len(list(checksums))} given for {len(batch)} ranges")
+        batch, sums = check_batch(ranges, checksums)
+        return self._start(batch, sums, data_class)
+
+    def _start(self, batch: list[Range], checksums: list[int | None] | None, data_class: str | None) -> PathFuture:
         for r in batch:
             self.check(r.offset, r.length)
         self.refuse_device_buffers(batch)
         pieces, owner, sums = split_ranges(batch, self.chunk_size, checksums)
-        reqs = [Request(p.op, fd, p.offset, p.length, p.buffer, p.buffer_offset) for p in pieces]
+        reqs = [Request(p.op, self.fd, p.offset, p.length, p.buffer, p.buffer_offset) for p in pieces]
         fut = self.engine.submit(reqs, checksums=sums)
         return PathFuture(self, [(fut, owner, "host")], [r.op for r in batch], data_class=data_class)
 

@@ -26,18 +26,16 @@ import fcntl
 import os
 import stat
 import threading
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from sfstore import errors
-from sfstore.arguments import as_batch
 from sfstore.buffers import RegisteredBufferPool, as_buffer
-from sfstore.engine import IOEngine, Request, get_engine
+from sfstore.engine import IOEngine, Request
 from sfstore.futures import Future, MappedFuture
 from sfstore.mounts import mount_for
-from sfstore.paths.base import Leg, PathFuture, Range, StoragePath, check_range, descriptor_of, split_ranges
+from sfstore.paths.base import Leg, PathFuture, Range, StoragePath, descriptor_of, split_ranges
 from sfstore.paths.device_runtime import CudaRuntime, DeviceFile, DeviceRuntime, KvikioLeg, Route, TransferFuture
 from sfstore.paths.file import FilePath, enable_direct
 
@@ -282,13 +280,6 @@ class DevicePath(StoragePath):
     def supports_device_buffers(self) -> bool:
         return True
 
-    @property
-    def engine(self) -> IOEngine:
-        with self._lock:
-            if self._engine is None or self._engine.closed:
-                self._engine = get_engine()
-            return self._engine
-
     def route_for(self, fd: int, name: str = "") -> tuple[Route, str]:
         """``(route, why)`` of GPU ranges to the open file ``fd`` (decided once per file, then remembered)."""
         key = _route_key(os.fstat(fd))
@@ -319,24 +310,13 @@ class DevicePath(StoragePath):
                 "by_class": self.counters.by_class()}
 
     # -- the data seam -----------------------------------------------------------------------------------------
-    def submit(
-        self,
-        ranges: Sequence[Range],
-        *,
-        checksums: Sequence[int | None] | None = None,
-        data_class: str | None = None,
-    ) -> PathFuture:
+    def _start(self, batch: list[Range], sums: list[int | None] | None, data_class: str | None) -> PathFuture:
         """Move ranges of open files (``Range.file``: a descriptor) to or from host or GPU buffers, as one batch.
 
         Host ranges go through the I/O engine (split into 8 MiB requests; ``checksums``: xxh3-64 per host read).
         GPU ranges take their target's route (:meth:`route_for`): kvikio for ``gds`` and ``compat`` (counted in
         ``bytes_gpu_direct`` where cuFile kept them off host memory, else ``bytes_staged``), sfstore's pinned
-        staging for ``staged`` (``bytes_staged``). A GPU read is whole or an error: a short one fails with EIO.
-        """
-        batch = [check_range(r, i) for i, r in enumerate(as_batch(ranges, "ranges"))]
-        sums = list(as_batch(checksums, "checksums")) if checksums is not None else None
-        if sums is not None and len(sums) != len(batch):
-            raise errors.InvalidRequestError(f"checksums: {len(sums)} given for {len(batch)} ranges")
+        staging for ``staged`` (``bytes_staged``). A GPU read is whole or an error: a short one fails with EIO."""
         host: list[int] = []
         by_route: dict[str, list[int]] = {r: [] for r in ROUTES}
         fds: list[int] = []

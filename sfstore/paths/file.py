@@ -35,13 +35,12 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from sfstore import defaults, errors
-from sfstore.arguments import as_batch
 from sfstore.buffers import as_buffer, bytes_for_filling, filled_bytes, is_device_buffer
 from sfstore.engine import IOEngine, Request, describe_engines, get_engine
 from sfstore.environment import validate_environment
 from sfstore.futures import DoneFuture, Future, MappedFuture
 from sfstore.mounts import MountInfo, mount_for
-from sfstore.paths.base import PathFuture, Range, StoragePath, check_range, descriptor_of, split_ranges
+from sfstore.paths.base import PathFuture, Range, StoragePath, check_batch, descriptor_of, split_ranges
 from sfstore.paths.beneath import Beneath, Location, open_at, open_many_at, stat_many_at
 from sfstore.temp_names import is_leftover, temp_name
 from sfstore.temp_names import parse as parse_temp_name
@@ -191,12 +190,8 @@ class FilePath(StoragePath):
     def supports_direct_io(self) -> bool:
         return self.direct
 
-    @property
-    def engine(self) -> IOEngine:
-        """The I/O engine (made on first use, so a forked child makes its own)."""
-        if self._engine is None or self._engine.closed:
-            self._engine = get_engine(queue_depth=self.parallelism)
-        return self._engine
+    def _queue_depth(self) -> int | None:
+        return self.parallelism
 
     @property
     def small_file_engine(self) -> IOEngine:
@@ -470,30 +465,20 @@ class FilePath(StoragePath):
 
     # -- the data seam ---------------------------------------------------------------------------------------
 
-    def submit(
-        self,
-        ranges: Sequence[Range],
-        *,
-        checksums: Sequence[int | None] | None = None,
-        data_class: str | None = None,
-    ) -> PathFuture:
-        """Read or write ranges of open files (``Range.file``: a descriptor from :meth:`open_beneath`, or an
-        :class:`OpenFile`) as one batch: each range becomes requests of :attr:`chunk_size` bytes,
-        :attr:`parallelism` in flight, O_DIRECT where the descriptor has it (misaligned pieces bounced).
-        Host memory only. See :meth:`StoragePath.submit`."""
-        return self._submit(ranges, checksums, data_class, None)
+    def _start(self, batch: list[Range], checksums: list[int | None] | None, data_class: str | None) -> PathFuture:
+        """Ranges of open files (``Range.file``: a descriptor from :meth:`open_beneath`, or an :class:`OpenFile`):
+        each becomes requests of :attr:`chunk_size` bytes, :attr:`parallelism` in flight, O_DIRECT where the
+        descriptor has it (misaligned pieces bounced). Host memory only."""
+        return self._run(batch, checksums, data_class, None)
 
-    def _submit(
+    def _run(
         self,
-        ranges: Sequence[Range],
-        checksums: Sequence[int | None] | None,
+        batch: list[Range],
+        checksums: list[int | None] | None,
         data_class: str | None,
         engine: IOEngine | None,
         release: Callable[[], None] | None = None,
     ) -> PathFuture:
-        batch = [check_range(r, i) for i, r in enumerate(as_batch(ranges, "ranges"))]
-        if checksums is not None and len(as_batch(checksums, "checksums")) != len(batch):
-            raise errors.InvalidRequestError(f"checksums: {len(list(checksums))} given for {len(batch)} ranges")
         self.refuse_device_buffers(batch)
         pieces, owner, sums = split_ranges(batch, self.chunk_size, checksums)
         reqs = [Request(p.op, descriptor_of(p.file, owner[j]), p.offset, p.length, p.buffer, p.buffer_offset)
@@ -644,7 +629,7 @@ class FilePath(StoragePath):
                 data, view = bytes_for_filling(size)
                 group.items.append((i, data, view, len(ranges)))
                 ranges.append(Range("read", 0, size, view, 0, fd))
-            group.future = self._submit(ranges, None, None, self.small_file_engine)
+            group.future = self._run(check_batch(ranges, None)[0], None, None, self.small_file_engine)
         except BaseException:
             group.close()
             raise
