@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfstore import errors, forks, quarantine_records, records, temp_names
+from sfstore import defaults, errors, forks, quarantine_records, records, temp_names
 from sfstore.paths.file import FilePath
 from sfstore.temp_names import pid_alive
 
@@ -60,7 +60,7 @@ EVICTING = ".evicting-"
 _RECORD_VERSION = 1
 _RECORD_MAX = 64 << 10  # a record longer than this is not one of ours
 _SUB = re.compile(r"^[0-9a-f]{2}$")
-_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_NAMESPACE = defaults.SETTINGS["kvcache_namespace"]  # what a namespace may be called: the setting says it
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -71,11 +71,13 @@ def check_namespace(name: object) -> str:
     A namespace is 1 to 64 letters, digits, ``.``, ``_`` or ``-``, not starting with ``.``, ``_`` or ``-``."""
     if not isinstance(name, str):
         raise errors.ConfigError(f"cache_namespace must be a str, not {type(name).__name__}")
-    if name and not _NAMESPACE.match(name):
-        raise errors.ConfigError(
-            f"cache_namespace {name!r}: 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
+    if name and not _is_namespace(name):
+        raise errors.ConfigError(f"cache_namespace {name!r}: {_NAMESPACE.pattern_text}")
     return name
+
+
+def _is_namespace(name: str) -> bool:
+    return re.fullmatch(_NAMESPACE.pattern or "", name) is not None
 
 
 def namespace_prefix(name: str) -> str:
@@ -89,7 +91,7 @@ def list_namespaces(fp: FilePath, prefix: str = "") -> list[str]:
         names = fp.listdir(prefix + NAMESPACES)
     except OSError:
         names = []
-    return ["", *sorted(n for n in names if _NAMESPACE.match(n))]
+    return ["", *sorted(n for n in names if _is_namespace(n))]
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,10 @@ def test_namespaces_isolate(tmp_path: Path) -> None:
     for ns in list_namespaces(fp):
         SharedBudget(fp, namespace_prefix(ns), 10 * FILE, namespace=ns).gc()
     assert [len(files_in(d)) for d in (shared, shared / "ns" / "a", shared / "ns" / "b")] == [10, 1, 10]
-    with pytest.raises(errors.ConfigError):
-        check_namespace("../x")
+    for bad in ("../x", "a\n", ".hidden", "x" * 65, "a/b"):  # "a\n": a name must match whole, newline too
+        with pytest.raises(errors.ConfigError):
+            check_namespace(bad)
+    assert check_namespace("tenant-1.a_b") == "tenant-1.a_b" and check_namespace("") == ""
     with pytest.raises(errors.ConfigError):
         w.open_store(str(shared), 0, ".sfkv")
 
