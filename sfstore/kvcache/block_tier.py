@@ -148,7 +148,17 @@ class BlockKVTier(KVTier):
             got, _ = self._get_views([keys[i] for i in present], [dests.items[i] for i in present], dests.keep)
             self._judge(keys, present, got, out)
             return
-        for idx, bufs, lengths, status in self.staged_gets(keys, present):
+
+        def copy(i: int, block: memoryview) -> None:
+            dests.items[i][:n] = block
+
+        self._read_staged(keys, present, out, copy)
+
+    def _read_staged(self, keys: list[bytes], indices: list[int], out: list[ReadStatus],
+                     deliver: Callable[[int, memoryview], None]) -> None:
+        """Through :meth:`staged_gets`: ``deliver(i, block)`` puts each verified block where ``keys[i]`` goes."""
+        n = self.geometry.block_bytes
+        for idx, bufs, lengths, status in self.staged_gets(keys, indices):
             if status != OK:
                 for i in idx:
                     out[i] = read_status(status)
@@ -156,7 +166,7 @@ class BlockKVTier(KVTier):
             for i, b, length in zip(idx, bufs, lengths, strict=True):
                 if length == n:  # verified by the block store: only then does it reach the caller
                     with memoryview(b) as mv:
-                        dests.items[i][:n] = mv[:n]
+                        deliver(i, mv[:n])
             self._judge(keys, idx, lengths, out)
 
     def staged_gets(
@@ -196,7 +206,6 @@ class BlockKVTier(KVTier):
     def _read_device(self, keys: list[bytes], dests: KVBatch, present: list[int], out: list[ReadStatus]) -> None:
         """Into GPU buffers: a block written GPU-direct (kvsum64) is read the same way and verified on the GPU;
         the others through host staging buffers (verified there, then copied up)."""
-        n = self.geometry.block_bytes
         dp = cast("DevicePath", dests.device)  # set on every batch of kind "device"
         direct = [i for i in present if self.store.sum_kind(keys[i]) is SumKind.KV64]
         get = functools.partial(self.store.get_into_device, keep_on_miss=dests.keep, data_class="kvcache.block")
@@ -210,16 +219,8 @@ class BlockKVTier(KVTier):
                 self._judge(keys, idx, got, out)
         done = set(direct)
         staged = [i for i in present if i not in done]
-        for idx, bufs, lengths, status in self.staged_gets(keys, staged):
-            if status != OK:
-                for i in idx:
-                    out[i] = read_status(status)
-                continue
-            for i, b, length in zip(idx, bufs, lengths, strict=True):
-                if length == n:  # verified by the block store: only then does it reach the caller
-                    with memoryview(b) as mv:
-                        dp.stage_to_gpu(dests.items[i], 0, mv[:n], "kvcache.block")
-            self._judge(keys, idx, lengths, out)
+        self._read_staged(keys, staged, out,
+                          lambda i, block: dp.stage_to_gpu(dests.items[i], 0, block, "kvcache.block"))
 
     # -- writes -----------------------------------------------------------------------------------------------
     def write(self, keys: Sequence[bytes], srcs: KVBatch) -> list[WriteStatus]:
