@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from sfstore.version import VERSION as __version__
+
 if TYPE_CHECKING:
     from sfstore.router import Router
-
-__version__ = "0.1.0"
 
 __all__ = ["__version__", "open"]
 

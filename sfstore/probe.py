@@ -33,13 +33,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import sfstore
 from sfstore import defaults, nvme, temp_names
 from sfstore.errors import ConfigError
 from sfstore.mounts import MountInfo, mount_for, read_mountinfo
 from sfstore.nvme import read_sysfs
 from sfstore.quarantine_records import quarantine_dir, quarantine_rows, read_quarantine_records
 from sfstore.text_tables import cell, grid
+from sfstore.version import VERSION
 
 __all__ = [
     "SECTIONS",
@@ -98,7 +98,7 @@ def probe_system() -> dict[str, Any]:
     """Kernel, machine, Python and sfstore versions."""
     return {
         "status": "ok",
-        "sfstore": sfstore.__version__,
+        "sfstore": VERSION,
         "python": platform.python_version(),
         "kernel": platform.release(),
         "machine": platform.machine(),

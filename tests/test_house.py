@@ -218,8 +218,106 @@ def test_only_the_paths_resolve_names() -> None:
     assert not found, "names resolved around the file path:\n" + "\n".join(found)
 
 
+# -- the floors: nothing lower imports anything higher ---------------------------------------------------------------
+
+#: every module of the package on its floor, lowest first (docs/development.md draws the same picture); the package
+#: itself (``sfstore.open``) stands on the router's floor
+FLOORS = {
+    "ground": ("sfstore._native", "sfstore._optional", "sfstore.arguments", "sfstore.defaults", "sfstore.errors",
+               "sfstore.forks", "sfstore.environment", "sfstore.counters", "sfstore.futures", "sfstore.checksums",
+               "sfstore.text_tables", "sfstore.temp_names", "sfstore.version"),
+    "floor": ("sfstore.buffers", "sfstore.engine", "sfstore.mounts", "sfstore.nvme", "sfstore.records",
+              "sfstore.quarantine_records", "sfstore.probe", "sfstore.device_verdict", "sfstore.config_check"),
+    "paths": ("sfstore.paths",),
+    "router": ("sfstore.router", "sfstore"),
+    "faces": (*FACES, "sfstore.testing"),
+}
+
+
+def _floor(module: str) -> int | None:
+    """The floor of ``module`` (its longest prefix in :data:`FLOORS`), ``None`` for one on no floor."""
+    best: tuple[int, int] | None = None
+    for i, prefixes in enumerate(FLOORS.values()):
+        for p in prefixes:
+            inside = module == p or (p != "sfstore" and module.startswith(p + "."))  # the package: itself only
+            if inside and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    return None if best is None else best[0]
+
+
+def _floor_violations(path: Path, source: str | None = None) -> list[str]:
+    """Imports (at the top or inside a function) of a module on a higher floor than ``path``'s."""
+    module = _module_name(path)
+    mine = _floor(module)
+    rel = path.relative_to(ROOT.parent)
+    if mine is None:
+        return [f"{rel}: {module} stands on no floor: add it to FLOORS"]
+    tree = ast.parse(source if source is not None else path.read_text(), str(path))
+    names = list(FLOORS)
+    found = []
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            mod = _resolve(node.module or "", node.level, module, path.name == "__init__.py")
+            # ``from sfstore import defaults`` imports the module sfstore.defaults, not the package's entry point
+            targets = [f"{mod}.{a.name}" for a in node.names] if mod == "sfstore" else [mod]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        for t in targets:
+            theirs = _floor(t) if t.startswith("sfstore") else None
+            if theirs is not None and theirs > mine:
+                found.append(f"{rel}:{node.lineno}: {module} ({names[mine]}) imports {t} ({names[theirs]})")
+    return found
+
+
+def test_nothing_lower_imports_anything_higher() -> None:
+    found = [v for path in sorted(ROOT.rglob("*.py")) for v in _floor_violations(path)]
+    assert not found, "imports up the floors:\n" + "\n".join(found)
+
+
+# -- one module defines the checksum kinds and each format's codes for them ------------------------------------------
+
+def _checksum_kind_violations(path: Path, source: str | None = None) -> list[str]:
+    """Definitions of checksum kinds or codes outside sfstore.checksums: a ``SUM_*`` constant, an enum of
+    sums, or a format's code table (``SumCodes(...)``)."""
+    if _module_name(path) == "sfstore.checksums":
+        return []
+    tree = ast.parse(source if source is not None else path.read_text(), str(path))
+    rel = path.relative_to(ROOT.parent)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            code = isinstance(node.value, ast.Constant) and type(node.value.value) is int  # a number, not a key
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id.startswith("SUM_") and code:
+                    found.append(f"{rel}:{node.lineno}: {t.id} defined")
+        if isinstance(node, ast.Call) and _owner_name(node.func) == "SumCodes":
+            found.append(f"{rel}:{node.lineno}: a table of checksum codes")
+        if isinstance(node, ast.ClassDef) and "Sum" in node.name and any(
+                "Enum" in (_owner_name(b) or "") for b in node.bases):
+            found.append(f"{rel}:{node.lineno}: enum {node.name}")
+    return found
+
+
+def test_one_module_defines_the_checksum_kinds() -> None:
+    found = [v for path in sorted(ROOT.rglob("*.py")) for v in _checksum_kind_violations(path)]
+    assert not found, "checksum kinds or codes defined outside sfstore.checksums:\n" + "\n".join(found)
+
+
+def test_the_version_is_pyprojects() -> None:
+    import tomllib
+
+    from sfstore import __version__
+
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+    assert __version__ == project["version"]
+
+
 LAYER_RULES = {"faces above the paths": _layer_violations, "runtime faces below the probe": _probe_violations,
-               "only paths count": _counter_violations, "only paths resolve names": _namespace_violations}
+               "only paths count": _counter_violations, "only paths resolve names": _namespace_violations,
+               "nothing lower imports higher": _floor_violations, "one module of checksum kinds":
+               _checksum_kind_violations}
 
 
 @pytest.mark.parametrize("rule, module, source, expected", [
@@ -243,6 +341,19 @@ LAYER_RULES = {"faces above the paths": _layer_violations, "runtime faces below 
     ("only paths resolve names", "kvcache/x.py", "from sfstore.paths.beneath import stat_many_at, open_at\n", 2),
     ("only paths resolve names", "fs.py", "from sfstore.paths.beneath import fold_parts\nfp.os_stat(name)\n", 0),
     ("only paths resolve names", "paths/x.py", "self.beneath.stat(name)\n", 0),  # the path itself
+    ("nothing lower imports higher", "paths/x.py", "from sfstore.kvcache import store\n", 1),
+    ("nothing lower imports higher", "engine/x.py", "def f():\n    from sfstore.paths.file import FilePath\n", 1),
+    ("nothing lower imports higher", "probe.py", "import sfstore\nfrom sfstore import router\n", 2),
+    ("nothing lower imports higher", "newmodule.py", "import os\n", 1),  # a module on no floor
+    ("nothing lower imports higher", "kvcache/x.py", "from sfstore import defaults, router\nfrom ..paths import file\n",
+     0),
+    ("nothing lower imports higher", "probe.py", "from sfstore import defaults, nvme\n", 0),
+    ("one module of checksum kinds", "blocks/layout.py", "SUM_XXH3 = 1\nSUM_KV64: int = 2\n", 2),
+    ("one module of checksum kinds", "kvcache/x.py", "T = checksums.SumCodes({SumKind.XXH3: 0})\n", 1),
+    ("one module of checksum kinds", "kvcache/x.py", "class SumKinds(enum.IntEnum):\n    A = 1\n", 1),
+    ("one module of checksum kinds", "kvcache/x.py", "from sfstore.checksums import SumKind\nk = SumKind.XXH3\n", 0),
+    ("one module of checksum kinds", "checksums.py", "SUM_XXH3 = 1\n", 0),  # the one module
+    ("one module of checksum kinds", "checkpoint/x.py", "SUM_KEY = 'manifest_xxh3_64'\n", 0),  # a record's key
 ])
 def test_each_layer_rule_catches_what_it_says(rule: str, module: str, source: str, expected: int) -> None:
     assert len(LAYER_RULES[rule](ROOT / module, source)) == expected
