@@ -6,6 +6,7 @@ Engines that cannot run here are skipped with the reason. Tests marked ``root`` 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import math
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,13 @@ def stats_delta(engine: IOEngine, before: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in KEYS}
 
 
+def run_counted(engine: IOEngine, reqs: list[Request]) -> tuple[list[int], dict[str, int]]:
+    """One batch's results, with what the engine's counters say it did (:func:`stats_delta`)."""
+    before = engine.stats()
+    results = engine.run(reqs)
+    return results, stats_delta(engine, before)
+
+
 def page_buffer(size: int, rng: random.Random | None = None) -> mmap.mmap:
     """A page-aligned writable buffer (anonymous mmap), optionally filled with random bytes."""
     buf = mmap.mmap(-1, size)
@@ -67,8 +76,31 @@ def read_reference(path: Path) -> bytes:
         return fh.read()
 
 
+@contextlib.contextmanager
+def direct_file(path: Path, data: bytes) -> Iterator[tuple[int, bool]]:
+    """``path`` holding ``data``, open read-write with ``direct="on"``: ``(fd, is_direct)``, closed on the way out."""
+    write_reference(path, data)
+    fd, is_direct = open_fd(path, os.O_RDWR, direct="on")
+    try:
+        yield fd, is_direct
+    finally:
+        os.close(fd)
+
+
 def up(value: int, align: int) -> int:
     return -(-value // align) * align
+
+
+def assert_direct_where_aligned(d: dict[str, int], target: Target, pattern: str, total: int) -> None:
+    """How a batch's ``total`` bytes moved (``d``: its :func:`stats_delta`): through the page cache on a buffered
+    descriptor, all direct when aligned, partly through bounce buffers when not."""
+    if not target.direct:
+        assert d["bytes_direct"] == d["bytes_bounced"] == 0
+    elif pattern == "aligned":
+        assert (d["bytes_direct"], d["bytes_bounced"]) == (total, 0)
+    else:
+        assert d["bytes_bounced"] > 0
+        assert d["bytes_direct"] + d["bytes_bounced"] == total
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -98,22 +130,14 @@ def test_random_reads_match_reference(engine: IOEngine, target: Target, pattern:
         reqs.append(Request.read(fd, offset, length, buf, boff))
         pos = boff + length
     assert pos <= len(buf)
-    before = engine.stats()
-    results = engine.run(reqs)
-    d = stats_delta(engine, before)
+    results, d = run_counted(engine, reqs)
     for i, (req, got) in enumerate(zip(reqs, results, strict=True)):
         expected = data[req.offset:req.offset + req.length]
         assert got == len(expected), f"request {i}: {req.offset}+{req.length} of a {size}-byte file"
         assert buf[req.buffer_offset:req.buffer_offset + got] == expected, f"request {i}"
     total = sum(results)
     assert (d["batches"], d["requests"], d["bytes_read"], d["bytes_written"], d["errors"]) == (1, 40, total, 0, 0)
-    if not target.direct:
-        assert d["bytes_direct"] == d["bytes_bounced"] == 0
-    elif pattern == "aligned":
-        assert (d["bytes_direct"], d["bytes_bounced"]) == (total, 0)
-    else:
-        assert d["bytes_bounced"] > 0
-        assert d["bytes_direct"] + d["bytes_bounced"] == total
+    assert_direct_where_aligned(d, target, pattern, total)
 
 
 @pytest.mark.parametrize("pattern", ["aligned", "misaligned"])
@@ -142,9 +166,7 @@ def test_random_writes_match_reference(engine: IOEngine, target: Target, pattern
         reqs.append(Request.write(fd, offset, length, src, boff))
         pos = boff + length
     assert pos <= len(src)
-    before = engine.stats()
-    results = engine.run(reqs)
-    d = stats_delta(engine, before)
+    results, d = run_counted(engine, reqs)
     assert results == [n for _, n in ranges]
     end = max(size, *(o + n for o, n in ranges))
     model = bytearray(initial) + bytearray(end - size)
@@ -153,13 +175,7 @@ def test_random_writes_match_reference(engine: IOEngine, target: Target, pattern
     assert read_reference(path) == bytes(model)
     total = sum(results)
     assert (d["batches"], d["requests"], d["bytes_written"], d["bytes_read"], d["errors"]) == (1, 24, total, 0, 0)
-    if not target.direct:
-        assert d["bytes_direct"] == d["bytes_bounced"] == 0
-    elif pattern == "aligned":
-        assert (d["bytes_direct"], d["bytes_bounced"]) == (total, 0)
-    else:
-        assert d["bytes_bounced"] > 0
-        assert d["bytes_direct"] + d["bytes_bounced"] == total
+    assert_direct_where_aligned(d, target, pattern, total)
     # What was written (partly through a buffered descriptor on O_DIRECT files) reads back through the engine.
     back = bytearray(len(model) + 3)
     assert engine.run([Request.read(fd, 0, len(model), back, 3)]) == [len(model)]
@@ -294,9 +310,7 @@ def test_many_requests_with_queue_depth_one(engine_name: str, tmp_path: Path) ->
 @root
 def test_direct_io_alignment_on_4k_sectors(dio_fs: Any, dio_dir: Path) -> None:
     path = dio_dir / "align.bin"
-    write_reference(path, bytes(2 * BLOCK))
-    fd, is_direct = open_fd(path, os.O_RDWR, direct="on")
-    try:
+    with direct_file(path, bytes(2 * BLOCK)) as (fd, is_direct):
         assert is_direct and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
         mem, off = direct_io_alignment(fd)
         assert off == 4096
@@ -309,8 +323,6 @@ def test_direct_io_alignment_on_4k_sectors(dio_fs: Any, dio_dir: Path) -> None:
         with memoryview(buf) as view, pytest.raises(OSError) as info:
             os.pwrite(fd, view[:512], 0)
         assert info.value.errno == errno.EINVAL
-    finally:
-        os.close(fd)
 
 
 MISALIGNED = {
@@ -327,9 +339,7 @@ def test_misaligned_direct_needs_bounce(engine: IOEngine, dio_dir: Path, case: s
     rng = random.Random(case)
     data = rng.randbytes(64 * KiB)
     path = dio_dir / "mis.bin"
-    write_reference(path, data)
-    fd, is_direct = open_fd(path, os.O_RDWR, direct="on")
-    try:
+    with direct_file(path, data) as (fd, is_direct):
         assert is_direct
         offset, length, boff = MISALIGNED[case]
         src = page_buffer(64 * KiB, rng)
@@ -346,9 +356,8 @@ def test_misaligned_direct_needs_bounce(engine: IOEngine, dio_dir: Path, case: s
             assert d == dict.fromkeys(KEYS, 0), "a batch that failed validation must issue nothing"
             assert read_reference(path) == data
             # Aligned requests still go direct without bounce buffers.
-            before = engine.stats()
-            assert engine.run([good]) == [BLOCK]
-            d = stats_delta(engine, before)
+            results, d = run_counted(engine, [good])
+            assert results == [BLOCK]
             assert (d["bytes_direct"], d["bytes_bounced"]) == (BLOCK, 0)
         model = bytearray(data)
         model[32 * KiB:32 * KiB + BLOCK] = src[:BLOCK]
@@ -361,8 +370,6 @@ def test_misaligned_direct_needs_bounce(engine: IOEngine, dio_dir: Path, case: s
         assert d["bytes_bounced"] > 0
         assert d["bytes_direct"] + d["bytes_bounced"] == 2 * length
         assert read_reference(path) == bytes(model)
-    finally:
-        os.close(fd)
 
 
 @root
@@ -373,23 +380,21 @@ def test_small_bounce_buffers_move_in_pieces(engine_name: str, dio_dir: Path) ->
             rng = random.Random(99)
             path = dio_dir / "pieces.bin"
             initial = rng.randbytes(256 * KiB)
-            write_reference(path, initial)
-            fd, _ = open_fd(path, os.O_RDWR, direct="on")
-            src = page_buffer(256 * KiB, rng)
-            model = bytearray(initial)
-            # misaligned memory with aligned offsets (bounce copies), then everything misaligned
-            reqs = [
-                Request.write(fd, 0, 96 * KiB, src, 5),
-                Request.write(fd, 100 * KiB + 3, 70 * KiB + 9, src, 100 * KiB),
-            ]
-            assert eng.run(reqs) == [96 * KiB, 70 * KiB + 9]
-            for r in reqs:
-                model[r.offset:r.offset + r.length] = src[r.buffer_offset:r.buffer_offset + r.length]
-            assert read_reference(path) == bytes(model)
-            back = page_buffer(256 * KiB)
-            assert eng.run([Request.read(fd, 7, 200 * KiB, back, 9)]) == [200 * KiB]
-            assert back[9:9 + 200 * KiB] == model[7:7 + 200 * KiB]
-            os.close(fd)
+            with direct_file(path, initial) as (fd, _):
+                src = page_buffer(256 * KiB, rng)
+                model = bytearray(initial)
+                # misaligned memory with aligned offsets (bounce copies), then everything misaligned
+                reqs = [
+                    Request.write(fd, 0, 96 * KiB, src, 5),
+                    Request.write(fd, 100 * KiB + 3, 70 * KiB + 9, src, 100 * KiB),
+                ]
+                assert eng.run(reqs) == [96 * KiB, 70 * KiB + 9]
+                for r in reqs:
+                    model[r.offset:r.offset + r.length] = src[r.buffer_offset:r.buffer_offset + r.length]
+                assert read_reference(path) == bytes(model)
+                back = page_buffer(256 * KiB)
+                assert eng.run([Request.read(fd, 7, 200 * KiB, back, 9)]) == [200 * KiB]
+                assert back[9:9 + 200 * KiB] == model[7:7 + 200 * KiB]
         finally:
             eng.close()
 
@@ -398,9 +403,7 @@ def test_small_bounce_buffers_move_in_pieces(engine_name: str, dio_dir: Path) ->
 def test_direct_writes_keep_neighbouring_bytes(engine: IOEngine, dio_dir: Path) -> None:
     data = random.Random(3).randbytes(8 * BLOCK)
     path = dio_dir / "rmw.bin"
-    write_reference(path, data)
-    fd, _ = open_fd(path, os.O_RDWR, direct="on")
-    try:
+    with direct_file(path, data) as (fd, _):
         model = bytearray(data)
         edits = [(0, b"A"), (BLOCK - 5, b"B" * 10), (2 * BLOCK + 100, b"C" * (2 * BLOCK)), (8 * BLOCK - 1, b"DE")]
         results = engine.run([Request.write(fd, off, len(b), b) for off, b in edits])
@@ -411,23 +414,17 @@ def test_direct_writes_keep_neighbouring_bytes(engine: IOEngine, dio_dir: Path) 
         back = bytearray(len(model))
         assert engine.pread(fd, back, 0) == len(model)
         assert back == model
-    finally:
-        os.close(fd)
 
 
 @root
 def test_bounce_descriptors_do_not_leak(engine: IOEngine, dio_dir: Path) -> None:
     path = dio_dir / "leak.bin"
-    write_reference(path, bytes(64 * KiB))
-    fd, _ = open_fd(path, os.O_RDWR, direct="on")
-    try:
+    with direct_file(path, bytes(64 * KiB)) as (fd, _):
         engine.run([Request.write(fd, 1, 10, b"0123456789")])  # warm up (threads, rings, buffers)
         open_before = len(os.listdir("/proc/self/fd"))
         for i in range(5):
             engine.run([Request.write(fd, 100 + i, 5000, b"x" * 5000), Request.read(fd, 3, 7000, bytearray(7000))])
         assert len(os.listdir("/proc/self/fd")) == open_before
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------------------------
