@@ -43,6 +43,24 @@ def _store(tmp_path: Path, rt: EmulatedDeviceRuntime, *, block: bool = False, pi
                         device=DevicePath(runtime=rt))
 
 
+def _gds_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rt: EmulatedDeviceRuntime) -> KVCacheStore:
+    # Stands in for a shared directory on a filesystem cuFile accepts (NFS over RDMA on a cluster).
+    monkeypatch.setattr(device_mod, "cufile_accepts", lambda t: (True, "NFS over RDMA (test stand-in)"))
+    return _store(tmp_path, rt)
+
+
+def _round_trip(kv: KVCacheStore, count: int, seed: int, tier: str) -> tuple[list[bytes], list[np.ndarray]]:
+    """Put ``count`` GPU blocks and get them back into fresh GPU buffers: every one a hit in ``tier``, exact.
+    Returns their keys and the blocks put."""
+    src = _blocks(count, seed)
+    keys = kv.keys_for(list(range(count * GEOM.block_tokens)))
+    kv.put(keys, src)
+    dst = [gpu_array(N) for _ in src]
+    assert kv.get_into(keys, dst) == [tier] * count
+    assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+    return keys, src
+
+
 def _chunk_files(tmp_path: Path) -> list[Path]:
     return sorted((tmp_path / "shared").rglob(f"*{CHUNK_SUFFIX}"))
 
@@ -56,62 +74,36 @@ def _cufile_accepts_here(tmp_path: Path) -> bool:
 
 
 def test_emulated_gpu_gds_put_and_get_touch_no_host_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Stands in for a shared directory on a filesystem cuFile accepts (NFS over RDMA on a cluster).
-    monkeypatch.setattr(device_mod, "cufile_accepts", lambda t: (True, "NFS over RDMA (test stand-in)"))
     rt = EmulatedDeviceRuntime("gds")
-    kv = _store(tmp_path, rt)
-    try:
+    with _gds_store(tmp_path, monkeypatch, rt) as kv:
         assert kv.describe()["gpu_blocks"]["shared"]["route"] == "gds"
-        src = _blocks(4)
-        keys = kv.keys_for(list(range(4 * GEOM.block_tokens)))
-        kv.put(keys, src)
-        dst = [gpu_array(N) for _ in src]
-        assert kv.get_into(keys, dst) == ["shared"] * 4
-        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+        _round_trip(kv, 4, 0, "shared")
         assert rt.copies_to_host == rt.copies_from_host == 0  # the block bytes never visited host memory
         dev = kv.stats()["device"]["shared"]
         assert dev == {"bytes_gpu_direct": 2 * 4 * N, "bytes_staged": 0}
         st = kv.stats()
         assert st["hits_shared"] == 4 and st["puts"] == 4 and st["pinned_capacity_blocks"] == 0
-    finally:
-        kv.close()
 
 
 def test_emulated_gpu_on_this_machines_disk_takes_compat_and_says_why(tmp_path: Path) -> None:
     if _cufile_accepts_here(tmp_path):
         pytest.skip("this machine's filesystem is one cuFile accepts")
     rt = EmulatedDeviceRuntime("gds")
-    kv = _store(tmp_path, rt)
-    try:
+    with _store(tmp_path, rt) as kv:
         d = kv.describe()["gpu_blocks"]["shared"]
         assert d["route"] == "compat" and "compat mode" in d["why"]
-        src = _blocks(2, seed=3)
-        keys = kv.keys_for(list(range(2 * GEOM.block_tokens)))
-        kv.put(keys, src)
-        dst = [gpu_array(N) for _ in src]
-        assert kv.get_into(keys, dst) == ["shared", "shared"]
-        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+        _round_trip(kv, 2, 3, "shared")
         assert kv.stats()["device"]["shared"] == {"bytes_gpu_direct": 0, "bytes_staged": 2 * 2 * N}
-    finally:
-        kv.close()
 
 
 def test_emulated_gpu_without_kvikio_is_staged_and_says_why(tmp_path: Path) -> None:
     rt = EmulatedDeviceRuntime("staged")
-    kv = _store(tmp_path, rt)
-    try:
+    with _store(tmp_path, rt) as kv:
         d = kv.describe()["gpu_blocks"]["shared"]
         assert d["route"] == "staged" and "emulated" in d["why"]
-        src = _blocks(3, seed=5)
-        keys = kv.keys_for(list(range(3 * GEOM.block_tokens)))
-        kv.put(keys, src)
-        dst = [gpu_array(N) for _ in src]
-        assert kv.get_into(keys, dst) == ["shared"] * 3
-        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+        _round_trip(kv, 3, 5, "shared")
         assert kv.stats()["device"]["shared"]["bytes_staged"] == 2 * 3 * N
         assert not rt.calls  # no kvikio
-    finally:
-        kv.close()
 
 
 def test_emulated_gpu_block_store_target_cufile_refuses_is_staged(tmp_path: Path,
@@ -121,27 +113,18 @@ def test_emulated_gpu_block_store_target_cufile_refuses_is_staged(tmp_path: Path
     refused = TargetFacts("block", "/dev/nvme1n1", source="/dev/nvme1n1")
     monkeypatch.setattr(TargetFacts, "of_fd", classmethod(lambda cls, fd, name: refused))
     rt = EmulatedDeviceRuntime("gds")
-    kv = _store(tmp_path, rt, block=True)
-    try:
+    with _store(tmp_path, rt, block=True) as kv:
         d = kv.describe()["gpu_blocks"]["block"]
         assert d["route"] == "staged" and "block device" in d["why"] and "registered host buffers" in d["why"]
-        src = _blocks(3, seed=7)
-        keys = kv.keys_for(list(range(3 * GEOM.block_tokens)))
-        kv.put(keys, src)
-        dst = [gpu_array(N) for _ in src]
-        assert kv.get_into(keys, dst) == ["block"] * 3  # the block tier answers first
-        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+        _round_trip(kv, 3, 7, "block")  # the block tier answers first
         assert kv.stats()["device"]["block"] == {"bytes_gpu_direct": 0, "bytes_staged": 2 * 3 * N}
-    finally:
-        kv.close()
 
 
 def test_emulated_gpu_a_corrupt_shared_block_is_a_miss_that_leaves_the_destination_as_it_was(
     tmp_path: Path,
 ) -> None:
     rt = EmulatedDeviceRuntime("gds")
-    kv = _store(tmp_path, rt)
-    try:
+    with _store(tmp_path, rt) as kv:
         src = _blocks(1, seed=9)
         keys = kv.keys_for(list(range(GEOM.block_tokens)))
         kv.put(keys, src)
@@ -155,14 +138,11 @@ def test_emulated_gpu_a_corrupt_shared_block_is_a_miss_that_leaves_the_destinati
         assert kv.stats()["corrupt_dropped"] == 1 and not name.exists()  # dropped, so a put writes it again
         kv.put(keys, src)
         assert kv.get_into(keys, [dst]) == ["shared"] and np.array_equal(dst, src[0])
-    finally:
-        kv.close()
 
 
 def test_emulated_gpu_blocks_and_host_blocks_read_each_others_files(tmp_path: Path) -> None:
     rt = EmulatedDeviceRuntime("gds")
-    kv = _store(tmp_path, rt)
-    try:
+    with _store(tmp_path, rt) as kv:
         g_keys = kv.keys_for(list(range(GEOM.block_tokens)))
         h_keys = kv.keys_for(list(range(1000, 1000 + GEOM.block_tokens)))
         g_src = _blocks(1, seed=11)[0]
@@ -177,25 +157,19 @@ def test_emulated_gpu_blocks_and_host_blocks_read_each_others_files(tmp_path: Pa
         after = kv.stats()["device"]["shared"]  # an xxh3 block is verified in host memory, then copied up
         assert after["bytes_staged"] - before["bytes_staged"] == N
         assert after["bytes_gpu_direct"] == before["bytes_gpu_direct"]
-    finally:
-        kv.close()
 
 
 def test_emulated_gpu_with_a_pinned_tier_goes_through_its_slots_and_says_so(tmp_path: Path) -> None:
     rt = EmulatedDeviceRuntime("gds")
-    kv = _store(tmp_path, rt, pinned=8 * (N + 4096))
-    try:
+    with _store(tmp_path, rt, pinned=8 * (N + 4096)) as kv:
         d = kv.describe()
         assert d["gpu_blocks"]["shared"]["route"] == "pinned slots" and "kvcache_pinned_bytes=0" in \
             d["gpu_blocks"]["shared"]["why"]
-    finally:
-        kv.close()
 
 
 def test_emulated_gpu_put_async_leaves_once_the_bytes_are_on_their_way(tmp_path: Path) -> None:
     rt = EmulatedDeviceRuntime("gds")
-    kv = _store(tmp_path, rt, block=True)
-    try:
+    with _store(tmp_path, rt, block=True) as kv:
         src = _blocks(4, seed=13)
         keys = kv.keys_for(list(range(4 * GEOM.block_tokens)))
         fut = kv.put_async(keys, src)
@@ -204,8 +178,6 @@ def test_emulated_gpu_put_async_leaves_once_the_bytes_are_on_their_way(tmp_path:
         dst = [gpu_array(N) for _ in src]
         assert kv.get_into(keys, dst) == ["block"] * 4
         assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
-    finally:
-        kv.close()
 
 
 def test_emulated_gpu_block_store_on_a_target_cufile_takes_goes_gpu_direct(
@@ -214,54 +186,33 @@ def test_emulated_gpu_block_store_on_a_target_cufile_takes_goes_gpu_direct(
     # Stands in for the block store's image file on ext4 over NVMe (no such filesystem here).
     monkeypatch.setattr(device_mod, "cufile_accepts", lambda t: (True, "ext4 on /dev/nvme0n1 (test stand-in)"))
     rt = EmulatedDeviceRuntime("gds")
-    kv = _store(tmp_path, rt, block=True)
-    try:
+    with _store(tmp_path, rt, block=True) as kv:
         assert kv.describe()["gpu_blocks"]["block"]["route"] == "gds"
-        src = _blocks(3, seed=17)
-        keys = kv.keys_for(list(range(3 * GEOM.block_tokens)))
-        kv.put(keys, src)
+        keys, src = _round_trip(kv, 3, 17, "block")
         assert all(kv.block.sum_kind(k) is SumKind.KV64 for k in keys)  # type: ignore[union-attr]  # GPU-written
-        dst = [gpu_array(N) for _ in src]
-        assert kv.get_into(keys, dst) == ["block"] * 3
-        assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
         assert kv.stats()["device"]["block"] == {"bytes_gpu_direct": 2 * 3 * N, "bytes_staged": 0}
         assert rt.copies_to_host == rt.copies_from_host == 0
         host = np.zeros(N, np.uint8)  # a host reader of a GPU-written slot verifies its kvsum64 in host memory
         assert kv.get_into(keys[:1], [host]) == ["block"] and np.array_equal(host, src[0])
-    finally:
-        kv.close()
 
 
 def test_emulated_gpu_long_lived_buffers_are_registered_once(tmp_path: Path) -> None:
     rt = EmulatedDeviceRuntime("gds")
-    kv = _store(tmp_path, rt)
-    try:
+    with _store(tmp_path, rt) as kv:
         cache = [gpu_array(4 * N), gpu_array(4 * N)]
         assert kv.register_device_buffers(cache) == 2
         assert kv.register_device_buffers(cache) == 2 and len(rt.registered) == 2  # already registered: once
         assert kv.register_device_buffers([np.zeros(N, np.uint8)]) == 0  # host memory: nothing to register
-    finally:
-        kv.close()
-    staged = _store(tmp_path / "s", EmulatedDeviceRuntime("staged"))
-    try:
+    with _store(tmp_path / "s", EmulatedDeviceRuntime("staged")) as staged:
         assert staged.register_device_buffers([gpu_array(N)]) == 0  # outside gds: nothing to register
-    finally:
-        staged.close()
-
-
-def _gds_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rt: EmulatedDeviceRuntime) -> KVCacheStore:
-    # Stands in for a shared directory on a filesystem cuFile accepts (NFS over RDMA on a cluster).
-    monkeypatch.setattr(device_mod, "cufile_accepts", lambda t: (True, "NFS over RDMA (test stand-in)"))
-    return _store(tmp_path, rt)
 
 
 def test_emulated_gpu_put_writes_one_chunk_of_kvsum64_slices_and_a_get_moves_one_range_per_layer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rt = EmulatedDeviceRuntime("gds")
-    kv = _gds_store(tmp_path, monkeypatch, rt)
     lb, layers, m = GEOM.layer_bytes, GEOM.num_layers, 4
-    try:
+    with _gds_store(tmp_path, monkeypatch, rt) as kv:
         src = _blocks(m, seed=21)
         keys = kv.keys_for(list(range(m * GEOM.block_tokens)))
         kv.put(keys, src)
@@ -289,17 +240,14 @@ def test_emulated_gpu_put_writes_one_chunk_of_kvsum64_slices_and_a_get_moves_one
         rt.calls.clear()  # without on_layer: all layers in one range
         assert kv.get_into(keys, [gpu_array(N) for _ in range(m)]) == ["shared"] * m
         assert rt.calls == [("pread", m * N)]
-    finally:
-        kv.close()
 
 
 def test_emulated_gpu_a_damaged_later_layer_fails_the_chunk_after_its_earlier_layers_were_announced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rt = EmulatedDeviceRuntime("gds")
-    kv = _gds_store(tmp_path, monkeypatch, rt)
     lb, m = GEOM.layer_bytes, 3
-    try:
+    with _gds_store(tmp_path, monkeypatch, rt) as kv:
         src = _blocks(m, seed=23)
         keys = kv.keys_for(list(range(m * GEOM.block_tokens)))
         kv.put(keys, src)
@@ -315,15 +263,12 @@ def test_emulated_gpu_a_damaged_later_layer_fails_the_chunk_after_its_earlier_la
         kv.put(keys, src)  # written again, whole
         assert kv.get_into(keys, dst) == ["shared"] * m
         assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
-    finally:
-        kv.close()
 
 
 def test_emulated_gpu_chunks_are_read_across_memories_and_a_host_chunk_comes_up_by_layer(tmp_path: Path) -> None:
     rt = EmulatedDeviceRuntime("staged")
-    kv = _store(tmp_path, rt)
     m = 3
-    try:
+    with _store(tmp_path, rt) as kv:
         g_keys = kv.keys_for(list(range(m * GEOM.block_tokens)))
         h_keys = kv.keys_for(list(range(5000, 5000 + m * GEOM.block_tokens)))
         g_src = _blocks(m, seed=31)
@@ -339,8 +284,6 @@ def test_emulated_gpu_chunks_are_read_across_memories_and_a_host_chunk_comes_up_
         assert kv.get_into(h_keys, gpu, on_layer=lambda idx, layer: seen.append(layer)) == ["shared"] * m
         assert seen == list(range(GEOM.num_layers))
         assert all(np.array_equal(a, b) for a, b in zip(h_src, gpu, strict=True))
-    finally:
-        kv.close()
 
 
 class _MisreadingRuntime(EmulatedDeviceRuntime):
