@@ -18,7 +18,6 @@ def kv_cache_reuse(router: Router, prompt_tokens: int = 256) -> dict[str, Any]:
     import numpy as np
 
     from sfstore.kvcache import KVCacheStore, KVGeometry
-    from sfstore.paths.file import FilePath
 
     geom = KVGeometry(num_layers=8, block_tokens=16, num_kv_heads=4, head_dim=64, dtype="bfloat16")  # 128 KiB
     prefix = list(range(1000, 1000 + prompt_tokens))
@@ -46,9 +45,12 @@ def kv_cache_reuse(router: Router, prompt_tokens: int = 256) -> dict[str, Any]:
                           "tiers": sorted(set(t for t in tiers if t))})
         ok = ok and all(np.array_equal(a, b) for a, b in zip(out, expected, strict=False))
         stats = kv.stats()
-    # As another process would: its own file path on the same root, the same directory below it.
+    # As another process would: a store of its own on the same directory, through the router's file path for
+    # that directory (not the data class's, so what it reads is counted apart from the first store's).
+    other_fp = router.location(kv.shared.fp.root) if kv.shared else None
+    read_before = other_fp.counters.snapshot()["bytes_read"] if other_fp is not None else 0
     other = KVCacheStore(geom, model_id="demo-model", shared_dir=kv.shared.prefix if kv.shared else None,
-                         shared_on=FilePath(kv.shared.fp.root) if kv.shared else None)
+                         shared_on=other_fp)
     with other:
         hit = other.lookup(prefix)
         out = [np.zeros(geom.block_bytes // 2, np.uint16) for _ in range(hit // geom.block_tokens)]
@@ -60,7 +62,7 @@ def kv_cache_reuse(router: Router, prompt_tokens: int = 256) -> dict[str, Any]:
         # The second store's hits and bytes are part of what the step did (its own path's counters hold them).
         stats = {**stats, "hits_shared": stats["hits_shared"] + theirs["hits_shared"],
                  "gets": stats["gets"] + theirs["gets"], "bytes_got": stats["bytes_got"] + theirs["bytes_got"]}
-        other_read = other.shared.fp.counters.snapshot()["bytes_read"] if other.shared is not None else 0
+        other_read = other_fp.counters.snapshot()["bytes_read"] - read_before if other_fp is not None else 0
     ok = ok and steps[0]["hit_tokens"] == 0 and all(st["hit_tokens"] == prompt_tokens for st in steps[1:])
     return {"block_bytes": geom.block_bytes, "steps": steps, "stats": stats, "verified": ok,
             "other_store_bytes_read": other_read}
