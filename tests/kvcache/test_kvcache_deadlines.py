@@ -29,7 +29,7 @@ from sfstore.kvcache.deadline import QuarantineRecorder, TierGuard
 from sfstore.kvcache.shared_budget import META
 from tests.forked_child import in_forked_child
 from tests.kvcache import shared_workers as w
-from tests.kvcache.stalls import simulated_stall
+from tests.kvcache.stalls import Stall, simulated_stall
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,6 +56,12 @@ def wait_for(cond: Callable[[], bool], seconds: float = 10.0) -> None:
         time.sleep(0.002)
 
 
+def end_stall(stall: Stall, guard: TierGuard) -> None:
+    """The server is back: end ``stall`` and wait until every worker it held has returned."""
+    stall.end()
+    wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+
+
 def store(tmp_path: Path, **kwargs: Any) -> KVCacheStore:
     kwargs.setdefault("pinned_bytes", 0)
     kwargs.setdefault("quarantine_ms", 1)
@@ -63,13 +69,17 @@ def store(tmp_path: Path, **kwargs: Any) -> KVCacheStore:
                         **kwargs)
 
 
+def two_shared_blocks(kv: KVCacheStore) -> tuple[list[bytes], TierGuard]:
+    """Blocks 0 and 1 put in ``kv``'s shared tier: their keys, and the tier's guard."""
+    assert kv.shared is not None
+    keys = [w.key(kv, i) for i in range(2)]
+    kv.put(keys, [w.block(0), w.block(1)])
+    return keys, kv.shared.guard
+
+
 def test_a_stalled_shared_tier_misses_within_the_deadline_and_recovers(tmp_path: Path) -> None:
-    kv = store(tmp_path, quarantine_ms=BACKOFF_MS)
-    try:
-        assert kv.shared is not None
-        keys = [w.key(kv, i) for i in range(2)]
-        kv.put(keys, [w.block(0), w.block(1)])
-        guard = kv.shared.guard
+    with store(tmp_path, quarantine_ms=BACKOFF_MS) as kv:
+        keys, guard = two_shared_blocks(kv)
         dest = np.full(w.GEOM.block_bytes, 7, dtype=np.uint8)
         late: list[float] = []
         slow_probes = 0  # recovery probes that missed the deadline on a loaded machine, with no stall
@@ -82,8 +92,7 @@ def test_a_stalled_shared_tier_misses_within_the_deadline_and_recovers(tmp_path:
                 assert got == [None] and (dest == 7).all(), trial  # a miss; the destination as it was
                 assert guard.quarantined() and kv.stats()["quarantine"]["shared"]["quarantined"]
                 assert kv.get_into([keys[1]], [dest]) == [None]  # quarantined: answered at once
-                stall.end()  # the server is back: the stuck worker returns, and its late read is discarded
-                wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+                end_stall(stall, guard)  # its late read is discarded
             while True:
                 time.sleep(BACKOFF_MS / 1000 + 0.002)  # past the back-off: the next get probes the tier
                 got = kv.get_into([keys[trial % 2]], [dest])
@@ -104,13 +113,10 @@ def test_a_stalled_shared_tier_misses_within_the_deadline_and_recovers(tmp_path:
         assert kv.stats()["deadline_misses"] == 100 + slow_probes and kv.stats()["misses"] >= 200
         assert guard.recorder is not None and guard.recorder.flush(10.0)
         assert not list(Path(quarantine_records.quarantine_dir()).glob("*.json"))  # each recovery withdrew its record
-    finally:
-        kv.close()
 
 
 def test_abandoned_workers_are_bounded_and_the_tier_says_so(tmp_path: Path) -> None:
-    kv = store(tmp_path)
-    try:
+    with store(tmp_path) as kv:
         assert kv.shared is not None
         key = w.key(kv, 0)
         kv.put([key], [w.block(0)])
@@ -130,17 +136,13 @@ def test_abandoned_workers_are_bounded_and_the_tier_says_so(tmp_path: Path) -> N
             assert kv.get_into([key], [dest]) == [None] and time.monotonic() - t0 < 0.02
             assert kv.stats()["quarantine"]["shared"]["abandoned_now"] == guard.max_abandoned
             assert not kv.contains(key) and kv.stats()["resident"]["shared"] is None
-            stall.end()
-            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+            end_stall(stall, guard)
         wait_for(lambda: kv.get_into([key], [dest]) == ["shared"])
         assert np.array_equal(dest, w.block(0)) and kv.contains(key)
-    finally:
-        kv.close()
 
 
 def test_a_put_past_its_deadline_is_dropped_and_never_published_late(tmp_path: Path) -> None:
-    kv = store(tmp_path)
-    try:
+    with store(tmp_path) as kv:
         assert kv.shared is not None
         key = w.key(kv, 5)
         guard = kv.shared.guard
@@ -151,15 +153,12 @@ def test_a_put_past_its_deadline_is_dropped_and_never_published_late(tmp_path: P
             assert kv.stats()["puts_dropped"] == 1
             kv.put([w.key(kv, 6)], [w.block(6)])  # quarantined: dropped at once
             assert kv.stats()["puts_dropped"] == 2
-            stall.end()
-            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+            end_stall(stall, guard)
         assert not list((tmp_path / "shared").rglob("*.kv[bc]"))  # the late write saw it was abandoned
         assert not [f for f in (tmp_path / "shared").rglob("*") if f.is_file() and "tmp" in f.name]
         time.sleep(0.01)
         kv.put([key], [w.block(5)])
         assert kv.contains(key) and kv.stats()["puts_dropped"] == 2
-    finally:
-        kv.close()
 
 
 def test_a_stalled_read_into_a_pinned_slot_never_lands_in_a_reused_slot(tmp_path: Path) -> None:
@@ -167,8 +166,7 @@ def test_a_stalled_read_into_a_pinned_slot_never_lands_in_a_reused_slot(tmp_path
     keys = [w.key(writer, i) for i in range(40)]
     writer.put(keys[:1], [w.block(0)])
     writer.close()
-    kv = store(tmp_path, pinned_bytes=4 * (w.GEOM.block_bytes + 4096))
-    try:
+    with store(tmp_path, pinned_bytes=4 * (w.GEOM.block_bytes + 4096)) as kv:
         assert kv.shared is not None
         guard = kv.shared.guard
         dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
@@ -176,16 +174,13 @@ def test_a_stalled_read_into_a_pinned_slot_never_lands_in_a_reused_slot(tmp_path
             assert kv.get_into(keys[:1], [dest]) == [None]  # its slot is the stuck worker's
             for i in range(1, 40):  # churn the pinned tier: every free slot is reused
                 kv.put([keys[i]], [w.block(i)])
-            stall.end()
-            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+            end_stall(stall, guard)
             kv.wait_for_puts()
         resident = [keys.index(k) for k in list(kv.pinned.entries)]
         assert len(resident) == kv.pinned.capacity and 0 not in resident
         for i in resident:  # each resident block is its own bytes, never block 0's late read
             assert kv.get_into([keys[i]], [dest]) == ["pinned"]
             assert np.array_equal(dest, w.block(i)), i
-    finally:
-        kv.close()
 
 
 def test_a_stalled_block_store_misses_within_the_deadline(tmp_path: Path) -> None:
@@ -205,8 +200,7 @@ def test_a_stalled_block_store_misses_within_the_deadline(tmp_path: Path) -> Non
                 assert kv.get_into(keys[:1], [dest], keep_on_miss=keep) == [None]
                 assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
                 assert (dest == 7).all()
-            stall.end()
-            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+            end_stall(stall, guard)
             time.sleep(0.05)
             assert (dest == 7).all()  # the late reads landed in staging buffers, never in the caller's memory
         with simulated_stall(bs, "_write_slots", tmp_path) as stall:
@@ -215,8 +209,7 @@ def test_a_stalled_block_store_misses_within_the_deadline(tmp_path: Path) -> Non
             kv.put(keys[2:], [w.block(2)])
             assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
             assert kv.stats()["puts_dropped"] == 1 and kv.stats()["quarantine"]["block"]["quarantined"]
-            stall.end()
-            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+            end_stall(stall, guard)
         wait_for(lambda: kv.get_into(keys[:1], [dest]) == ["block"])
         assert np.array_equal(dest, w.block(0))
         assert kv.stats()["quarantine"]["block"]["deadline_misses"] == 3
@@ -300,8 +293,7 @@ def quarantined_worker(shared: str, stall_dir: str, backoff_ms: int, conn: Any) 
         guard.recorder.flush(10.0)
         conn.send(("quarantined", got, took, guard.describe()))
         conn.recv()  # "recover"
-        stall.end()
-        wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+        end_stall(stall, guard)
     wait_for(lambda: kv.get_into([key], [dest]) == ["shared"], 30.0)
     guard.recorder.flush(10.0)
     conn.send(("recovered", guard.describe()))
@@ -412,8 +404,7 @@ def test_another_nodes_quarantine_holds_until_its_end(tmp_path: Path, capsys: py
 def test_the_record_never_waits_for_the_stalled_mount(tmp_path: Path) -> None:
     """The shared directory's record is written into the stalled mount: its thread waits there, the caller does
     not, and this host's record (which the probe reads) is written meanwhile."""
-    kv = store(tmp_path, quarantine_ms=5000)
-    try:
+    with store(tmp_path, quarantine_ms=5000) as kv:
         assert kv.shared is not None
         _record_shared_tier(kv)
         key = w.key(kv, 0)
@@ -433,8 +424,6 @@ def test_the_record_never_waits_for_the_stalled_mount(tmp_path: Path) -> None:
             record_stall.end()
             stall.end()
             wait_for(lambda: len(list((tmp_path / "shared" / META / "quarantine").glob("*.json"))) == 1)
-    finally:
-        kv.close()
     wait_for(lambda: not list(Path(quarantine_records.quarantine_dir()).glob("*.json")))  # closed: withdrawn
 
 
@@ -500,12 +489,8 @@ def test_the_record_follows_the_quarantine_stuck_workers_back_off_and_recovery(t
 def test_a_slow_listing_is_bounded_but_never_quarantines_the_tier(tmp_path: Path) -> None:
     """stats() counts the shared tier's blocks by listing its directory, which takes longer as it grows, not as
     the mount sickens: past the deadline the count is unknown (None), and gets and puts go on."""
-    kv = store(tmp_path, quarantine_ms=10_000)  # a quarantine would last the whole test
-    try:
-        assert kv.shared is not None
-        keys = [w.key(kv, i) for i in range(2)]
-        kv.put(keys, [w.block(0), w.block(1)])
-        guard = kv.shared.guard
+    with store(tmp_path, quarantine_ms=10_000) as kv:  # a quarantine would last the whole test
+        keys, guard = two_shared_blocks(kv)
         with simulated_stall(kv.shared, "_count", tmp_path) as stall:
             t0 = time.monotonic()
             assert kv.stats()["resident"]["shared"] is None
@@ -514,40 +499,29 @@ def test_a_slow_listing_is_bounded_but_never_quarantines_the_tier(tmp_path: Path
             assert guard.counters.snapshot()["deadline_misses"] == 0
             dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
             assert kv.get_into([keys[1]], [dest]) == ["shared"] and np.array_equal(dest, w.block(1))
-            stall.end()
-            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+            end_stall(stall, guard)
         assert kv.stats()["resident"]["shared"] == 2
-    finally:
-        kv.close()
 
 
 def test_a_listing_never_probes_a_quarantined_tier(tmp_path: Path) -> None:
-    kv = store(tmp_path, quarantine_ms=BACKOFF_MS)
-    try:
-        assert kv.shared is not None
-        keys = [w.key(kv, i) for i in range(2)]
-        kv.put(keys, [w.block(0), w.block(1)])
-        guard = kv.shared.guard
+    with store(tmp_path, quarantine_ms=BACKOFF_MS) as kv:
+        keys, guard = two_shared_blocks(kv)
         dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
         with simulated_stall(kv.shared, "_open", tmp_path) as stall:
             assert kv.get_into([keys[0]], [dest]) == [None] and guard.quarantined()
-            stall.end()
-            wait_for(lambda: guard.describe()["abandoned_now"] == 0)
+            end_stall(stall, guard)
         time.sleep(BACKOFF_MS / 1000 + 0.005)  # the back-off is over: the next judging call probes
         probes = guard.counters.snapshot()["probes"]
         assert kv.stats()["resident"]["shared"] is None  # the listing waits for a probe, as every call does
         assert guard.counters.snapshot()["probes"] == probes
         assert kv.get_into([keys[0]], [dest]) == ["shared"] and not guard.quarantined()  # this get probed
         assert kv.stats()["resident"]["shared"] == 2
-    finally:
-        kv.close()
 
 
 def test_a_lookup_asks_the_shared_tier_once_for_its_whole_prefix(tmp_path: Path) -> None:
     """One operation under the deadline (one handoff to the tier's workers) for every block only the shared
     tier may hold, instead of one per block; the answer is the same."""
-    kv = store(tmp_path, pinned_bytes=2 * w.GEOM.block_bytes)
-    try:
+    with store(tmp_path, pinned_bytes=2 * w.GEOM.block_bytes) as kv:
         assert kv.shared is not None
         tokens = list(range(w.GEOM.block_tokens * 10 + 3))
         keys = kv.keys_for(tokens)
@@ -568,8 +542,6 @@ def test_a_lookup_asks_the_shared_tier_once_for_its_whole_prefix(tmp_path: Path)
             assert kv.lookup(tokens) == 0
             assert time.monotonic() - t0 <= DEADLINE_MS / 1000 + SLACK_S
             stall.end()
-    finally:
-        kv.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
