@@ -17,9 +17,8 @@ import pytest
 from sfstore import errors
 from sfstore.kvcache import KVCacheStore
 from tests.kvcache import shared_workers as w
-from tests.kvcache.stalls import Stall
 from tests.kvcache.test_kvcache_deadlines import DEADLINE_MS, SLACK_S, wait_for
-from tests.kvcache.test_kvcache_shared_batch import _file, _open, _publish, _stall_one
+from tests.kvcache.test_kvcache_shared_batch import _file, _one_file_stalled, _open, _publish
 
 
 @pytest.fixture(autouse=True)
@@ -38,8 +37,7 @@ def test_a_read_that_may_leave_a_miss_dirty_lands_straight_in_the_callers_memory
         tmp_path: Path, deadline_ms: int) -> None:
     shared = tmp_path / "shared"
     keys = _publish(shared, {0: 0, 1: 1, 2: 2, 3: 3})
-    kv = _open(shared, pinned=0, io_timeout_ms=deadline_ms)
-    try:
+    with _open(shared, pinned=0, io_timeout_ms=deadline_ms) as kv:
         flipped = _file(kv, shared, keys[2])
         with open(flipped, "r+b") as f:  # a byte of block 2 flipped
             f.seek(4096 + 100)
@@ -59,37 +57,26 @@ def test_a_read_that_may_leave_a_miss_dirty_lands_straight_in_the_callers_memory
         assert np.array_equal(dests[2], want)
         assert _scratch_taken(kv) == before == 0 and lent == []
         assert kv.stats()["corrupt_dropped"] == 1 and not flipped.exists()
-    finally:
-        kv.close()
 
 
 def test_under_a_deadline_without_lend_the_callers_memory_is_written_only_in_time(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     keys = _publish(shared, {i: i for i in range(4)})
-    kv = _open(shared, pinned=0, io_timeout_ms=DEADLINE_MS, quarantine_ms=1)
-    try:
+    with _open(shared, pinned=0, io_timeout_ms=DEADLINE_MS, quarantine_ms=1) as kv:
         assert kv.shared is not None
         dests = [np.full(w.GEOM.block_bytes, 7, dtype=np.uint8) for _ in keys]
-        stall = Stall(tmp_path)
-        undo = _stall_one(kv, keys[1], stall)
-        try:
+        with _one_file_stalled(kv, keys[1], tmp_path):
             assert kv.get_into(keys, dests, keep_on_miss=False) == [None] * 4
-        finally:
-            stall.close()
-            undo()
         wait_for(lambda: kv.shared is not None and kv.shared.guard.describe()["abandoned_now"] == 0)
         time.sleep(0.05)
         assert all((d == 7).all() for d in dests)  # the late read went to scratch buffers
-    finally:
-        kv.close()
 
 
 def test_a_lent_batch_past_its_deadline_is_given_back_when_its_read_returns(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     count = 6
     keys = _publish(shared, {i: i for i in range(count)})
-    kv = _open(shared, pinned=0, io_timeout_ms=DEADLINE_MS, quarantine_ms=1)
-    try:
+    with _open(shared, pinned=0, io_timeout_ms=DEADLINE_MS, quarantine_ms=1) as kv:
         assert kv.shared is not None
         guard = kv.shared.guard
         dests = [np.full(w.GEOM.block_bytes, 7, dtype=np.uint8) for _ in keys]
@@ -107,9 +94,7 @@ def test_a_lent_batch_past_its_deadline_is_given_back_when_its_read_returns(tmp_
                 given_back.set()
             return back
 
-        stall = Stall(tmp_path)
-        undo = _stall_one(kv, keys[count // 2], stall)
-        try:
+        with _one_file_stalled(kv, keys[count // 2], tmp_path):
             wait_for(lambda: not guard.quarantined(), 5.0)
             t0 = time.monotonic()
             assert kv.get_into(keys, dests, keep_on_miss=False, lend=lend) == [None] * count
@@ -121,25 +106,17 @@ def test_a_lent_batch_past_its_deadline_is_given_back_when_its_read_returns(tmp_
             assert not given_back.is_set()  # the read is still stuck in the stall: the blocks stay lent
             assert all((d == 7).all() for d in dests)
             order.append("stall ends")
-        finally:
-            stall.close()
-            undo()
         assert given_back.wait(10)
         assert order == ["stall ends", "back"]
         # the abandoned read did write the lent blocks, after get_into answered: why they had to stay lent
         for i, d in enumerate(dests):
             assert np.array_equal(d, w.block(i)), i
         wait_for(lambda: guard.describe()["abandoned_now"] == 0)
-    finally:
-        kv.close()
 
 
 def test_lend_is_refused_where_a_miss_must_leave_the_block_as_it_was(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     keys = _publish(shared, {0: 0})
-    kv = _open(shared, pinned=0)
-    try:
+    with _open(shared, pinned=0) as kv:
         with pytest.raises(errors.InvalidRequestError, match="keep_on_miss=False"):
             kv.get_into(keys, [np.zeros(w.GEOM.block_bytes, dtype=np.uint8)], lend=lambda at: lambda: None)
-    finally:
-        kv.close()

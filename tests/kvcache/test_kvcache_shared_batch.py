@@ -9,9 +9,10 @@ format blocks whose chain the store does not know are kept in (chunk files: ``te
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +37,11 @@ def _open(shared: Path, *, pinned: int, namespace: str = "", **kwargs: Any) -> K
 
 def _publish(shared: Path, blocks: dict[int, int], namespace: str = "") -> list[bytes]:
     """Put block ``v`` under key ``k`` for each item (a writer with no pinned tier writes straight through)."""
-    kv = _open(shared, pinned=0, namespace=namespace)
-    try:
+    with _open(shared, pinned=0, namespace=namespace) as kv:
         keys = [w.key(kv, i) for i in range(max(blocks) + 1)]
         for k, v in blocks.items():
             kv.put([keys[k]], [w.block(v)])
         return keys
-    finally:
-        kv.close()
 
 
 def _file(kv: KVCacheStore, shared: Path, key: bytes) -> Path:
@@ -79,8 +77,7 @@ def test_a_batch_answers_each_file_as_it_is(tmp_path: Path, pinned: int, submits
     # 0, 1, 7 hits; 2 never written; 3 corrupt; 4 truncated; 5 only in another namespace; 6 a FIFO
     keys = _publish(shared, {0: 0, 1: 1, 3: 3, 4: 4, 7: 7})
     _publish(shared, {5: 5}, namespace="other")
-    kv = _open(shared, pinned=pinned)
-    try:
+    with _open(shared, pinned=pinned) as kv:
         corrupt, truncated, fifo = _file(kv, shared, keys[3]), _file(kv, shared, keys[4]), _file(kv, shared, keys[6])
         with open(corrupt, "r+b") as f:
             f.seek(HEADER + 1000)
@@ -115,8 +112,6 @@ def test_a_batch_answers_each_file_as_it_is(tmp_path: Path, pinned: int, submits
         kv.put(keys[3:5], [w.block(3), w.block(4)])
         kv.wait_for_puts()
         assert corrupt.exists() and truncated.exists()
-    finally:
-        kv.close()
 
 
 @pytest.mark.parametrize("link", ["absolute", "dotdot", "directory"])
@@ -126,8 +121,7 @@ def test_a_link_out_of_the_directory_in_a_batch_is_refused_and_left_alone(tmp_pa
     shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
     keys = _publish(shared, {0: 0, 1: 1, 2: 2})
     _publish(elsewhere, {0: 0, 1: 1, 2: 2})
-    kv = _open(shared, pinned=PINNED)
-    try:
+    with _open(shared, pinned=PINNED) as kv:
         target, victim = _file(kv, elsewhere, keys[1]), _file(kv, shared, keys[1])
         if link == "directory":  # the key's fan-out directory swapped for a link to the other tree's
             other = [k for k in (keys[0], keys[2]) if _file(kv, shared, k).parent == victim.parent]
@@ -145,16 +139,13 @@ def test_a_link_out_of_the_directory_in_a_batch_is_refused_and_left_alone(tmp_pa
             assert got[0] == got[2] == "shared"
             assert np.array_equal(dests[0], w.block(0)) and np.array_equal(dests[2], w.block(2))
         assert target.exists() and os.path.islink(victim if link != "directory" else victim.parent)
-    finally:
-        kv.close()
 
 
 def test_the_tier_answers_a_status_per_key(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     _publish(shared, {0: 0, 2: 2, 3: 3})
     keys = _publish(shared, {4: 4}, namespace="other")
-    kv = _open(shared, pinned=PINNED)
-    try:
+    with _open(shared, pinned=PINNED) as kv:
         assert kv.shared is not None
         os.truncate(_file(kv, shared, keys[2]), 100)
         (shared / kv.shared.file_name(keys[1])).parent.mkdir(parents=True, exist_ok=True)
@@ -178,32 +169,29 @@ def test_the_tier_answers_a_status_per_key(tmp_path: Path) -> None:
             release_all(again)
         assert kv.shared.read_many_into([], []) == []
         assert kv.shared.read_many_views(keys[:1], [memoryview(bytearray(w.GEOM.block_bytes))]) == ["hit"]
-    finally:
-        kv.close()
 
 
 def test_a_renamed_file_of_another_key_is_corrupt_and_dropped(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     keys = _publish(shared, {0: 0, 1: 1})
-    kv = _open(shared, pinned=0)
-    try:
+    with _open(shared, pinned=0) as kv:
         target = _file(kv, shared, keys[1])
         os.replace(_file(kv, shared, keys[0]), target)  # key 1's name, key 0's header and block
         dests = [np.zeros(w.GEOM.block_bytes, dtype=np.uint8) for _ in range(2)]
         assert kv.get_into(keys, dests) == [None, None]
         assert not target.exists() and kv.stats()["corrupt_dropped"] == 1
-    finally:
-        kv.close()
 
 
-def _stall_one(kv: KVCacheStore, key: bytes, stall: Stall) -> Callable[[], None]:
-    """Make the open of ``key``'s file wait on ``stall``: alone (the other files of a batch open at once), or
-    within the batch's one native call that opens every file (where a stalled mount would hold the call);
-    returns the undo."""
+@contextlib.contextmanager
+def _one_file_stalled(kv: KVCacheStore, key: bytes, where: Path) -> Iterator[None]:
+    """Within it, the open of ``key``'s file waits on a :class:`Stall` made in ``where``: alone (the other files of
+    a batch open at once), or within the batch's one native call that opens every file (where a stalled mount
+    would hold the call). Leaving ends the stall."""
     assert kv.shared is not None
     tier = kv.shared
     real, real_many = tier._open, tier._open_blocks
     name = "/".join(tier._entry(key))
+    stall = Stall(where)
 
     def stalled(rel: str, flags: int) -> int:
         if rel == name:
@@ -217,11 +205,11 @@ def _stall_one(kv: KVCacheStore, key: bytes, stall: Stall) -> Callable[[], None]
 
     tier._open = stalled  # type: ignore[method-assign]
     tier._open_blocks = stalled_many  # type: ignore[method-assign]
-
-    def undo() -> None:
+    try:
+        yield
+    finally:
+        stall.close()
         tier._open, tier._open_blocks = real, real_many  # type: ignore[method-assign]
-
-    return undo
 
 
 @pytest.mark.parametrize("pinned", [PINNED, 0], ids=["pinned-tier", "no-pinned-tier"])
@@ -229,16 +217,13 @@ def test_a_stalled_file_makes_the_whole_batch_a_miss_within_the_deadline(tmp_pat
     shared = tmp_path / "shared"
     count = 12
     keys = _publish(shared, {i: i for i in range(count)})
-    kv = _open(shared, pinned=pinned, io_timeout_ms=DEADLINE_MS, quarantine_ms=1)
-    try:
+    with _open(shared, pinned=pinned, io_timeout_ms=DEADLINE_MS, quarantine_ms=1) as kv:
         assert kv.shared is not None
         guard = kv.shared.guard
         dests = [np.full(w.GEOM.block_bytes, 7, dtype=np.uint8) for _ in keys]
         took = []
         for trial in range(5):
-            stall = Stall(tmp_path)
-            undo = _stall_one(kv, keys[count // 2], stall)
-            try:
+            with _one_file_stalled(kv, keys[count // 2], tmp_path):
                 wait_for(lambda: not guard.quarantined(), 5.0)
                 t0 = time.monotonic()
                 got = kv.get_into(keys, dests)
@@ -246,9 +231,6 @@ def test_a_stalled_file_makes_the_whole_batch_a_miss_within_the_deadline(tmp_pat
                 assert got == [None] * count, trial
                 assert all((d == 7).all() for d in dests)
                 assert guard.describe()["deadline_misses"] == trial + 1  # one per batch, not per file
-            finally:
-                stall.close()
-                undo()
             wait_for(lambda: guard.describe()["abandoned_now"] == 0)
             time.sleep(0.05)
             assert all((d == 7).all() for d in dests)  # the late reads never reached the caller's memory
@@ -260,29 +242,21 @@ def test_a_stalled_file_makes_the_whole_batch_a_miss_within_the_deadline(tmp_pat
             assert np.array_equal(d, w.block(i)), i
         s = kv.stats()
         assert s["hits_shared"] == count and s["misses"] == 5 * count
-    finally:
-        kv.close()
 
 
 def test_a_stalled_batch_never_lands_in_a_reused_slot(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     count = 6
     keys = _publish(shared, {i: i for i in range(count)})
-    kv = _open(shared, pinned=4 * (w.GEOM.block_bytes + HEADER), io_timeout_ms=DEADLINE_MS, quarantine_ms=1)
-    extra = [kv.keys_for(range(1000 + i * 16, 1000 + (i + 1) * 16))[0] for i in range(30)]
-    try:
+    with _open(shared, pinned=4 * (w.GEOM.block_bytes + HEADER), io_timeout_ms=DEADLINE_MS, quarantine_ms=1) as kv:
+        extra = [kv.keys_for(range(1000 + i * 16, 1000 + (i + 1) * 16))[0] for i in range(30)]
         assert kv.shared is not None
         guard = kv.shared.guard
         dest = np.zeros(w.GEOM.block_bytes, dtype=np.uint8)
-        stall = Stall(tmp_path)
-        undo = _stall_one(kv, keys[-1], stall)  # once it ends, the late batch reads into every slot
-        try:
+        with _one_file_stalled(kv, keys[-1], tmp_path):  # once it ends, the late batch reads into every slot
             assert kv.get_into(keys, [np.zeros_like(dest) for _ in keys]) == [None] * count
             for i, k in enumerate(extra):  # churn the pinned tier: every free slot is reused
                 kv.put([k], [w.block(100 + i)])
-        finally:
-            stall.close()
-            undo()
         wait_for(lambda: guard.describe()["abandoned_now"] == 0)
         kv.wait_for_puts()
         resident = list(kv.pinned.entries)
@@ -290,8 +264,6 @@ def test_a_stalled_batch_never_lands_in_a_reused_slot(tmp_path: Path) -> None:
         for k in resident:  # each resident block is its own bytes, never a late read's
             assert kv.get_into([k], [dest]) == ["pinned"]
             assert np.array_equal(dest, w.block(100 + extra.index(k)))
-    finally:
-        kv.close()
 
 
 def test_a_large_get_reads_in_waves_each_waves_files_in_flight_together(
@@ -345,8 +317,7 @@ def test_a_lookup_answers_each_name_as_it_is(tmp_path: Path, batched: bool, monk
     shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
     keys = _publish(shared, {0: 0, 1: 1, 6: 6})
     _publish(elsewhere, {2: 2})
-    kv = _open(shared, pinned=PINNED)
-    try:
+    with _open(shared, pinned=PINNED) as kv:
         assert kv.shared is not None
         link = _file(kv, shared, keys[2])
         link.parent.mkdir(parents=True, exist_ok=True)
@@ -364,8 +335,6 @@ def test_a_lookup_answers_each_name_as_it_is(tmp_path: Path, batched: bool, monk
         assert kv.shared.leading_present([keys[5], keys[0]]) == 0
         assert time.monotonic() - t0 < 5  # the FIFO was not waited on
         assert calls == ([7, 7, 3, 2] if batched else [])  # one call a lookup
-    finally:
-        kv.close()
 
 
 def test_a_batch_of_block_files_is_written_side_by_side_and_reads_back(tmp_path: Path,
@@ -393,8 +362,7 @@ def test_a_batch_of_block_files_is_written_side_by_side_and_reads_back(tmp_path:
 
     monkeypatch.setattr(SharedTier, "_write_view", noted)
     shared = tmp_path / "shared"
-    kv = _open(shared, pinned=0, fsync_shared=True)
-    try:
+    with _open(shared, pinned=0, fsync_shared=True) as kv:
         assert kv.shared is not None
         keys = [w.key(kv, i) for i in range(12)]
         values = [w.block(i) for i in range(12)]
@@ -404,12 +372,7 @@ def test_a_batch_of_block_files_is_written_side_by_side_and_reads_back(tmp_path:
         got = kv.shared.write(twice, KVBatch("host", [memoryview(w.block(20)), memoryview(w.block(21)),
                                                       memoryview(w.block(20))]))
         assert got == ["written", "written", "exists"]
-    finally:
-        kv.close()
-    kv = _open(shared, pinned=0)
-    try:
+    with _open(shared, pinned=0) as kv:
         dests = [np.zeros(w.GEOM.block_bytes, dtype=np.uint8) for _ in keys]
         assert kv.get_into(keys, dests) == ["shared"] * 12
         assert all(np.array_equal(d, v) for d, v in zip(dests, values, strict=True))
-    finally:
-        kv.close()
