@@ -107,16 +107,6 @@ def tiny_llama(work: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(work: Path, model: Path) -> dict[str, Any]:
-    return run_engine(work, "baseline", {"model": str(model), "kv": None, "rounds": [[A, B, C]]})
-
-
-@pytest.fixture(scope="module")
-def shared(work: Path) -> Path:
-    return work / "shared"
-
-
-@pytest.fixture(scope="module")
 def first(work: Path, model: Path, shared: Path) -> dict[str, Any]:
     """The saving run: chunked prefill (64 tokens a step), then the same prompts again (pinned hits)."""
     return run_engine(work, "first", {"model": str(model), "kv": {**PER_BLOCK, "shared_dir": str(shared)},

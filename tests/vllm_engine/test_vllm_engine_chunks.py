@@ -34,16 +34,6 @@ def chunk_file(shared: Path, keys: list[str], chunk: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(work: Path, model: Path) -> dict[str, Any]:
-    return run_engine(work, "baseline", {"model": str(model), "kv": None, "rounds": [[A, B, C]]})
-
-
-@pytest.fixture(scope="module")
-def shared(work: Path) -> Path:
-    return work / "shared"
-
-
-@pytest.fixture(scope="module")
 def first(work: Path, model: Path, shared: Path) -> dict[str, Any]:
     return run_engine(work, "first", {"model": str(model), "kv": {**KV, "shared_dir": str(shared)},
                                       "max_num_batched_tokens": 64, "rounds": [[A, B]]})
