@@ -750,13 +750,12 @@ class FilePath(StoragePath):
         ``O_EXCL | O_NOFOLLOW``: never an existing file or a link; O_DIRECT where this path moves data directly.
         With ``size`` the file gets its final size first, so the writes land within it instead of each extending
         it (ext4 serialises extending O_DIRECT writes; NFS updates the size once). On any failure nothing is left
-        behind. Typed errors, naming ``full``.
+        behind. Typed errors, naming ``full``; the caller counts a failure (an atomic writer counts it once).
         """
         try:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                          dir_fd=dirfd)
         except OSError as exc:
-            self.counters.add(errors=1)
             raise errors.os_error(exc.errno or errno.EIO, "cannot create", full) from None
         try:
             if self.direct:
@@ -770,7 +769,6 @@ class FilePath(StoragePath):
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=dirfd)
-            self.counters.add(errors=1)
             raise
         return fd
 
