@@ -36,7 +36,7 @@ from sfstore._optional import require
 from sfstore.buffers import bytes_for_filling, filled_bytes
 from sfstore.futures import Future, MappedFuture
 from sfstore.integrations import webdataset_gopen
-from sfstore.paths.base import Range
+from sfstore.paths.base import PathCounters, Range
 from sfstore.paths.beneath import fold_parts
 from sfstore.paths.file import AtomicWriter, FilePath, OpenFile
 
@@ -388,7 +388,7 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
         return f"sf:{self.root}"
 
     @property
-    def counters(self) -> Any:
+    def counters(self) -> PathCounters:
         """The file path's counters (requests, files, bytes read/written, direct vs bounced, errors)."""
         return self.file_path.counters
 

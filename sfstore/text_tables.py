@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 __all__ = ["cell", "grid"]
 
 
-def cell(value: Any) -> str:
+def cell(value: object) -> str:
     """``value`` as a table shows it: ``-`` for nothing, ``yes``/``no``, lists and dicts joined."""
     if value is None:
         return "-"
@@ -23,7 +22,7 @@ def cell(value: Any) -> str:
     return str(value)
 
 
-def grid(header: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "    ") -> list[str]:
+def grid(header: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "    ") -> list[str]:
     """``rows`` under ``header`` in left-aligned columns two spaces apart, each line indented (the probe's and
     the CLI's tables)."""
     cells = [list(header)] + [[cell(c) for c in row] for row in rows]

@@ -28,7 +28,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sfstore import defaults, errors
 from sfstore.arguments import as_batch, check_timeout
@@ -119,6 +119,23 @@ class _DeviceValue:
 
 
 _Value = memoryview | _DeviceValue  # a value on its way to a slot: host bytes or a GPU array
+_V = TypeVar("_V", bound=_Value)
+
+
+@dataclass(slots=True)
+class _ReservedSlot(Generic[_V]):
+    """A value's reserved slot between :meth:`BlockStore._reserve` and :meth:`BlockStore._publish`: the class, slot
+    and generation taken for it, and the value's checksum once its write computes it. One batch's values are all
+    host bytes (``put_many``) or all GPU arrays (``put_many_device``)."""
+
+    key: bytes
+    value: _V
+    cls: int
+    slot: int
+    gen: int
+    vsum: int = 0
+
+
 if TYPE_CHECKING:
     # a read of a wave: the entry's index, its staging buffer (None: straight into the caller's) and whether the
     # engine checks it (only an alias for annotations: RegisteredBuffer is None where the native helper is absent)
@@ -537,7 +554,7 @@ class BlockStore:
         if durable:
             self.flush()
 
-    def _put_reserved(self, remaining: list[tuple[bytes, _Value]], write: Callable[[list[list[Any]]], None],
+    def _put_reserved(self, remaining: list[tuple[bytes, _V]], write: Callable[[list[_ReservedSlot[_V]]], None],
                       kind: SumKind) -> None:
         """Reserve slots for the values, ``write`` them (and their headers), publish them with checksums of
         ``kind``; as many at a time as there are slots free."""
@@ -558,9 +575,9 @@ class BlockStore:
                 write(reserved)
             except BaseException:
                 with self._lock:
-                    for _k, _mv, cls, slot, gen, _sum in reserved:
-                        self._inflight.discard(gen)
-                        self._pending.append((cls, slot))
+                    for r in reserved:
+                        self._inflight.discard(r.gen)
+                        self._pending.append((r.cls, r.slot))
                     self._slot_freed.notify_all()
                 raise
             self._publish(reserved, kind)
@@ -575,7 +592,7 @@ class BlockStore:
         verify them on the GPU (:meth:`get_into_device`) or in host memory (every other read).
         """
         self._check_open()
-        batch: dict[bytes, _Value] = {}
+        batch: dict[bytes, _DeviceValue] = {}
         for key, value in as_batch(items, "put_many_device: items"):
             k = self._key(key)
             n = int(device.runtime.nbytes(value))
@@ -590,28 +607,29 @@ class BlockStore:
         if durable:
             self.flush()
 
-    def _write_device_slots(self, reserved: list[list[Any]], device: DevicePath, data_class: str) -> None:
+    def _write_device_slots(self, reserved: list[_ReservedSlot[_DeviceValue]], device: DevicePath,
+                            data_class: str) -> None:
         hdr, uid = self._hdr, self.layout.uuid
         fd = self.path.fd
-        for first, last in _waves([item[1].nbytes for item in reserved]):
+        for first, last in _waves([item.value.nbytes for item in reserved]):
             wave = reserved[first:last]
             for item in wave:
-                item[5] = device.runtime.checksum(item[1].array, 0, item[1].nbytes)
-            values = [Range.write(self._classes[cls].slot_offset(slot) + hdr, dv.nbytes, dv.array, 0, fd)
-                      for _k, dv, cls, slot, _gen, _s in wave]
+                item.vsum = device.runtime.checksum(item.value.array, 0, item.value.nbytes)
+            values = [Range.write(self._classes[r.cls].slot_offset(r.slot) + hdr, r.value.nbytes, r.value.array,
+                                  0, fd) for r in wave]
             device.submit(values, data_class=data_class).get()  # the values first: a header without one fails it
             hbuf = self._hdr_pool.acquire()
             try:
                 reqs = []
-                for j, (k, dv, cls, slot, gen, vsum) in enumerate(wave):
+                for j, r in enumerate(wave):
                     hview = memoryview(hbuf)[j * hdr:(j + 1) * hdr]
-                    SlotHeader(slot, gen, dv.nbytes, vsum, cls, k, SumKind.KV64).pack_into(hview, uid)
+                    SlotHeader(r.slot, r.gen, r.value.nbytes, r.vsum, r.cls, r.key, SumKind.KV64).pack_into(hview, uid)
                     del hview
-                    reqs.append(("write", self._classes[cls].slot_offset(slot), hdr, hbuf, j * hdr))
+                    reqs.append(("write", self._classes[r.cls].slot_offset(r.slot), hdr, hbuf, j * hdr))
                 self.path.submit(reqs, check=False).get()
             finally:
                 hbuf.release()
-        self.counters.add(puts=len(reserved), bytes_put=sum(item[1].nbytes for item in reserved))
+        self.counters.add(puts=len(reserved), bytes_put=sum(item.value.nbytes for item in reserved))
 
     def get_into_device(self, keys: Sequence[Key], dests: Sequence[Any], device: DevicePath, *,
                         keep_on_miss: bool = True, data_class: str = "hot") -> list[int | None]:
@@ -689,15 +707,15 @@ class BlockStore:
         return ExecutorFuture(self._pool_executor().submit(self.put_many, listed, durable=durable), "put_many_async")
 
     def _reserve(
-        self, items: list[tuple[bytes, _Value]]
-    ) -> tuple[list[list[Any]], list[tuple[bytes, _Value]]]:
+        self, items: list[tuple[bytes, _V]]
+    ) -> tuple[list[_ReservedSlot[_V]], list[tuple[bytes, _V]]]:
         """Take a slot and a generation for as many values as possible, in order (evicting where a class is
         full); return them and the values left for which no slot is free right now.
 
         Stopping early lets the caller write and publish what it has, which makes those slots evictable: so
         threads whose batches together need more slots than exist never wait on each other forever.
         """
-        reserved: list[list[Any]] = []
+        reserved: list[_ReservedSlot[_V]] = []
         victims: list[tuple[_Entry, int]] = []
         done = 0
         try:
@@ -710,7 +728,7 @@ class BlockStore:
                             gen = self._next_gen
                             self._next_gen += 1
                             self._inflight.add(gen)
-                            reserved.append([k, mv, cls, slot, gen, 0])
+                            reserved.append(_ReservedSlot(k, mv, cls, slot, gen))
                             if victim is not None:
                                 victims.append((victim, cls))
                             break
@@ -724,9 +742,9 @@ class BlockStore:
                 self._spill(victims)
         except BaseException:
             with self._lock:
-                for _k, _mv, cls, slot, gen, _s in reserved:
-                    self._inflight.discard(gen)
-                    self._classes[cls].free.append(slot)
+                for r in reserved:
+                    self._inflight.discard(r.gen)
+                    self._classes[r.cls].free.append(r.slot)
                 self._slot_freed.notify_all()
             raise
         return reserved, items[done:]
@@ -763,13 +781,13 @@ class BlockStore:
                 self.counters.add(evict_hook_errors=1)
                 warnings.warn(f"sfstore BlockStore on_evict failed for key {victim.key!r}: {exc!r}", stacklevel=3)
 
-    def _write_slots(self, reserved: list[list[Any]]) -> None:
+    def _write_slots(self, reserved: list[_ReservedSlot[memoryview]]) -> None:
         hdr = self._hdr
         lba = self.layout.lba
         uid = self.layout.uuid
         pending: list[tuple[PathFuture, list[RegisteredBuffer]]] = []
         try:
-            for first, last in _waves([item[1].nbytes for item in reserved]):
+            for first, last in _waves([item.value.nbytes for item in reserved]):
                 wave = reserved[first:last]
                 bufs: list[RegisteredBuffer] = []
                 reqs = []
@@ -777,38 +795,37 @@ class BlockStore:
                     # Values of zero-copy items go first, straight from the caller's memory, so the device is busy
                     # while their checksums are computed; their headers follow in a second batch (a header
                     # without its whole value fails the value checksum, like a torn slot).
-                    direct = [j for j, item in enumerate(wave) if item[1].nbytes >= _ZERO_COPY_MIN
-                              and item[1].nbytes % lba == 0]
+                    direct = [j for j, item in enumerate(wave) if item.value.nbytes >= _ZERO_COPY_MIN
+                              and item.value.nbytes % lba == 0]
                     if direct:
-                        vreqs = [("write", self._classes[wave[j][2]].slot_offset(wave[j][3]) + hdr,
-                                  wave[j][1].nbytes, wave[j][1], 0) for j in direct]
+                        vreqs = [("write", self._classes[wave[j].cls].slot_offset(wave[j].slot) + hdr,
+                                  wave[j].value.nbytes, wave[j].value, 0) for j in direct]
                         pending.append((self.path.submit(vreqs, check=False), []))
                         hbuf = self._hdr_pool.acquire()
                         bufs.append(hbuf)
                         for j in direct:
-                            k, mv, cls, slot, gen, _ = wave[j]
+                            r = wave[j]
                             hview = memoryview(hbuf)[j * hdr:(j + 1) * hdr]
-                            wave[j][5] = value_sum(mv)
-                            SlotHeader(slot, gen, mv.nbytes, wave[j][5], cls, k).pack_into(hview, uid)
+                            r.vsum = value_sum(r.value)
+                            SlotHeader(r.slot, r.gen, r.value.nbytes, r.vsum, r.cls, r.key).pack_into(hview, uid)
                             del hview
-                            reqs.append(("write", self._classes[cls].slot_offset(slot), hdr, hbuf, j * hdr))
+                            reqs.append(("write", self._classes[r.cls].slot_offset(r.slot), hdr, hbuf, j * hdr))
                     for j, item in enumerate(wave):
                         if j in direct:
                             continue
-                        k, mv, cls, slot, gen, _ = item
-                        c = self._classes[cls]
-                        n = mv.nbytes
+                        c = self._classes[item.cls]
+                        n = item.value.nbytes
                         buf = c.pool.acquire()
                         bufs.append(buf)
                         view = memoryview(buf)
-                        view[hdr:hdr + n] = mv
+                        view[hdr:hdr + n] = item.value
                         io = hdr + round_up(n, lba)
                         if io > hdr + n:
                             view[hdr + n:io] = bytes(io - hdr - n)
-                        item[5] = value_sum(view[hdr:hdr + n])
-                        SlotHeader(slot, gen, n, item[5], cls, k).pack_into(view, uid)
+                        item.vsum = value_sum(view[hdr:hdr + n])
+                        SlotHeader(item.slot, item.gen, n, item.vsum, item.cls, item.key).pack_into(view, uid)
                         del view
-                        reqs.append(("write", c.slot_offset(slot), io, buf, 0))
+                        reqs.append(("write", c.slot_offset(item.slot), io, buf, 0))
                     pending.append((self.path.submit(reqs, check=False), bufs))
                 except BaseException:
                     for b in bufs:
@@ -821,11 +838,12 @@ class BlockStore:
                 fut.wait()
                 for b in bufs:
                     b.release()
-        self.counters.add(puts=len(reserved), bytes_put=sum(item[1].nbytes for item in reserved))
+        self.counters.add(puts=len(reserved), bytes_put=sum(item.value.nbytes for item in reserved))
 
-    def _publish(self, reserved: list[list[Any]], kind: SumKind = SumKind.XXH3) -> None:
+    def _publish(self, reserved: list[_ReservedSlot[_V]], kind: SumKind = SumKind.XXH3) -> None:
         with self._lock:
-            for k, mv, cls, slot, gen, vsum in reserved:
+            for r in reserved:
+                k, cls, slot, gen = r.key, r.cls, r.slot, r.gen
                 self._inflight.discard(gen)
                 old = self._index.get(k)
                 if old is not None and old.gen > gen:  # a concurrent put of the same key won
@@ -834,7 +852,7 @@ class BlockStore:
                 if old is not None:
                     self._classes[old.cls].lru.pop(k, None)
                     self._retire(old)
-                entry = _Entry(k, cls, slot, gen, mv.nbytes, vsum, kind=kind)
+                entry = _Entry(k, cls, slot, gen, r.value.nbytes, r.vsum, kind=kind)
                 self._index[k] = entry
                 self._classes[cls].lru[k] = entry
             self._slot_freed.notify_all()

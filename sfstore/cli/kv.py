@@ -16,12 +16,12 @@ from sfstore.cli.common import Subparsers, human
 from sfstore.errors import SfstoreError
 
 if TYPE_CHECKING:
-    pass
+    from sfstore.kvcache.shared_budget import SharedBudget
 
 __all__ = ["add_kv"]
 
 
-def _kv_budgets(args: argparse.Namespace) -> list[tuple[str, Any]]:
+def _kv_budgets(args: argparse.Namespace) -> list[tuple[str, SharedBudget]]:
     """One :class:`~sfstore.kvcache.shared_budget.SharedBudget` per namespace the command names (all that are
     there without ``--namespace``) of the shared directory ``DIR`` (default: the router's, as
     ``KVCacheStore.from_router`` uses it), with that directory relative to the budget's file path."""
@@ -42,7 +42,7 @@ def _kv_budgets(args: argparse.Namespace) -> list[tuple[str, Any]]:
     return [(top, SharedBudget(fp, top + namespace_prefix(n), budget, namespace=n)) for n in names]
 
 
-def _kv_each(args: argparse.Namespace, call: Callable[[str, Any], dict[str, Any]]) -> list[dict[str, Any]]:
+def _kv_each(args: argparse.Namespace, call: Callable[[str, SharedBudget], dict[str, Any]]) -> list[dict[str, Any]]:
     """``call(top, budget)`` for each namespace, with a failed system call as a typed error (naming the path)."""
     try:
         return [call(top, b) for top, b in _kv_budgets(args)]

@@ -6,24 +6,24 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sfstore import errors
 from sfstore.cli.common import Subparsers, human
 
 if TYPE_CHECKING:
-    pass
+    from sfstore.nvme import Controller, NvmeofTarget
 
 __all__ = ["add_nvme"]
 
 
-def _nvme_target(args: argparse.Namespace) -> Any:
+def _nvme_target(args: argparse.Namespace) -> NvmeofTarget:
     from sfstore.nvme import NvmeofTarget
 
     return NvmeofTarget(args.transport, args.traddr or "", args.trsvcid or "", args.nqn or "", hostnqn=args.hostnqn)
 
 
-def _print_controllers(ctrls: Sequence[Any]) -> None:
+def _print_controllers(ctrls: Sequence[Controller]) -> None:
     from sfstore.text_tables import grid
 
     rows = []

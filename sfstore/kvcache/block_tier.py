@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from sfstore.blocks import BlockStore
 from sfstore.buffers import RegisteredBuffer, RegisteredBufferPool
 from sfstore.checksums import SumKind
-from sfstore.kvcache.deadline import OK, TIMEOUT, QuarantineRecorder, TierGuard
+from sfstore.kvcache.deadline import OK, TIMEOUT, Outcome, QuarantineRecorder, TierGuard
 from sfstore.kvcache.geometry import KVGeometry
 from sfstore.kvcache.tier import KVBatch, KVTier, ReadStatus, WriteStatus, read_status
 from sfstore.kvcache.tiers import Lease, lease_again, release_all
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from sfstore.paths.device import DevicePath
 
 __all__ = ["BlockKVTier"]
+
+_T = TypeVar("_T")
 
 # Blocks per block-store call: each call runs under its own deadline (a batch of any size is not one call that
 # must finish within it, all dropped or all missed past it), and the staging buffers held are bounded.
@@ -81,8 +83,8 @@ class BlockKVTier(KVTier):
         return len(self.store)
 
     # -- the guard --------------------------------------------------------------------------------------------
-    def run(self, fn: Callable[..., Any], *args: Any, leases: Sequence[Lease] = (),
-            buffers: Sequence[RegisteredBuffer] = (), what: str) -> tuple[str, Any]:
+    def run(self, fn: Callable[..., _T], *args: object, leases: Sequence[Lease] = (),
+            buffers: Sequence[RegisteredBuffer] = (), what: str) -> tuple[Outcome, _T | None]:
         """A block-store call within the tier's deadline: ``(status, result)`` as
         :meth:`TierGuard.run <sfstore.kvcache.deadline.TierGuard.run>`. ``leases`` and ``buffers`` (registered
         staging buffers) are what the call reads or fills: kept from reuse until it is done with them."""
@@ -134,6 +136,7 @@ class BlockKVTier(KVTier):
                 for i in idx:
                     out[i] = read_status(status)
                 continue
+            assert got is not None
             self._judge(keys, idx, got[0], out)
 
     def _get_views(self, keys: list[bytes], views: list[memoryview], keep: bool) -> tuple[list[int | None], int]:
@@ -190,7 +193,7 @@ class BlockKVTier(KVTier):
                 yield idx, [], [None] * len(idx), status
                 continue
             try:
-                yield idx, bufs, (got[0] if status == OK else [None] * len(idx)), status
+                yield idx, bufs, (got[0] if status == OK and got is not None else [None] * len(idx)), status
             finally:
                 release_all(bufs)
 
@@ -216,6 +219,7 @@ class BlockKVTier(KVTier):
                 for i in idx:
                     out[i] = read_status(status)
             else:
+                assert got is not None
                 self._judge(keys, idx, got, out)
         done = set(direct)
         staged = [i for i in present if i not in done]

@@ -32,7 +32,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar
 
 from sfstore import forks, quarantine_records
 from sfstore.counters import Counters
@@ -48,6 +48,7 @@ the tier is quarantined (``quarantined``)."""
 OK: Final[Outcome] = "ok"
 TIMEOUT: Final[Outcome] = "timeout"
 QUARANTINED: Final[Outcome] = "quarantined"
+_T = TypeVar("_T")
 _BACKOFF_CAP = 64  # the longest back-off, in units of the first
 _COUNTERS = ("calls", "deadline_misses", "quarantine_skips", "probes", "recoveries", "abandoned_total",
              "late_returns", "slow_unjudged")
@@ -252,13 +253,15 @@ class QuarantineRecorder:
         return done
 
 
-class _Task:
+class _Task(Generic[_T]):
     __slots__ = ("args", "done", "error", "fn", "lock", "on_late", "result", "state")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], on_late: Callable[[], None] | None) -> None:
-        self.fn, self.args, self.on_late = fn, args, on_late
+    def __init__(self, fn: Callable[..., _T], args: tuple[object, ...], on_late: Callable[[], None] | None) -> None:
+        # may return None: once run, ``fn`` is swapped for a no-op so that the worker keeps nothing it was lent
+        self.fn: Callable[..., _T | None] = fn
+        self.args, self.on_late = args, on_late
         self.state = "queued"  # -> running -> done | abandoned; queued -> cancelled
-        self.result: Any = None
+        self.result: _T | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.lock = threading.Lock()
@@ -293,7 +296,8 @@ class TierGuard:
         self.max_abandoned = max(1, max_abandoned)
         self.counters = Counters(_COUNTERS)
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        # one queue for every operation, whatever its result type
+        self._queue: queue.SimpleQueue[_Task[Any] | None] = queue.SimpleQueue()
         self._live = 0  # workers in the pool (not abandoned)
         self._idle = 0
         self._abandoned = 0  # workers stuck past a deadline, not returned yet
@@ -451,8 +455,8 @@ class TierGuard:
         rec.publish(state)
 
     # -- running -----------------------------------------------------------------------------------------------
-    def run(self, fn: Callable[..., Any], *args: Any, on_late: Callable[[], None] | None = None,
-            what: str = "an operation", judges: bool = True) -> tuple[Outcome, Any]:
+    def run(self, fn: Callable[..., _T], *args: object, on_late: Callable[[], None] | None = None,
+            what: str = "an operation", judges: bool = True) -> tuple[Outcome, _T | None]:
         """Run ``fn(*args)`` within the deadline: ``("ok", its result)`` (its exception is raised here),
         ``("timeout", None)`` past the deadline (``on_late`` then runs on the worker once ``fn`` returns, if
         it ever does; here, before this returns, where ``fn`` never started: whatever memory ``fn`` was lent is
@@ -496,8 +500,8 @@ class TierGuard:
             raise task.error
         return OK, task.result
 
-    def run_holding(self, release: Callable[[], None] | None, fn: Callable[..., Any], *args: Any,
-                    what: str = "an operation") -> tuple[Outcome, Any]:
+    def run_holding(self, release: Callable[[], None] | None, fn: Callable[..., _T], *args: object,
+                    what: str = "an operation") -> tuple[Outcome, _T | None]:
         """:meth:`run` of an operation on memory the caller lends it (pinned slots, staging buffers): ``release``
         gives that memory back once, when the operation is done with it: before this returns, or, past the
         deadline, when the abandoned worker returns."""
@@ -523,7 +527,7 @@ class TierGuard:
         threading.Thread(target=self._work, name=f"sfstore-kv-{self.name}", daemon=True).start()
 
     def _work(self) -> None:
-        task: _Task | None = None
+        task: _Task[Any] | None = None
         while True:
             task = None  # nothing of the last operation stays referenced while this thread waits
             with self._lock:

@@ -549,7 +549,7 @@ class SharedTier(KVTier):
         if not keys:
             return 0
         status, n = self.guard.run(self._leading_present, list(keys), what="a lookup")
-        return int(n) if status == OK else 0
+        return int(n) if status == OK and n is not None else 0
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """:meth:`contains` of each key, in one operation under the deadline (every answer ``False`` past it or
@@ -557,7 +557,7 @@ class SharedTier(KVTier):
         if not keys:
             return []
         status, found = self.guard.run(self._present, list(keys), what="a lookup")
-        return [bool(f) for f in found] if status == OK else [False] * len(keys)
+        return [bool(f) for f in found] if status == OK and found is not None else [False] * len(keys)
 
     def _split(self, keys: Sequence[bytes]) -> tuple[list[Entry], list[int]]:
         """The keys whose chain is known, as entries for the chunk files (none without them), and the indices of
@@ -896,7 +896,7 @@ class SharedTier(KVTier):
             return []
         status, got = self.guard.run_holding(release, self._read_slots, list(keys), list(slots),
                                         what=f"a read of {len(keys)} blocks")
-        return [str(g) for g in got] if status == OK else [status] * len(keys)
+        return [str(g) for g in got] if status == OK and got is not None else [status] * len(keys)
 
     def _read_slots(self, keys: list[bytes], slots: list[Slot]) -> list[str]:
         found = self._read_batch(keys, [_slot_views(s, self.slot_bytes) for s in slots])
@@ -932,14 +932,14 @@ class SharedTier(KVTier):
         if status == TIMEOUT:
             return [TIMEOUT] * len(keys)  # the scratch buffers are the abandoned worker's until it returns
         try:
-            if status == OK:
+            if status == OK and got is not None:
                 for data, buf, g in zip(datas, bufs, got, strict=True):
                     if g == "hit":
                         with memoryview(buf) as view:
                             data[:n] = view[HEADER:HEADER + n]
         finally:
             release()
-        return [str(g) for g in got] if status == OK else [status] * len(keys)
+        return [str(g) for g in got] if status == OK and got is not None else [status] * len(keys)
 
     def read_many_lent(self, keys: Sequence[bytes], datas: Sequence[memoryview],
                        lend: Callable[[list[int]], Callable[[], None]] | None) -> list[str]:
@@ -965,7 +965,7 @@ class SharedTier(KVTier):
             handoff.lent(lend(list(range(len(keys)))) if lend is not None else None)
             return [TIMEOUT] * len(keys)
         release_all(heads)
-        return [str(g) for g in got] if status == OK else [status] * len(keys)
+        return [str(g) for g in got] if status == OK and got is not None else [status] * len(keys)
 
     def _read_lent(self, keys: list[bytes], heads: list[RegisteredBuffer], datas: list[memoryview]) -> list[str]:
         views = [[memoryview(h)[:HEADER], d] for h, d in zip(heads, datas, strict=True)]
@@ -1104,7 +1104,7 @@ class SharedTier(KVTier):
         with ``keep=False`` a read already under way into ``dest`` (a DMA) may still land there.
         """
         status, got = self.guard.run(self._read_device, key, dest, device, keep, what="a read")
-        return got if status == OK else (status, "")
+        return got if status == OK and got is not None else (status, "")
 
     def _read_device(self, key: bytes, dest: Any, device: DevicePath, keep: bool) -> tuple[str, str]:
         n = self.geom.block_bytes
@@ -1281,13 +1281,13 @@ class SharedTier(KVTier):
             if dests.kind == "device":  # per-layer ranges on the device path, verified before they reach dests
                 status, got = self.guard.run(self.chunks.read_device, wave, [dests.items[i] for i, _c, _p in wave],
                                              dests.device, on_layer, what=f"a read of {len(wave)} blocks")
-                answers = [str(g) for g in got] if status == OK else [status] * len(wave)
+                answers = [str(g) for g in got] if status == OK and got is not None else [status] * len(wave)
             elif dests.kind == "slots":
                 leases = [dests.items[i] for i, _c, _p in wave]
                 targets = [lease.slot.data(n) for lease in leases]
                 status, got = self.guard.run_holding(lease_again(leases), self.chunks.read, wave, targets, on_layer,
                                                 what=f"a read of {len(wave)} blocks")
-                answers = [str(g) for g in got] if status == OK else [status] * len(wave)
+                answers = [str(g) for g in got] if status == OK and got is not None else [status] * len(wave)
             else:
                 bufs = [self._scratch.acquire() for _ in wave]
                 views = [memoryview(b)[:n] for b in bufs]
@@ -1303,7 +1303,7 @@ class SharedTier(KVTier):
                 except BaseException:
                     release()
                     raise
-                answers = [str(g) for g in got] if status == OK else [status] * len(wave)
+                answers = [str(g) for g in got] if status == OK and got is not None else [status] * len(wave)
                 if status != TIMEOUT:
                     try:
                         for (i, _c, _p), v, a in zip(wave, views, answers, strict=True):
@@ -1401,7 +1401,7 @@ class SharedTier(KVTier):
         """Block files in the directory (its two-character subdirectories, read through descriptors); ``None``
         past the deadline or while quarantined."""
         status, n = self.guard.run(self._count, what="a listing", judges=False)
-        return int(n) if status == OK else None
+        return int(n) if status == OK and n is not None else None
 
     def _count(self) -> int:
         try:
