@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from sfstore import defaults, errors, forks, quarantine_records, records, temp_names
 from sfstore.paths.file import FilePath
@@ -57,6 +57,7 @@ __all__ = [
 META = ".sfkv"  # the accounting directory in a namespace's root
 NAMESPACES = "ns"  # the default namespace's root holds the others' roots under this name
 EVICTING = ".evicting-"
+EvictOutcome = Literal["evicted", "gone", "kept"]  # what became of one eviction candidate
 _RECORD_VERSION = 1
 _RECORD_MAX = 64 << 10  # a record longer than this is not one of ours
 _SUB = re.compile(r"^[0-9a-f]{2}$")
@@ -528,35 +529,46 @@ class SharedBudget:
                 refills += 1
                 held = self.estimate()
                 continue
-            got = self._evict_one(cand)
-            if got:
-                n += 1
-                held -= got
+            outcome, size = self._evict_one(cand)
+            if outcome != "kept":
+                # a block another evictor removed meanwhile is freed all the same: counting only our own
+                # evictions, two processes evicting from the same scan would each free the budget's excess
+                held -= size
+                n += outcome == "evicted"
         self._compute()
         return n
 
-    def _evict_one(self, cand: tuple[int, str, str, int, int]) -> int:
+    def _evict_one(self, cand: tuple[int, str, str, int, int]) -> tuple[EvictOutcome, int]:
         """Evict one candidate if it is still the file the scan saw, unused since: rename, then unlink.
-        Returns the bytes evicted (0: it was used, replaced or evicted by someone else)."""
-        used, sub, name, ino, _size = cand
+
+        Returns what became of it and the bytes that left the namespace: ``"evicted"`` (by this call),
+        ``"gone"`` (removed by someone else since the scan: the scan's size) or ``"kept"`` (used, replaced
+        or not ours to move: 0)."""
+        used, sub, name, ino, size = cand
         try:
             pfd = self.fp.open_fd(self._rel(sub), _O_PATH | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return "gone", size
         except OSError:
-            return 0
+            return "kept", 0
         try:
             try:
                 st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            except FileNotFoundError:
+                return "gone", size
             except OSError:
-                return 0
+                return "kept", 0
             if st.st_ino != ino or max(st.st_atime_ns, st.st_mtime_ns) > used or not stat.S_ISREG(st.st_mode):
-                return 0
+                return "kept", 0
             with self._lock:
                 self._serial += 1
                 hidden = f"{EVICTING}{self.id}-{self._serial}-{name}"
             try:
                 os.rename(name, hidden, src_dir_fd=pfd, dst_dir_fd=pfd)
+            except FileNotFoundError:
+                return "gone", size  # another evictor won the rename
             except OSError:
-                return 0  # gone (another evictor won the rename) or not ours to move
+                return "kept", 0  # not ours to move
             try:
                 now = os.stat(hidden, dir_fd=pfd, follow_symlinks=False)
                 if now.st_ino != ino:  # a writer published the block again between the stat and the rename
@@ -565,7 +577,7 @@ class SharedBudget:
                     except OSError:
                         pass  # the name is taken again: the block is there
                     os.unlink(hidden, dir_fd=pfd)
-                    return 0
+                    return "kept", 0
                 os.unlink(hidden, dir_fd=pfd)
             except OSError:
                 pass  # left for gc: no lookup finds a hidden name
@@ -574,7 +586,7 @@ class SharedBudget:
                 self.evictions += 1
                 self.bytes_evicted += st.st_size
                 self._changed = True
-            return int(st.st_size)
+            return "evicted", int(st.st_size)
         finally:
             os.close(pfd)
 
@@ -695,12 +707,13 @@ class SharedBudget:
             for cand in found.candidates:
                 if total <= limit:
                     break
-                got = self._evict_one(cand)
-                if got:
-                    total -= got
+                outcome, size = self._evict_one(cand)
+                if outcome != "kept":
+                    total -= size
                     files -= 1
+                if outcome == "evicted":
                     out["evicted"] += 1
-                    out["bytes_evicted"] += got
+                    out["bytes_evicted"] += size
         # gc's evictions are in the new total; the estimate must not subtract them again
         with self._lock:
             if self._registered:

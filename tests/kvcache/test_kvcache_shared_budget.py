@@ -149,7 +149,7 @@ def test_namespaces_isolate(tmp_path: Path) -> None:
         assert p.exitcode == 0
     assert len(files_in(shared)) == 20  # the default namespace: untouched
     assert len(files_in(shared / "ns" / "b")) == 20
-    assert len(files_in(shared / "ns" / "a")) <= 4 + 2
+    assert 1 <= len(files_in(shared / "ns" / "a")) <= 4 + 2  # two evictors settling at once: not drained
     for ns in ("b", "a"):
         kv = w.open_store(str(shared), 0, ns)
         try:  # a namespace never reads another's blocks, the default's included
@@ -171,6 +171,26 @@ def test_namespaces_isolate(tmp_path: Path) -> None:
     assert check_namespace("tenant-1.a_b") == "tenant-1.a_b" and check_namespace("") == ""
     with pytest.raises(errors.ConfigError):
         w.open_store(str(shared), 0, ".sfkv")
+
+
+def test_two_evictors_from_one_scan_free_the_excess_once(tmp_path: Path) -> None:
+    """Two processes settling at once scan the same files and evict in the same LRU order: a block the other
+    evicted first is freed all the same, so together they evict the excess once, not once each. The second
+    evictor's estimate is held stale on purpose (a long ``refresh_s``: the other's record not yet read, as on
+    an NFS client's caches)."""
+    shared = tmp_path / "shared"
+    kv = w.open_store(str(shared), 0)
+    for i in range(8):
+        kv.put([w.key(kv, i)], [w.block(i)])
+    kv.close()
+    fp = SharedTier(w.GEOM, shared).fp
+    first = SharedBudget(fp, "", 4 * FILE)
+    second = SharedBudget(fp, "", 4 * FILE, refresh_s=1e9)
+    first.rescan()
+    second.rescan()
+    assert first.enforce() == 4 and len(files_in(shared)) == 4
+    assert second.enforce() == 0  # its four oldest were gone: the budget already holds
+    assert len(files_in(shared)) == 4 and second.evictions == 0
 
 
 def test_a_new_process_recounts_from_the_files_and_torn_records_are_ignored(tmp_path: Path) -> None:
