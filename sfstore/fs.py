@@ -28,6 +28,7 @@ import posixpath
 import re
 import stat
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from glob import has_magic
 from typing import Any, TypeVar
 
@@ -265,6 +266,16 @@ def _bounds(start: int | None, end: int | None, size: int) -> tuple[int, int]:
     s = min(max(s, 0), size)
     e = min(max(e, s), size)
     return s, e
+
+
+@dataclass
+class _Span:
+    """One read of ``cat_ranges``: the bytes ``[start, end)`` of a file, covering the ranges ``members``
+    (indices into the caller's lists) that lie in it."""
+
+    start: int
+    end: int
+    members: list[int]
 
 
 def _open_local(path: str, flags: int) -> int:
@@ -669,29 +680,29 @@ class SFFileSystem(AbstractFileSystem):  # type: ignore[misc]
     ) -> None:
         size = f.size
         spans = {i: _bounds(starts[i], ends[i], size) for i in members}
-        merged: list[list[Any]] = []  # [start, end, [members]]
+        merged: list[_Span] = []
         for i in sorted(members, key=lambda j: spans[j]):
             s, e = spans[i]
-            if merged and s <= merged[-1][1] + gap and max(e, merged[-1][1]) - merged[-1][0] <= max_block:
-                merged[-1][1] = max(merged[-1][1], e)
-                merged[-1][2].append(i)
+            if merged and s <= merged[-1].end + gap and max(e, merged[-1].end) - merged[-1].start <= max_block:
+                merged[-1].end = max(merged[-1].end, e)
+                merged[-1].members.append(i)
             else:
-                merged.append([s, e, [i]])
-        bufs = [bytes_for_filling(m[1] - m[0]) for m in merged if m[1] > m[0]]
-        reads = [m for m in merged if m[1] > m[0]]
+                merged.append(_Span(s, e, [i]))
+        reads = [m for m in merged if m.end > m.start]
         if not reads:
             return
+        bufs = [bytes_for_filling(m.end - m.start) for m in reads]
         try:
-            got = f.read_ranges_into([(m[0], m[1] - m[0], v, 0) for m, (_, v) in zip(reads, bufs, strict=True)])
+            got = f.read_ranges_into([(m.start, m.end - m.start, v, 0) for m, (_, v) in zip(reads, bufs, strict=True)])
         finally:
             for _, view in bufs:
                 view.release()
         for m, (data, _), n in zip(reads, bufs, got, strict=True):
-            whole = len(m[2]) == 1 and spans[m[2][0]] == (m[0], m[1])
-            for i in m[2]:
+            whole = len(m.members) == 1 and spans[m.members[0]] == (m.start, m.end)
+            for i in m.members:
                 s, e = spans[i]
-                e = min(e, m[0] + n)
-                out[i] = filled_bytes(data, n) if whole else bytes(memoryview(data)[s - m[0]: max(s, e) - m[0]])
+                e = min(e, m.start + n)
+                out[i] = filled_bytes(data, n) if whole else bytes(memoryview(data)[s - m.start: max(s, e) - m.start])
 
     @_in_sf_terms
     def cat_ranges_into(
