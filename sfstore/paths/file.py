@@ -714,8 +714,8 @@ class FilePath(StoragePath):
         written. The writer holds the parent directory's descriptor, so its temporary file and the publishing
         rename happen in the directory located now, whatever is renamed or swapped meanwhile.
         """
-        full = self.full(path)
         try:
+            full = self.full(path)  # a path that climbs out by its name is refused here, one by a link below
             loc = self.beneath.locate(path, follow=True, create_parents=True)
         except errors.PathEscapeError:
             self.counters.add(errors=1)

@@ -336,6 +336,24 @@ class FilePathTests:
                 assert isinstance(box.get("error"), cls), (what, name, box.get("error"))
         assert fp.size("fifo") == 0  # metadata opens nothing
 
+    def test_each_refused_writer_counts_one_error(self, fp: FilePath) -> None:
+        """Every way ``open_writer`` refuses (an escape, a parent that is a file, a directory in the way, an
+        existing file with ``overwrite=False``) is one error in the counters, not one per layer it passed."""
+        fp.write("plain", b"x")
+        os.makedirs(os.path.join(fp.root, "adir"))
+        cases: list[tuple[str, dict[str, bool], type[Exception]]] = [
+            ("../escape.bin", {}, errors.PathEscapeError),
+            ("plain/child.bin", {}, errors.NotADirectoryPathError),
+            ("adir", {}, errors.IsADirectoryPathError),
+            ("plain", {"overwrite": False}, FileExistsError),
+        ]
+        for path, kw, kind in cases:
+            before = fp.counters.snapshot()["errors"]
+            with pytest.raises(kind):
+                fp.open_writer(path, **kw)
+            assert fp.counters.snapshot()["errors"] == before + 1, path
+        assert fp.read("plain") == b"x" and not [n for n in os.listdir(fp.root) if n.startswith(".")]
+
     def test_write_over_a_directory_is_refused(self, fp: FilePath) -> None:
         os.makedirs(os.path.join(fp.root, "dir"))
         with pytest.raises(errors.IsADirectoryPathError):
