@@ -234,7 +234,10 @@ private:
             if (io_uring_cq_ready(&ring_) == 0) {
                 {
                     std::lock_guard<std::mutex> lk(mu_);
-                    if (!inbox_.empty()) continue;  // arrived meanwhile: no wake-up would come for it
+                    // Arrived meanwhile, and there is room to issue it: no wake-up would come for it. With the
+                    // ring full, new work waits for a completion like the rest (looping here would spin a core
+                    // on io_uring_enter for as long as the device takes).
+                    if (!inbox_.empty() && inflight_ < depth_) continue;
                     in_kernel_ = true;  // from here on callers wake us through the eventfd (armed above)
                 }
                 r = io_uring_submit_and_wait(&ring_, 1);

@@ -303,6 +303,43 @@ def test_many_requests_with_queue_depth_one(engine_name: str, tmp_path: Path) ->
         os.close(fd)
 
 
+def test_waiting_on_a_full_queue_costs_no_cpu(engine_name: str, tmp_path: Path) -> None:
+    """More requests than the queue depth: those waiting for room cost no CPU while the device works. The
+    io_uring engine's thread once looped on ``io_uring_enter`` for as long as a full ring had another batch
+    queued behind it (a core spun while a caller kept two batches submitted); its CPU then matched the wall
+    time of the reads. The
+    file is read with O_DIRECT (dropped from the page cache too), so the time goes to the disk, not to copies."""
+    if engine_name == "python":
+        pytest.skip("the python engine copies through Python threads: its CPU is the reads' own")
+    eng = get_engine(engine_name, queue_depth=2, threads=2)
+    size, n = MiB, 64
+    path = tmp_path / "full-queue.bin"
+    write_reference(path, random.Random(5).randbytes(size))
+    fd, direct = open_fd(path, os.O_RDONLY, direct="auto")
+    buf = page_buffer(size)
+    try:
+        if not direct:
+            pytest.skip(f"no O_DIRECT on {tmp_path}: the reads would be copies, CPU by nature")
+        reqs = [Request.read(fd, 0, size, buf, 0) for _ in range(n)]
+        eng.run(reqs[:4])  # threads, ring and registrations exist before the measurement
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        # batches of 4, two always submitted (as a reader that streams does): the next waits in the engine's
+        # inbox while the one before it fills the queue
+        batches, got = [reqs[i:i + 4] for i in range(0, n, 4)], []
+        inflight = [eng.submit(batches[0]), eng.submit(batches[1])]
+        for b in [*batches[2:], None, None]:
+            got += inflight.pop(0).get(60)
+            if b is not None:
+                inflight.append(eng.submit(b))
+        assert got == [size] * n
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    finally:
+        buf.close()
+        os.close(fd)
+    assert cpu < 0.35 * wall, f"{cpu * 1e3:.1f} ms of CPU over {wall * 1e3:.1f} ms of reads"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # O_DIRECT on a filesystem with 4096-byte sectors
 
