@@ -304,11 +304,11 @@ def test_many_requests_with_queue_depth_one(engine_name: str, tmp_path: Path) ->
 
 
 def test_waiting_on_a_full_queue_costs_no_cpu(engine_name: str, tmp_path: Path) -> None:
-    """More requests than the queue depth: those waiting for room cost no CPU while the device works. The
-    io_uring engine's thread once looped on ``io_uring_enter`` for as long as a full ring had another batch
-    queued behind it (a core spun while a caller kept two batches submitted); its CPU then matched the wall
-    time of the reads. The
-    file is read with O_DIRECT (dropped from the page cache too), so the time goes to the disk, not to copies."""
+    """More requests than the queue depth: those waiting for room cost no CPU while the device works. An engine
+    thread that went back to ``io_uring_enter`` whenever a full ring had another batch queued behind it would
+    spin a core for as long as the device took (a caller that keeps two batches submitted): its CPU would match
+    the wall time of the reads. The file is read with O_DIRECT (dropped from the page cache too), so the time
+    goes to the disk, not to copies."""
     if engine_name == "python":
         pytest.skip("the python engine copies through Python threads: its CPU is the reads' own")
     eng = get_engine(engine_name, queue_depth=2, threads=2)
