@@ -299,8 +299,8 @@ class FilePath(StoragePath):
         ``O_NOFOLLOW`` directory descriptors for what the kernel refuses (absolute symlinks inside the root)
         or where ``openat2`` is missing (see :class:`~sfstore.paths.beneath.Beneath`). O_DIRECT is not set.
         """
-        full = self.full(path)
         try:
+            full = self.full(path)  # a path that climbs out by its name is refused here, one by a link below
             return self.beneath.open(path, flags, mode), full
         except errors.PathEscapeError:
             self.counters.add(errors=1)

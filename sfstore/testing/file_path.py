@@ -258,9 +258,11 @@ class FilePathTests:
         os.symlink(outside / "o.txt", os.path.join(fp.root, "abs-link"))
         os.symlink("../" + os.path.basename(outside) + "/o.txt", os.path.join(fp.root, "rel-link"))
         for bad in ("../x", "abs-link", "rel-link", str(outside / "o.txt")):
+            before = fp.counters.snapshot()["errors"]
             with pytest.raises(errors.PathEscapeError):
                 fd, _ = fp.open_beneath(bad, os.O_RDONLY)
                 os.close(fd)
+            assert fp.counters.snapshot()["errors"] == before + 1, bad  # by its name or by a link: one each
         fp.write("in.txt", b"in")
         fd, full = fp.open_beneath(os.path.join(fp.root, "in.txt"), os.O_RDONLY)
         assert os.read(fd, 10) == b"in" and full == os.path.join(fp.root, "in.txt")
